@@ -1,0 +1,1 @@
+"""Configs shipped with torchtune-grpo (``--config grpo/<name>``)."""
