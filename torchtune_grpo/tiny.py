@@ -64,3 +64,87 @@ def tiny_tokenizer(directory: str | Path, max_seq_len: int | None = None) -> Lla
     return Llama3Tokenizer(
         str(model_path), special_tokens=tiny_special_tokens(), max_seq_len=max_seq_len
     )
+
+
+# ---------------------------------------------------------------------------- tiny model
+#: Default dimensions of the quickstart model (about 0.1M parameters).
+TINY_MODEL_DIMS = dict(
+    vocab_size=320, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=64, max_seq_len=256
+)
+
+
+def tiny_llama(**overrides):
+    """A small :func:`torchtune.models.llama3_2.llama3_2` decoder (tied embeddings).
+
+    Keyword arguments override :data:`TINY_MODEL_DIMS`. The default vocabulary (320) is larger
+    than the tiny tokenizer's (269 ids): ids 269..319 are undefined, as Llama 3 leaves some
+    of its 128256 ids undefined, which is exactly the case sampling must survive.
+    """
+    from torchtune.models.llama3_2 import llama3_2
+
+    dims = {**TINY_MODEL_DIMS, **overrides}
+    return llama3_2(**dims)
+
+
+def hf_llama_config(vocab_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+                    embed_dim: int, max_seq_len: int, intermediate_dim: int | None = None,
+                    **_) -> dict:
+    """The HF ``config.json`` of a :func:`tiny_llama` model (Llama 3.2 architecture)."""
+    from torchtune.models.llama3._model_utils import scale_hidden_dim_for_mlp
+
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": embed_dim,
+        "intermediate_size": intermediate_dim or scale_hidden_dim_for_mlp(embed_dim),
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": embed_dim // num_heads,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": max_seq_len,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+        },
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+        "bos_token_id": tiny_special_tokens()["<|begin_of_text|>"],
+        "eos_token_id": tiny_special_tokens()["<|end_of_text|>"],
+        "torch_dtype": "float32",
+    }
+
+
+def write_hf_checkpoint(model, directory: str | Path, dims: dict) -> Path:
+    """Write ``model`` (a :func:`tiny_llama`) as an HF checkpoint plus the tiny tokenizer.
+
+    Args:
+        model: the torchtune model whose weights to write.
+        directory: output folder (created).
+        dims: the builder arguments the model was made with.
+
+    Returns:
+        The folder, holding ``model.safetensors``, ``config.json``, ``tokenizer.model`` and
+        ``tokenizer.json``: what ``checkpointer`` and ``tokenizer`` of a config point at.
+    """
+    from safetensors.torch import save_file
+    from torchtune.models.convert_weights import tune_to_hf
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = hf_llama_config(**dims)
+    state = tune_to_hf(
+        {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        num_heads=config["num_attention_heads"],
+        num_kv_heads=config["num_key_value_heads"],
+        dim=config["hidden_size"],
+        head_dim=config["head_dim"],
+    )
+    state.pop("lm_head.weight", None)  # tied to the embedding
+    save_file({k: v.contiguous() for k, v in state.items()}, str(directory / "model.safetensors"),
+              metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    write_tiny_tokenizer(directory)
+    return directory

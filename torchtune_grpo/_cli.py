@@ -1,0 +1,93 @@
+"""``tune-grpo``: list, copy and validate the shipped configs; prepare the quickstart.
+
+Subcommands::
+
+    tune-grpo ls                                  # shipped configs and the recipes that run them
+    tune-grpo cp grpo/quickstart_cpu my.yaml      # copy one to edit it
+    tune-grpo validate --config grpo/NAME [key=value ...]   # check before launching
+    tune-grpo prepare-quickstart [--output-dir DIR]          # tiny model for grpo/quickstart_cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+RECIPES = (
+    "grpo_full_finetune_distributed",
+    "grpo_full_finetune_single_device",
+)
+
+
+def _ls(_args) -> int:
+    from torchtune_grpo.config import list_shipped_configs
+
+    print("RECIPE" + " " * 36 + "CONFIG")
+    for recipe in RECIPES:
+        for i, name in enumerate(list_shipped_configs()):
+            print(f"{recipe if i == 0 else '':42}{name}")
+    return 0
+
+
+def _cp(args) -> int:
+    from torchtune_grpo.config import resolve_config_path
+
+    src = resolve_config_path(args.config)
+    dest = Path(args.destination)
+    if dest.is_dir():
+        dest = dest / src.name
+    if dest.exists() and not args.force:
+        print(f"{dest} exists; pass --force to overwrite", file=sys.stderr)
+        return 1
+    shutil.copyfile(src, dest)
+    print(f"copied {src} to {dest}")
+    return 0
+
+
+def _validate(args) -> int:
+    from torchtune_grpo.config import ConfigError, load_config, validate_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        validate_config(cfg, world_size=args.world_size)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(e, file=sys.stderr)
+        return 1
+    print(f"{args.config}: config is well-formed")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``tune-grpo`` command."""
+    parser = argparse.ArgumentParser(prog="tune-grpo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("ls", help="list shipped configs").set_defaults(func=_ls)
+    cp = sub.add_parser("cp", help="copy a shipped config")
+    cp.add_argument("config")
+    cp.add_argument("destination")
+    cp.add_argument("--force", action="store_true")
+    cp.set_defaults(func=_cp)
+    val = sub.add_parser("validate", help="validate a config without building anything")
+    val.add_argument("--config", required=True)
+    val.add_argument("--world-size", type=int, default=1)
+    val.add_argument("overrides", nargs="*")
+    val.set_defaults(func=_validate)
+    prep = sub.add_parser("prepare-quickstart", help="write the quickstart's tiny model",
+                          add_help=False)
+    prep.set_defaults(func=None)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "prepare-quickstart":
+        from torchtune_grpo.quickstart import main as prepare_main
+
+        prepare_main(rest)
+        return 0
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

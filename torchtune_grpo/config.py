@@ -1,0 +1,310 @@
+"""Config loading, shipped-config lookup and validation for the GRPO recipes.
+
+* ``--config grpo/<name>`` (or ``<name>``, with or without ``.yaml``) resolves to a YAML shipped
+  in the package when no file of that name exists on disk; a real path always wins.
+* ``key=value`` overrides work as in torchtune.
+* :func:`validate_config` checks the whole config **before any model is loaded**: unknown keys
+  (with the closest known key suggested), missing keys, types, impossible values and every
+  ``_component_`` path, so a typo costs seconds, not a model load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import functools
+import importlib
+import importlib.resources
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+#: Package holding the shipped configs (``configs/`` in the source tree).
+CONFIG_PACKAGE = "torchtune_grpo.configs"
+
+
+# ---------------------------------------------------------------------------- lookup
+def shipped_config_dir() -> Path:
+    """Folder of the shipped configs (``<package>/configs``)."""
+    return Path(str(importlib.resources.files(CONFIG_PACKAGE)))
+
+
+def list_shipped_configs() -> list[str]:
+    """Names (``grpo/<name>``) of every shipped config, sorted."""
+    root = shipped_config_dir()
+    return sorted(str(p.relative_to(root).with_suffix("")) for p in root.glob("*/*.yaml"))
+
+
+def resolve_config_path(name: str | Path) -> Path:
+    """Path of the config ``name``: an existing file, else a shipped config.
+
+    Raises:
+        FileNotFoundError: neither a file nor a shipped config; lists the shipped ones.
+    """
+    path = Path(name).expanduser()
+    if path.is_file():
+        return path
+    stem = str(name)[:-5] if str(name).endswith(".yaml") else str(name)
+    candidates = [stem, f"grpo/{stem}"]
+    for candidate in candidates:
+        shipped = shipped_config_dir() / f"{candidate}.yaml"
+        if shipped.is_file():
+            return shipped
+    raise FileNotFoundError(
+        f"config {str(name)!r} is neither a file nor a shipped config. Shipped configs: "
+        + ", ".join(list_shipped_configs())
+    )
+
+
+def load_config(config: str | Path, overrides: list[str] | None = None) -> DictConfig:
+    """Load a config (path or shipped name) and apply ``key=value`` overrides."""
+    from torchtune.config._utils import _merge_yaml_and_cli_args
+
+    path = resolve_config_path(config)
+    yaml_cfg = OmegaConf.load(path)
+    if not isinstance(yaml_cfg, DictConfig):
+        raise ValueError(f"config {path} must be a mapping of keys to values")
+    for item in overrides or []:
+        if "=" not in item:
+            raise ValueError(
+                f"override {item!r} is not of the form key=value (use --config for the file)"
+            )
+    namespace = argparse.Namespace(**OmegaConf.to_container(yaml_cfg, resolve=False))
+    return _merge_yaml_and_cli_args(namespace, list(overrides or []))
+
+
+def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[[], Any]:
+    """Decorator for a recipe's ``main``: ``--config NAME [key=value ...]`` from ``sys.argv``."""
+
+    @functools.wraps(recipe_main)
+    def wrapper() -> Any:
+        parser = argparse.ArgumentParser(description=recipe_main.__doc__)
+        parser.add_argument("--config", required=True, help="config path or shipped name")
+        args, overrides = parser.parse_known_args()
+        flags = [o for o in overrides if o.startswith("--")]
+        if flags:
+            parser.error(f"unsupported flags {flags}: use --config and key=value overrides")
+        sys.exit(recipe_main(load_config(args.config, overrides)))
+
+    return wrapper
+
+
+# ---------------------------------------------------------------------------- schema
+@dataclass(frozen=True)
+class Key:
+    """One top-level config key: its type, default (``REQUIRED`` if none) and meaning."""
+
+    type: str
+    default: Any
+    doc: str
+    check: Callable[[Any], str | None] | None = None
+
+
+REQUIRED = object()
+
+
+def _positive(v) -> str | None:
+    return None if v > 0 else "must be > 0"
+
+
+def _at_least(n: int) -> Callable[[Any], str | None]:
+    return lambda v: None if v >= n else f"must be >= {n}"
+
+
+def _optional_positive(v) -> str | None:
+    return None if v is None or v > 0 else "must be > 0 or null"
+
+
+#: Every top-level key the GRPO recipes read. ``docs/`` lists this table.
+RECIPE_KEYS: dict[str, Key] = {
+    "output_dir": Key("str", REQUIRED, "Folder for checkpoints (``step_{N}/``) and logs."),
+    "model_dir": Key("str|null", None,
+                     "Folder of the input model; the shipped configs point ``checkpointer`` and "
+                     "``tokenizer`` at it by interpolation (``${model_dir}``)."),
+    "seed": Key("int", 0, "Seed of every random generator (sampling, shuffling, init)."),
+    "device": Key("str", "cuda", "``cuda`` or ``cpu``."),
+    "dtype": Key("str", "bf16", "Parameter dtype: ``fp32`` or ``bf16``.",
+                 lambda v: None if v in ("fp32", "bf16") else "must be fp32 or bf16"),
+    "batch_size": Key("int|null", None,
+                      "Prompts per rank per step (or set ``global_batch_size``).",
+                      _optional_positive),
+    "global_batch_size": Key(
+        "int|null", None,
+        "Prompts per step over all ranks; when set, ``batch_size`` is derived from it and it "
+        "must divide evenly across ranks.", _optional_positive),
+    "group_size": Key("int", REQUIRED, "Completions sampled per prompt (>= 2).", _at_least(2)),
+    "forward_batch_size": Key(
+        "int|null", None,
+        "Sequences per generation / forward micro-batch; must divide ``batch_size * "
+        "group_size``. Null: the whole rank batch at once.", _optional_positive),
+    "max_generated_tokens": Key("int", REQUIRED, "Most tokens generated per completion.",
+                                _at_least(1)),
+    "temperature": Key("float", 1.0, "Sampling temperature (> 0).", _positive),
+    "top_k": Key("int|null", None, "Top-k sampling; null samples from the full vocabulary.",
+                 _optional_positive),
+    "ppo_epochs": Key("int", 1, "Optimizer steps taken on each rollout batch.", _at_least(1)),
+    "num_steps": Key("int", REQUIRED, "GRPO steps (rollout + update) to run.", _at_least(1)),
+    "save_every_n_steps": Key("int|null", None,
+                              "Write ``output_dir/step_{N}`` every N steps (and at the end).",
+                              _optional_positive),
+    "keep_last_n_checkpoints": Key("int|null", None,
+                                   "Delete older step checkpoints beyond this many.",
+                                   _optional_positive),
+    "eval_every_n_steps": Key("int|null", None, "Evaluate every N steps (null: never).",
+                              _optional_positive),
+    "resume_from_checkpoint": Key("bool|str", False,
+                                  "Continue from the newest complete ``step_{N}`` (or a path)."),
+    "model": Key("component", REQUIRED, "torchtune model builder."),
+    "tokenizer": Key("component", REQUIRED, "torchtune tokenizer builder."),
+    "checkpointer": Key("component", REQUIRED, "torchtune checkpointer that loads the model."),
+    "dataset": Key("component", REQUIRED, "Prompt dataset builder (takes ``tokenizer``)."),
+    "rewards": Key("list", REQUIRED, "Reward components, each with a ``weight``."),
+    "loss": Key("component", REQUIRED, "GRPO loss (``torchtune_grpo.rlhf.loss.GRPOLoss``)."),
+    "optimizer": Key("component", REQUIRED, "Optimizer (``params`` is filled in)."),
+    "lr_scheduler": Key("component|null", None, "LR scheduler (``optimizer`` is filled in)."),
+    "metric_logger": Key("component|null", None, "torchtune metric logger."),
+    "advantages": Key("dict|null", None,
+                      "``scale`` (group/batch/none) and ``eps`` of the group advantages."),
+    "clip_grad_norm": Key("float|null", None, "Clip the gradient norm (null: no clipping).",
+                          _optional_positive),
+    "log_every_n_steps": Key("int", 1, "Log metrics every N steps.", _at_least(1)),
+    "log_peak_memory_stats": Key("bool", True, "Log ``peak_memory_gb`` where measurable."),
+    "enable_activation_checkpointing": Key("bool", False,
+                                           "Recompute activations in the backward pass."),
+    "fsdp_cpu_offload": Key("bool", False, "Keep FSDP parameters and optimizer state on CPU."),
+    "fsdp_reshard_after_forward": Key("bool", True, "FSDP2 ``reshard_after_forward``."),
+    "logprob_chunk_size": Key("int", 1024, "Tokens per chunk of the output projection.",
+                              _at_least(1)),
+    "shuffle": Key("bool", True, "Shuffle the prompt dataset each epoch."),
+    "progress_bar": Key("bool", True, "Show a tqdm progress bar on rank 0."),
+}
+
+_TYPES: dict[str, Callable[[Any], bool]] = {
+    "str": lambda v: isinstance(v, str),
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    and math.isfinite(v),
+    "bool": lambda v: isinstance(v, bool),
+    "list": lambda v: isinstance(v, (list, ListConfig)),
+    "dict": lambda v: isinstance(v, (dict, DictConfig)),
+    "null": lambda v: v is None,
+    "component": lambda v: isinstance(v, (dict, DictConfig)) and "_component_" in v,
+}
+
+
+def _type_ok(type_spec: str, value: Any) -> bool:
+    return any(_TYPES[t](value) for t in type_spec.split("|"))
+
+
+def import_component(path: str, where: str) -> Any:
+    """Import the object at dotted ``path``; errors name the config key ``where``."""
+    if not isinstance(path, str) or "." not in path:
+        raise ValueError(f"{where}._component_ must be a dotted import path, got {path!r}")
+    module_name, _, attr = path.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        # the path may name a nested attribute (module.Class.method)
+        if "." in module_name:
+            try:
+                return getattr(import_component(module_name, where), attr)
+            except (ValueError, AttributeError):
+                pass
+        raise ValueError(f"{where}._component_: cannot import {path!r} ({e})") from e
+    if not hasattr(module, attr):
+        raise ValueError(f"{where}._component_: module {module_name!r} has no {attr!r}")
+    return getattr(module, attr)
+
+
+def _check_components(node: Any, where: str, errors: list[str]) -> None:
+    if isinstance(node, (dict, DictConfig)):
+        if "_component_" in node:
+            try:
+                import_component(node["_component_"], where)
+            except ValueError as e:
+                errors.append(str(e))
+        for key, value in node.items():
+            _check_components(value, f"{where}.{key}", errors)
+    elif isinstance(node, (list, ListConfig)):
+        for i, value in enumerate(node):
+            _check_components(value, f"{where}[{i}]", errors)
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message lists every problem found."""
+
+
+def validate_config(cfg: DictConfig, *, world_size: int = 1,
+                    extra_keys: dict[str, Key] | None = None) -> None:
+    """Check ``cfg`` against :data:`RECIPE_KEYS` without building anything expensive.
+
+    Args:
+        cfg: the merged config.
+        world_size: number of ranks the run will use (for batch divisibility).
+        extra_keys: recipe-specific keys beyond :data:`RECIPE_KEYS`.
+
+    Raises:
+        ConfigError: listing every problem, each naming its key.
+    """
+    known = {**RECIPE_KEYS, **(extra_keys or {})}
+    errors: list[str] = []
+    for key in cfg:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), list(known), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            errors.append(f"unknown config key {key!r}.{hint}")
+    for key, spec in known.items():
+        if key not in cfg:
+            if spec.default is REQUIRED:
+                errors.append(f"missing required config key {key!r}: {spec.doc}")
+            continue
+        value = OmegaConf.select(cfg, key) if isinstance(cfg, DictConfig) else cfg[key]
+        if not _type_ok(spec.type, value):
+            errors.append(f"config key {key!r} must be {spec.type}, got {value!r}")
+            continue
+        if spec.check is not None and value is not None and not isinstance(value, bool):
+            problem = spec.check(value)
+            if problem:
+                errors.append(f"config key {key!r} {problem} (got {value!r})")
+    _check_components(cfg, "cfg", errors)
+    rewards = cfg.get("rewards")
+    if isinstance(rewards, (list, ListConfig)) and len(rewards) == 0:
+        errors.append("config key 'rewards' must list at least one reward component")
+    if not errors:
+        errors.extend(_batch_errors(cfg, world_size))
+    if errors:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
+
+
+def per_rank_batch_size(cfg: DictConfig, world_size: int) -> int:
+    """Prompts per rank: ``global_batch_size / world_size`` when set, else ``batch_size``."""
+    global_batch = cfg.get("global_batch_size")
+    if global_batch is None:
+        return int(cfg.batch_size)
+    return int(global_batch) // world_size
+
+
+def _batch_errors(cfg: DictConfig, world_size: int) -> list[str]:
+    errors = []
+    global_batch = cfg.get("global_batch_size")
+    if global_batch is None and cfg.get("batch_size") is None:
+        return ["set config key 'batch_size' (prompts per rank) or 'global_batch_size'"]
+    if global_batch is not None and global_batch % world_size:
+        errors.append(
+            f"config key 'global_batch_size' ({global_batch}) does not divide across "
+            f"{world_size} ranks: use a multiple of {world_size}"
+        )
+        return errors
+    rows = per_rank_batch_size(cfg, world_size) * int(cfg.group_size)
+    fbs = cfg.get("forward_batch_size")
+    if fbs is not None and rows % fbs:
+        errors.append(
+            f"config key 'forward_batch_size' ({fbs}) must divide batch_size * group_size "
+            f"({rows}) per rank"
+        )
+    return errors

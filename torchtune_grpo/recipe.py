@@ -1,0 +1,435 @@
+"""The GRPO training loop shared by the single-device and distributed recipes.
+
+One GRPO step, as in ``docs/design.md``:
+
+1. **Prompts**: each rank takes ``batch_size`` prompts from its shard of the dataset; a
+   prompt's whole group stays on the rank that drew it.
+2. **Rollout**: ``group_size`` completions per prompt, KV-cached, padded to uniform shapes,
+   with the generation-time log-probs (:mod:`torchtune_grpo.rlhf.generation`).
+3. **Score**: the weighted sum of the reward components (:mod:`torchtune_grpo.rlhf.rewards`).
+4. **Advantage**: group-relative (:mod:`torchtune_grpo.rlhf.advantages`).
+5. **Reference** log-probs, only when the loss has a KL term.
+6. **Update**: ``ppo_epochs`` optimizer steps over shuffled micro-batches; every micro-batch
+   loss is divided by the *global* normaliser, so micro-batching and the number of ranks do
+   not change the update (:mod:`torchtune_grpo.rlhf.loss`).
+7. **After the step**: metrics, step checkpoint, evaluation.
+
+Single process (no torchrun) runs the same code with no process group and no FSDP.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from functools import partial
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+from torchtune import config, modules, training, utils
+
+from torchtune_grpo import distributed as D
+from torchtune_grpo.checkpointing import save_step_checkpoint
+from torchtune_grpo.config import per_rank_batch_size, validate_config
+from torchtune_grpo.datasets import collate_prompts
+from torchtune_grpo.rlhf.advantages import group_advantages
+from torchtune_grpo.rlhf.forward import install_output_modes, response_logprobs
+from torchtune_grpo.rlhf.generation import (
+    allowed_token_mask,
+    decode_completions,
+    generate_trajectory,
+    logit_bias_from_mask,
+    stop_token_ids,
+)
+from torchtune_grpo.rlhf.loss import summarize_loss_stats
+from torchtune_grpo.rlhf.rewards import build_reward_set
+from torchtune_grpo.rlhf.trajectory import Trajectory, attention_mask, position_ids
+
+log = utils.get_logger("INFO")
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _world_size_from_env() -> int:
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class GRPORecipe:
+    """GRPO full fine-tuning on one or many ranks (see the module docstring for the step).
+
+    Args:
+        cfg: the merged config; validated before anything is built.
+    """
+
+    def __init__(self, cfg: DictConfig) -> None:
+        validate_config(cfg, world_size=_world_size_from_env())
+        self.cfg = cfg
+        self.device = utils.get_device(cfg.get("device", "cuda"))
+        self.dtype = _DTYPES[cfg.get("dtype", "bf16")]
+        self.world_size, self.rank = D.init_distributed(self.device)
+        self.is_rank_zero = self.rank == 0
+        self.seed = training.set_seed(cfg.get("seed", 0))
+        self.batch_size = per_rank_batch_size(cfg, self.world_size)
+        self.group_size = int(cfg.group_size)
+        rows = self.batch_size * self.group_size
+        self.forward_batch_size = int(cfg.get("forward_batch_size") or rows)
+        self.max_generated_tokens = int(cfg.max_generated_tokens)
+        self.temperature = float(cfg.get("temperature", 1.0))
+        self.top_k = cfg.get("top_k")
+        self.ppo_epochs = int(cfg.get("ppo_epochs", 1))
+        self.num_steps = int(cfg.num_steps)
+        self.save_every = cfg.get("save_every_n_steps")
+        self.clip_grad_norm = cfg.get("clip_grad_norm")
+        self.log_every = int(cfg.get("log_every_n_steps", 1))
+        self.chunk_size = int(cfg.get("logprob_chunk_size", 1024))
+        adv_cfg = cfg.get("advantages") or {}
+        self.adv_scale = adv_cfg.get("scale", "group")
+        self.adv_eps = float(adv_cfg.get("eps", 1e-6))
+        self.step = 0
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        """Build data, rewards and loss first (cheap, validating), then the models."""
+        cfg = self.cfg
+        self.tokenizer = config.instantiate(cfg.tokenizer)
+        self.dataset = config.instantiate(cfg.dataset, tokenizer=self.tokenizer)
+        self.rewards = build_reward_set(cfg.rewards)
+        self.loss_fn = config.instantiate(cfg.loss)
+        self.dataloader = self._build_dataloader()
+
+        self.checkpointer = config.instantiate(cfg.checkpointer)
+        state_dict = self.checkpointer.load_checkpoint()[training.MODEL_KEY]
+        self.model = self._build_model(state_dict, trainable=True)
+        self.ref_model = (
+            self._build_model(state_dict, trainable=False) if self.loss_fn.needs_reference else None
+        )
+        del state_dict
+
+        self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
+        self.lr_scheduler = None
+        if cfg.get("lr_scheduler") is not None:
+            self.lr_scheduler = config.instantiate(
+                cfg.lr_scheduler,
+                optimizer=self.optimizer,
+                num_training_steps=self.num_steps * self.ppo_epochs,
+            )
+        self.metric_logger = None
+        if self.is_rank_zero and cfg.get("metric_logger") is not None:
+            self.metric_logger = config.instantiate(cfg.metric_logger)
+            self.metric_logger.log_config(cfg)
+
+        vocab_size = self._vocab_size()
+        self.allowed_tokens = allowed_token_mask(self.tokenizer, vocab_size)
+        self.logit_bias = logit_bias_from_mask(self.allowed_tokens).to(self.device)
+        self.stop_tokens = torch.tensor(stop_token_ids(self.tokenizer), device=self.device)
+        self.pad_id = int(getattr(self.tokenizer, "pad_id", 0) or 0)
+        self.sample_generator = torch.Generator(device=self.device)
+        self.sample_generator.manual_seed(self.seed * 1_000_003 + self.rank)
+        self.shuffle_generator = torch.Generator().manual_seed(self.seed + 7919 * (self.rank + 1))
+
+    def _build_dataloader(self) -> StatefulDataLoader:
+        if len(self.dataset) < self.batch_size * self.world_size:
+            raise ValueError(
+                f"the dataset has {len(self.dataset)} prompts, fewer than one step needs "
+                f"({self.batch_size} per rank x {self.world_size} ranks)"
+            )
+        self.sampler = StatefulDistributedSampler(
+            self.dataset,
+            num_replicas=self.world_size,
+            rank=self.rank,
+            shuffle=bool(self.cfg.get("shuffle", True)),
+            seed=self.seed,
+        )
+        return StatefulDataLoader(
+            self.dataset,
+            batch_size=self.batch_size,
+            sampler=self.sampler,
+            collate_fn=partial(collate_prompts, pad_id=int(getattr(self.tokenizer, "pad_id", 0))),
+            drop_last=True,
+        )
+
+    def _build_model(self, state_dict: dict[str, torch.Tensor], *, trainable: bool) -> nn.Module:
+        cfg = self.cfg
+        checkpointing = trainable and cfg.get("enable_activation_checkpointing", False)
+        if self.world_size > 1:
+            with training.set_default_dtype(self.dtype), torch.device("meta"):
+                model = config.instantiate(cfg.model)
+            if checkpointing:
+                training.set_activation_checkpointing(
+                    model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
+                )
+            training.shard_model(
+                model=model,
+                shard_conditions=[partial(training.get_shard_conditions, names_to_match=None)],
+                cpu_offload=cfg.get("fsdp_cpu_offload", False),
+                reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True),
+            )
+            with training.set_default_dtype(self.dtype), self.device:
+                for module in model.modules():
+                    if hasattr(module, "rope_init"):
+                        module.rope_init()
+            training.load_from_full_model_state_dict(
+                model, state_dict, self.device, strict=True,
+                cpu_offload=cfg.get("fsdp_cpu_offload", False),
+            )
+        else:
+            with training.set_default_dtype(self.dtype), self.device:
+                model = config.instantiate(cfg.model)
+            model.load_state_dict(state_dict, strict=True)
+            if checkpointing:
+                training.set_activation_checkpointing(
+                    model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
+                )
+        install_output_modes(model)
+        if not trainable:
+            model.eval()
+            model.requires_grad_(False)
+        return model
+
+    def _vocab_size(self) -> int:
+        out = self.model.output
+        weight = getattr(out, "weight", None)
+        if weight is None:  # TiedLinear
+            weight = out.tied_module.weight
+        return int(weight.shape[0])
+
+    # ------------------------------------------------------------------ one step
+    def rollout(self, batch: dict[str, Any]) -> Trajectory:
+        """Step 2: ``group_size`` completions per prompt, padded to uniform shapes."""
+        tokens = batch["tokens"].to(self.device)
+        # left padding is the only padding (a prompt may itself contain pad_id)
+        lengths = batch["prompt_lengths"].to(self.device)
+        prompt_mask = torch.arange(tokens.shape[1], device=self.device)[None, :] >= (
+            tokens.shape[1] - lengths[:, None]
+        )
+        self.model.eval()
+        traj = generate_trajectory(
+            self.model,
+            tokens,
+            prompt_mask,
+            group_size=self.group_size,
+            forward_batch_size=self.forward_batch_size,
+            max_generated_tokens=self.max_generated_tokens,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            stop_tokens=self.stop_tokens,
+            pad_id=self.pad_id,
+            logit_bias=self.logit_bias,
+            generator=self.sample_generator,
+            all_done=partial(D.all_ranks_true, device=self.device),
+            cache_dtype=self.dtype,
+        )
+        self.model.train()
+        return traj
+
+    def score(self, traj: Trajectory, batch: dict[str, Any]):
+        """Step 3: decode completions and apply the reward components."""
+        completions = decode_completions(self.tokenizer, traj, self.allowed_tokens)
+        repeat = self.group_size
+        answers = [a for a in batch["answers"] for _ in range(repeat)]
+        questions = [q for q in batch["questions"] for _ in range(repeat)]
+        out = self.rewards(
+            completions,
+            answers,
+            questions=questions,
+            stopped=traj.stopped.tolist(),
+            response_lengths=traj.response_lengths.tolist(),
+            max_generated_tokens=self.max_generated_tokens,
+        )
+        return completions, out
+
+    def _forward_inputs(self, traj: Trajectory) -> tuple[torch.Tensor, torch.Tensor]:
+        padding = traj.padding_mask
+        return attention_mask(padding), position_ids(padding)
+
+    @torch.no_grad()
+    def reference_logprobs(self, traj: Trajectory) -> torch.Tensor:
+        """Step 5: ``[N, T]`` log-probs of the responses under the frozen reference model."""
+        mask, pos = self._forward_inputs(traj)
+        out = []
+        for i in range(0, traj.num_sequences, self.forward_batch_size):
+            sl = slice(i, i + self.forward_batch_size)
+            lp, _ = response_logprobs(
+                self.ref_model, traj.tokens[sl], prompt_len=traj.prompt_len, mask=mask[sl],
+                input_pos=pos[sl], temperature=self.temperature, logit_bias=self.logit_bias,
+                chunk_size=self.chunk_size,
+            )
+            out.append(lp)
+        return torch.cat(out)
+
+    def update(self, traj: Trajectory, advantages: torch.Tensor,
+               ref_logprobs: torch.Tensor | None) -> dict[str, float]:
+        """Step 6: ``ppo_epochs`` optimizer steps on this rollout; returns loss metrics."""
+        mask, pos = self._forward_inputs(traj)
+        response_mask = traj.response_mask
+        normalizer = self.loss_fn.normalizer_contribution(response_mask).to(
+            self.device, torch.float32
+        )
+        normalizer = D.all_reduce(normalizer.clone(), "sum")
+        stats, grad_norms, skipped = [], [], 0
+        for _ in range(self.ppo_epochs):
+            order = torch.randperm(traj.num_sequences, generator=self.shuffle_generator)
+            for i in range(0, traj.num_sequences, self.forward_batch_size):
+                idx = order[i : i + self.forward_batch_size].to(self.device)
+                logprobs, entropy = response_logprobs(
+                    self.model, traj.tokens[idx], prompt_len=traj.prompt_len, mask=mask[idx],
+                    input_pos=pos[idx], temperature=self.temperature,
+                    logit_bias=self.logit_bias, chunk_size=self.chunk_size, return_entropy=True,
+                )
+                loss, mb_stats = self.loss_fn(
+                    logprobs,
+                    traj.logprobs[idx],
+                    advantages[idx],
+                    response_mask[idx],
+                    normalizer=normalizer,
+                    ref_logprobs=None if ref_logprobs is None else ref_logprobs[idx],
+                    entropy=entropy,
+                )
+                # FSDP averages gradients over ranks; the loss is already a global mean.
+                (loss * self.world_size).backward()
+                stats.append(mb_stats)
+            grad_norm = self._grad_norm()
+            if math.isfinite(grad_norm):
+                self.optimizer.step()
+            else:
+                skipped += 1
+                log.warning(f"step {self.step + 1}: non-finite gradient norm, update skipped")
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            grad_norms.append(grad_norm)
+        metrics = summarize_loss_stats(stats, all_reduce=lambda t, op: D.all_reduce(t, op))
+        metrics["grad_norm"] = float(sum(grad_norms) / len(grad_norms))
+        metrics["skipped_steps"] = float(skipped)
+        return metrics
+
+    def _grad_norm(self) -> float:
+        max_norm = float(self.clip_grad_norm) if self.clip_grad_norm else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=max_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    # ------------------------------------------------------------------ metrics
+    def _global_mean(self, values: torch.Tensor) -> float:
+        t = torch.tensor([values.float().sum().item(), values.numel()], dtype=torch.float64,
+                         device=self.device)
+        D.all_reduce(t, "sum")
+        return float(t[0] / t[1])
+
+    def _step_metrics(self, traj, rewards_out, adv_out, loss_metrics, times) -> dict[str, float]:
+        total = rewards_out.total.float()
+        mean = self._global_mean(total)
+        mean_sq = self._global_mean(total * total)
+        metrics = {
+            "reward/mean": mean,
+            "reward/std": math.sqrt(max(mean_sq - mean * mean, 0.0)),
+            "success_rate": self._global_mean(rewards_out.success.float()),
+            "response_length/mean": self._global_mean(traj.response_lengths.float()),
+            "truncated_fraction": self._global_mean((~traj.stopped).float()),
+            "zero_std_group_fraction": self._global_mean(adv_out.zero_std_groups.float()),
+        }
+        for name, values in rewards_out.components.items():
+            metrics[f"reward/{name}"] = self._global_mean(values.float())
+        metrics.update(loss_metrics)
+        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        generated = torch.tensor([float(traj.response_mask.sum())], device=self.device)
+        D.all_reduce(generated, "sum")
+        metrics["tokens_per_second/generation"] = float(generated) / max(times["generation"], 1e-9)
+        for key, value in times.items():
+            metrics[f"time/{key}"] = value
+        if self.cfg.get("log_peak_memory_stats", True) and self.device.type == "cuda":
+            metrics["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 1024**3
+        return metrics
+
+    # ------------------------------------------------------------------ loop
+    def _batches(self):
+        epoch = 0
+        while True:
+            self.sampler.set_epoch(epoch)
+            yield from self.dataloader
+            epoch += 1
+
+    def train(self) -> None:
+        """Run ``num_steps`` GRPO steps (see the module docstring)."""
+        from tqdm import tqdm
+
+        batches = self._batches()
+        progress = tqdm(total=self.num_steps, initial=self.step,
+                        disable=not (self.is_rank_zero and self.cfg.get("progress_bar", True)))
+        while self.step < self.num_steps:
+            batch = next(batches)
+            times = {}
+            t0 = time.perf_counter()
+            traj = self.rollout(batch)
+            times["generation"] = time.perf_counter() - t0
+
+            t0 = time.perf_counter()
+            _, rewards_out = self.score(traj, batch)
+            rewards_out.total = rewards_out.total.to(self.device)
+            adv_out = group_advantages(rewards_out.total, self.group_size,
+                                       scale=self.adv_scale, eps=self.adv_eps)
+            times["scoring"] = time.perf_counter() - t0
+
+            t0 = time.perf_counter()
+            ref = self.reference_logprobs(traj) if self.ref_model is not None else None
+            times["reference"] = time.perf_counter() - t0
+
+            t0 = time.perf_counter()
+            loss_metrics = self.update(traj, adv_out.advantages.to(self.device), ref)
+            times["update"] = time.perf_counter() - t0
+            self.step += 1
+
+            metrics = self._step_metrics(traj, rewards_out, adv_out, loss_metrics, times)
+            self.last_metrics = metrics
+            if self.metric_logger is not None and self.step % self.log_every == 0:
+                self.metric_logger.log_dict(metrics, step=self.step)
+            progress.update(1)
+            progress.set_description(
+                f"step {self.step} reward {metrics['reward/mean']:.3f} "
+                f"success {metrics['success_rate']:.2f}"
+            )
+            if self.save_every and self.step % self.save_every == 0 and self.step < self.num_steps:
+                self.save_checkpoint()
+        progress.close()
+        self.save_checkpoint()
+
+    # ------------------------------------------------------------------ checkpoint
+    def _full_model_state_dict(self) -> dict[str, torch.Tensor]:
+        if self.world_size > 1:
+            return training.gather_cpu_state_dict(self.model, self.is_rank_zero, self.device)
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def recipe_state(self) -> dict[str, Any]:
+        """What the next step reads, for ``recipe_state.pt``."""
+        return {
+            "step": self.step,
+            "seed": self.seed,
+            "config": OmegaConf.to_container(self.cfg, resolve=True),
+        }
+
+    def save_checkpoint(self) -> None:
+        """Write ``output_dir/step_{step}`` (rank 0 writes, every rank takes part)."""
+        state = self._full_model_state_dict()
+        if self.is_rank_zero:
+            path = save_step_checkpoint(
+                output_dir=self.cfg.output_dir,
+                step=self.step,
+                checkpointer=self.checkpointer,
+                model_state_dict=state,
+                recipe_state=self.recipe_state(),
+                keep_last_n=self.cfg.get("keep_last_n_checkpoints"),
+            )
+            log.info(f"saved {path}")
+        D.barrier()
+
+    def cleanup(self) -> None:
+        """Close the metric logger and the process group."""
+        if self.metric_logger is not None:
+            self.metric_logger.close()
+        D.destroy()

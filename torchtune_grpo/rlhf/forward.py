@@ -1,0 +1,150 @@
+"""Forward passes of a torchtune decoder that never build logits they do not need.
+
+A :class:`torchtune.modules.TransformerDecoder` ends in ``unembed``: final norm, then the
+output projection over every position. GRPO needs far less than that:
+
+* generation needs the logits of the **last** prompt position only (prefill), and
+* training needs the log-probability of each **response** token only, never the
+  ``[N, P + T, V]`` float32 logits of prompt and response positions.
+
+:func:`install_output_modes` replaces ``unembed`` on one model instance (the state dict, the
+parameter names and FSDP wrapping are untouched) with a version that reads a mode set by the
+context managers below. Because the projection still runs inside the model's own
+``forward``, FSDP2 has the (tied) output weights gathered when it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from torchtune_grpo.rlhf.logprobs import chunked_token_logprobs
+
+_MODE_ATTR = "_grpo_output_mode"
+
+
+@dataclass
+class _LastPosition:
+    """Return logits of the last position only: ``[b, 1, V]`` float32."""
+
+
+@dataclass
+class _ResponseLogProbs:
+    """Return log-probs of ``targets`` for the positions ``start .. start + T - 1``."""
+
+    targets: torch.Tensor  # [b, T]
+    start: int
+    temperature: float
+    logit_bias: torch.Tensor | None
+    chunk_size: int
+    return_entropy: bool
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    """The :class:`TransformerDecoder` inside ``model`` (the model itself for plain decoders)."""
+    if hasattr(model, "unembed") and hasattr(model, "norm"):
+        return model
+    for module in model.modules():
+        if hasattr(module, "unembed") and hasattr(module, "norm") and hasattr(module, "output"):
+            return module
+    raise ValueError(
+        f"{type(model).__name__} has no torchtune TransformerDecoder with an `unembed` method; "
+        "torchtune-grpo needs a torchtune decoder-only model."
+    )
+
+
+def _unembed(self: nn.Module, h: torch.Tensor):
+    mode = self.__dict__.get(_MODE_ATTR)
+    if mode is None:
+        return type(self).unembed(self, h)
+    if isinstance(mode, _LastPosition):
+        return self.output(self.norm(h[:, -1:])).float()
+    # _ResponseLogProbs: position i predicts token i + 1.
+    num_targets = mode.targets.shape[1]
+    hidden = self.norm(h[:, mode.start : mode.start + num_targets])
+    return chunked_token_logprobs(
+        hidden,
+        self.output,
+        mode.targets,
+        temperature=mode.temperature,
+        logit_bias=mode.logit_bias,
+        chunk_size=mode.chunk_size,
+        return_entropy=mode.return_entropy,
+    )
+
+
+def install_output_modes(model: nn.Module) -> None:
+    """Let ``model`` answer :func:`last_position_logits` and :func:`response_logprobs`.
+
+    Idempotent; safe before or after FSDP sharding, activation checkpointing or LoRA.
+    """
+    decoder = _decoder(model)
+    if "unembed" not in decoder.__dict__:
+        decoder.unembed = types.MethodType(_unembed, decoder)
+
+
+@contextlib.contextmanager
+def _mode(model: nn.Module, mode) -> Iterator[None]:
+    decoder = _decoder(model)
+    install_output_modes(decoder)
+    previous = decoder.__dict__.get(_MODE_ATTR)
+    decoder.__dict__[_MODE_ATTR] = mode
+    try:
+        yield
+    finally:
+        decoder.__dict__[_MODE_ATTR] = previous
+
+
+def last_position_logits(model: nn.Module):
+    """Context in which ``model(tokens, ...)`` returns logits ``[b, 1, V]`` of the last position."""
+    return _mode(model, _LastPosition())
+
+
+def response_logprobs(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    *,
+    prompt_len: int,
+    mask: torch.Tensor,
+    input_pos: torch.Tensor,
+    temperature: float = 1.0,
+    logit_bias: torch.Tensor | None = None,
+    chunk_size: int = 1024,
+    return_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs of the response part of ``tokens`` under ``model``.
+
+    Args:
+        model: a torchtune decoder (possibly FSDP-sharded, LoRA, checkpointed).
+        tokens: ``[N, P + T]`` prompt (left-padded to ``P``) followed by the response.
+        prompt_len: ``P``.
+        mask: ``[N, P + T, P + T]`` boolean attention mask (see
+            :func:`torchtune_grpo.rlhf.trajectory.attention_mask`).
+        input_pos: ``[N, P + T]`` position ids.
+        temperature: logits are divided by it, as at sampling time.
+        logit_bias: ``[V]`` additive bias (``-inf`` forbids a token id), as at sampling time.
+        chunk_size: tokens per chunk of the output projection.
+        return_entropy: also return the per-token entropy ``[N, T]``.
+
+    Returns:
+        ``(logprobs [N, T] float32, entropy [N, T] or None)``.
+    """
+    num_response = tokens.shape[1] - prompt_len
+    mode = _ResponseLogProbs(
+        targets=tokens[:, prompt_len:],
+        start=prompt_len - 1,
+        temperature=temperature,
+        logit_bias=logit_bias,
+        chunk_size=chunk_size,
+        return_entropy=return_entropy,
+    )
+    assert num_response > 0, "response_logprobs needs at least one response token"
+    with _mode(model, mode):
+        # The last position predicts nothing we score: drop it from the input.
+        out = model(tokens[:, :-1], mask=mask[:, :-1, :-1], input_pos=input_pos[:, :-1])
+    return out

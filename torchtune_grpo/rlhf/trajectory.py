@@ -1,0 +1,163 @@
+"""The padded trajectory of one GRPO rollout, and the helpers that keep its shapes uniform.
+
+Every tensor of a :class:`Trajectory` has a fixed layout, whatever length each completion
+had: prompts are left-padded to a common ``P`` and responses right-padded to a common ``T``.
+Micro-batches generated separately (each may stop at a different step) are merged with
+:func:`concat_trajectories`, which pads before concatenating; the original torchtune recipe
+crashed there (``torch.cat`` of ``[16, 512]`` and ``[16, 300]``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Trajectory:
+    """One rollout of ``N = B * G`` sequences (groups contiguous: rows ``g*G .. g*G+G-1``).
+
+    Attributes:
+        tokens: ``[N, P + T]`` left-padded prompt followed by the right-padded response.
+        prompt_mask: ``[N, P]`` True on real (non-pad) prompt tokens.
+        response_mask: ``[N, T]`` True on generated tokens, up to and including the stop token.
+        logprobs: ``[N, T]`` float32 log-probs of the sampled tokens at generation time
+            (tempered, with forbidden ids removed), 0 where ``response_mask`` is False.
+        stopped: ``[N]`` True where the completion ended on a stop token.
+        pad_id: the id used for padding.
+    """
+
+    tokens: torch.Tensor
+    prompt_mask: torch.Tensor
+    response_mask: torch.Tensor
+    logprobs: torch.Tensor
+    stopped: torch.Tensor
+    pad_id: int
+
+    @property
+    def prompt_len(self) -> int:
+        """``P``: padded prompt length."""
+        return self.prompt_mask.shape[1]
+
+    @property
+    def response_len(self) -> int:
+        """``T``: padded response length."""
+        return self.response_mask.shape[1]
+
+    @property
+    def num_sequences(self) -> int:
+        """``N``."""
+        return self.tokens.shape[0]
+
+    @property
+    def response_tokens(self) -> torch.Tensor:
+        """``[N, T]`` response ids (``pad_id`` after the end)."""
+        return self.tokens[:, self.prompt_len :]
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        """``[N]`` number of generated tokens, stop token included."""
+        return self.response_mask.sum(dim=1)
+
+    @property
+    def padding_mask(self) -> torch.Tensor:
+        """``[N, P + T]`` True on real tokens (prompt and generated)."""
+        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+
+    def to(self, device: torch.device | str) -> "Trajectory":
+        """Move every tensor to ``device``."""
+        values = {
+            f.name: (getattr(self, f.name).to(device) if torch.is_tensor(getattr(self, f.name))
+                     else getattr(self, f.name))
+            for f in fields(self)
+        }
+        return Trajectory(**values)
+
+    def select(self, index: torch.Tensor | slice) -> "Trajectory":
+        """Rows ``index`` of every per-sequence tensor (shapes ``P`` and ``T`` unchanged)."""
+        return replace(
+            self,
+            tokens=self.tokens[index],
+            prompt_mask=self.prompt_mask[index],
+            response_mask=self.response_mask[index],
+            logprobs=self.logprobs[index],
+            stopped=self.stopped[index],
+        )
+
+
+def position_ids(padding_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids ``[N, L]`` that start at 0 on the first real token of each row.
+
+    Args:
+        padding_mask: ``[N, L]`` True on real tokens (left padding is False).
+    """
+    return (padding_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+
+
+def attention_mask(padding_mask: torch.Tensor) -> torch.Tensor:
+    """Causal attention mask ``[N, L, L]`` that hides padding.
+
+    Row ``i`` may attend to column ``j`` when ``j <= i`` and token ``j`` is real. Every position
+    also attends to itself, so that padding rows never see an all-masked softmax (whose NaN
+    would leak into later layers through the values).
+
+    Args:
+        padding_mask: ``[N, L]`` True on real tokens.
+    """
+    length = padding_mask.shape[1]
+    causal = torch.tril(torch.ones(length, length, dtype=torch.bool, device=padding_mask.device))
+    mask = causal.unsqueeze(0) & padding_mask.unsqueeze(1)
+    return mask | torch.eye(length, dtype=torch.bool, device=padding_mask.device).unsqueeze(0)
+
+
+def _pad_right(x: torch.Tensor, length: int, value) -> torch.Tensor:
+    return F.pad(x, (0, length - x.shape[1]), value=value) if x.shape[1] < length else x
+
+
+def _pad_left(x: torch.Tensor, length: int, value) -> torch.Tensor:
+    return F.pad(x, (length - x.shape[1], 0), value=value) if x.shape[1] < length else x
+
+
+def pad_trajectory(traj: Trajectory, prompt_len: int, response_len: int) -> Trajectory:
+    """Pad ``traj`` to ``prompt_len`` prompt and ``response_len`` response positions.
+
+    Prompts grow on the left, responses on the right; nothing is ever truncated.
+    """
+    if prompt_len < traj.prompt_len or response_len < traj.response_len:
+        raise ValueError(
+            f"cannot shrink a trajectory from P={traj.prompt_len}, T={traj.response_len} "
+            f"to P={prompt_len}, T={response_len}"
+        )
+    prompt = _pad_left(traj.tokens[:, : traj.prompt_len], prompt_len, traj.pad_id)
+    response = _pad_right(traj.response_tokens, response_len, traj.pad_id)
+    return Trajectory(
+        tokens=torch.cat([prompt, response], dim=1),
+        prompt_mask=_pad_left(traj.prompt_mask, prompt_len, False),
+        response_mask=_pad_right(traj.response_mask, response_len, False),
+        logprobs=_pad_right(traj.logprobs, response_len, 0.0),
+        stopped=traj.stopped,
+        pad_id=traj.pad_id,
+    )
+
+
+def concat_trajectories(parts: list[Trajectory]) -> Trajectory:
+    """Concatenate trajectories of any ``P`` and ``T`` into one of uniform shape.
+
+    Returns:
+        A trajectory with ``N = sum(N_i)``, ``P = max(P_i)`` and ``T = max(T_i)``.
+    """
+    if not parts:
+        raise ValueError("concat_trajectories needs at least one trajectory")
+    prompt_len = max(p.prompt_len for p in parts)
+    response_len = max(p.response_len for p in parts)
+    padded = [pad_trajectory(p, prompt_len, response_len) for p in parts]
+    return Trajectory(
+        tokens=torch.cat([p.tokens for p in padded]),
+        prompt_mask=torch.cat([p.prompt_mask for p in padded]),
+        response_mask=torch.cat([p.response_mask for p in padded]),
+        logprobs=torch.cat([p.logprobs for p in padded]),
+        stopped=torch.cat([p.stopped for p in padded]),
+        pad_id=parts[0].pad_id,
+    )
