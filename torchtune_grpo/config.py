@@ -70,7 +70,7 @@ def load_config(config: str | Path, overrides: list[str] | None = None) -> DictC
     if not isinstance(yaml_cfg, DictConfig):
         raise ValueError(f"config {path} must be a mapping of keys to values")
     for item in overrides or []:
-        if "=" not in item:
+        if "=" not in item and not item.startswith("~"):
             raise ValueError(
                 f"override {item!r} is not of the form key=value (use --config for the file)"
             )

@@ -24,43 +24,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from torchtune_grpo.datasets.addition import addition_problems
 from torchtune_grpo.tiny import TINY_MODEL_DIMS, tiny_llama, tiny_tokenizer, write_hf_checkpoint
 
 #: Where the shipped ``grpo/quickstart_cpu`` config looks for the model.
 DEFAULT_QUICKSTART_DIR = "/tmp/torchtune_grpo/quickstart/base"
-#: Operands are drawn from ``0 .. MAX_OPERAND``.
-MAX_OPERAND = 99
-#: Sizes of the three disjoint problem sets.
-SPLIT_SIZES = {"test": 200, "warmup": 2000}
-#: Seed that fixes which problems fall in which split (independent of the run's seed).
-SPLIT_SEED = 1234
-
-
-def addition_problems(split: str, *, max_operand: int = MAX_OPERAND) -> list[tuple[str, str]]:
-    """Problems of one split as ``(question, answer)`` pairs, e.g. ``("37+45=", "82")``.
-
-    Args:
-        split: ``"train"`` (GRPO prompts), ``"test"`` (held out, for evaluation) or
-            ``"warmup"`` (only for the supervised warm-up of :func:`prepare_quickstart`).
-        max_operand: operands range over ``0 .. max_operand``.
-
-    The three splits are disjoint and fixed by :data:`SPLIT_SEED`.
-    """
-    pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
-    random.Random(SPLIT_SEED).shuffle(pairs)
-    n_test, n_warm = SPLIT_SIZES["test"], SPLIT_SIZES["warmup"]
-    if len(pairs) <= n_test + n_warm:
-        raise ValueError(f"max_operand={max_operand} leaves no training problems")
-    ranges = {
-        "test": pairs[:n_test],
-        "warmup": pairs[n_test : n_test + n_warm],
-        "train": pairs[n_test + n_warm :],
-    }
-    if split not in ranges:
-        raise ValueError(f"split must be one of {sorted(ranges)}, got {split!r}")
-    return [(f"{a}+{b}=", str(a + b)) for a, b in ranges[split]]
-
-
 def _encode_prompt(tokenizer, question: str) -> list[int]:
     return tokenizer.encode(question, add_bos=True, add_eos=False)
 

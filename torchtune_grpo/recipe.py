@@ -42,6 +42,7 @@ from torchtune_grpo.rlhf.generation import (
     decode_completions,
     generate_trajectory,
     logit_bias_from_mask,
+    mix_seeds,
     stop_token_ids,
 )
 from torchtune_grpo.rlhf.loss import summarize_loss_stats
@@ -128,8 +129,6 @@ class GRPORecipe:
         self.logit_bias = logit_bias_from_mask(self.allowed_tokens).to(self.device)
         self.stop_tokens = torch.tensor(stop_token_ids(self.tokenizer), device=self.device)
         self.pad_id = int(getattr(self.tokenizer, "pad_id", 0) or 0)
-        self.sample_generator = torch.Generator(device=self.device)
-        self.sample_generator.manual_seed(self.seed * 1_000_003 + self.rank)
         self.shuffle_generator = torch.Generator().manual_seed(self.seed + 7919 * (self.rank + 1))
 
     def _build_dataloader(self) -> StatefulDataLoader:
@@ -200,7 +199,12 @@ class GRPORecipe:
 
     # ------------------------------------------------------------------ one step
     def rollout(self, batch: dict[str, Any]) -> Trajectory:
-        """Step 2: ``group_size`` completions per prompt, padded to uniform shapes."""
+        """Step 2: ``group_size`` completions per prompt, padded to uniform shapes.
+
+        Each completion's random numbers derive from ``(seed, step, prompt index, sample
+        index)`` alone, so the same global batch yields the same rollouts on any number of
+        ranks and with any ``forward_batch_size``, and a resumed run repeats them exactly.
+        """
         tokens = batch["tokens"].to(self.device)
         # left padding is the only padding (a prompt may itself contain pad_id)
         lengths = batch["prompt_lengths"].to(self.device)
@@ -220,7 +224,7 @@ class GRPORecipe:
             stop_tokens=self.stop_tokens,
             pad_id=self.pad_id,
             logit_bias=self.logit_bias,
-            generator=self.sample_generator,
+            prompt_seeds=mix_seeds(self.seed, self.step, batch["indices"]),
             all_done=partial(D.all_ranks_true, device=self.device),
             cache_dtype=self.dtype,
         )

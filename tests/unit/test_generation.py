@@ -72,12 +72,12 @@ def test_generation_with_different_prompt_and_stop_lengths_has_uniform_shapes(to
     parts = [
         generate_micro_batch(model, tokens[i : i + 4].repeat_interleave(2, 0),
                              mask[i : i + 4].repeat_interleave(2, 0),
-                             generator=torch.Generator().manual_seed(s), **kwargs)
+                             seeds=torch.arange(8) + 100 * s, **kwargs)
         for i, s in ((0, 1), (4, 2))
     ]
     lengths = [p.response_len for p in parts]
     traj = generate_trajectory(model, tokens, mask, group_size=2, forward_batch_size=4,
-                               generator=torch.Generator().manual_seed(3), **kwargs)
+                               prompt_seeds=torch.arange(8), **kwargs)
     assert traj.tokens.shape == (16, tokens.shape[1] + traj.response_len)
     assert traj.response_mask.shape == traj.logprobs.shape == (16, traj.response_len)
     # each row: mask is a prefix; stopped rows end on a stop token; padding after it
@@ -114,7 +114,8 @@ def test_sampling_never_emits_undefined_ids(tokenizer):
     assert allowed[: tokenizer.base_vocab_size].all()
     # control: without the mask, this model samples undefined ids
     logits = model(torch.tensor([[tokenizer.bos_id, 50, 51]]))[:, -1]
-    unmasked, _ = sample_next_token(logits.repeat(64, 1), temperature=1.0)
+    unmasked, _ = sample_next_token(logits.repeat(64, 1), temperature=1.0,
+                                    seeds=torch.arange(64))
     assert (unmasked >= TINY_TOKENIZER_VOCAB).all()
 
     tokens, mask = _left_pad(_varied_prompts(tokenizer, 4), tokenizer.pad_id)
@@ -122,7 +123,7 @@ def test_sampling_never_emits_undefined_ids(tokenizer):
         model, tokens, mask, group_size=4, forward_batch_size=8, max_generated_tokens=12,
         temperature=1.5, top_k=None, stop_tokens=torch.tensor(stop_token_ids(tokenizer)),
         pad_id=tokenizer.pad_id, logit_bias=logit_bias_from_mask(allowed),
-        generator=torch.Generator().manual_seed(0),
+        prompt_seeds=torch.arange(4),
     )
     generated = traj.response_tokens[traj.response_mask]
     assert generated.numel() > 0
@@ -150,7 +151,7 @@ def test_generation_logprobs_equal_training_forward(tokenizer):
     traj = generate_trajectory(
         model, tokens, mask, group_size=2, forward_batch_size=4, max_generated_tokens=10,
         temperature=0.7, top_k=None, stop_tokens=torch.tensor(stop_token_ids(tokenizer)),
-        pad_id=tokenizer.pad_id, logit_bias=bias, generator=torch.Generator().manual_seed(0),
+        pad_id=tokenizer.pad_id, logit_bias=bias, prompt_seeds=torch.arange(4),
     )
     padding = traj.padding_mask
     logprobs, entropy = response_logprobs(
@@ -186,3 +187,34 @@ def test_greedy_matches_stepwise_argmax_and_ignores_left_padding(tokenizer):
                     break
         n = int(traj.response_mask[row].sum())
         assert traj.response_tokens[row, :n].tolist() == expected[:n]
+
+
+def test_sampling_matches_tempered_softmax_with_top_k():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    n = 40000
+    seeds = torch.arange(n)
+    for temperature, top_k in ((1.0, None), (0.7, None), (1.3, 3)):
+        tokens, logprobs = sample_next_token(logits.expand(n, -1), temperature=temperature,
+                                             top_k=top_k, seeds=seeds, counter=5)
+        probs = torch.softmax(logits[0] / temperature, dim=-1)
+        # the returned log-prob is always the full tempered distribution's
+        torch.testing.assert_close(logprobs, probs.log()[tokens])
+        if top_k is not None:
+            probs[probs.argsort(descending=True)[top_k:]] = 0
+            probs /= probs.sum()
+        freq = torch.bincount(tokens, minlength=6).double() / n
+        # 5 standard errors of a binomial proportion
+        tol = 5 * (probs.double() * (1 - probs.double()) / n).sqrt() + 1e-9
+        assert ((freq - probs.double()).abs() <= tol).all(), (temperature, top_k, freq, probs)
+
+
+def test_samples_depend_only_on_row_seed_and_step():
+    torch.manual_seed(0)
+    logits = torch.randn(8, 50)
+    seeds = torch.arange(8) * 7919
+    full, _ = sample_next_token(logits, temperature=1.0, seeds=seeds, counter=3)
+    halves = [sample_next_token(logits[i : i + 4], temperature=1.0, seeds=seeds[i : i + 4],
+                                counter=3)[0] for i in (0, 4)]
+    assert torch.equal(full, torch.cat(halves))
+    other_step, _ = sample_next_token(logits, temperature=1.0, seeds=seeds, counter=4)
+    assert not torch.equal(full, other_step)

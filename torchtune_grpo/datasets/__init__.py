@@ -1,0 +1,42 @@
+"""Prompt datasets for GRPO: templates, local/Hub loading, GSM8K, the quickstart task."""
+
+from torchtune_grpo.datasets._loading import LOCAL_FORMATS, load_rows
+from torchtune_grpo.datasets._prompt import (
+    GSM8K_TEMPLATE,
+    INVALID_ROW_POLICIES,
+    PromptDataset,
+    PromptTemplate,
+    collate_prompts,
+    format_reference_completion,
+    resolve_template,
+    tokenize_prompt,
+)
+from torchtune_grpo.datasets.addition import (
+    ADDITION_TEMPLATE,
+    addition_dataset,
+    addition_problems,
+)
+from torchtune_grpo.datasets.gsm8k import (
+    extract_gsm8k_answer,
+    gsm8k_dataset,
+    split_gsm8k_solution,
+)
+
+__all__ = [
+    "ADDITION_TEMPLATE",
+    "addition_dataset",
+    "addition_problems",
+    "GSM8K_TEMPLATE",
+    "INVALID_ROW_POLICIES",
+    "LOCAL_FORMATS",
+    "PromptDataset",
+    "PromptTemplate",
+    "collate_prompts",
+    "extract_gsm8k_answer",
+    "format_reference_completion",
+    "gsm8k_dataset",
+    "load_rows",
+    "resolve_template",
+    "split_gsm8k_solution",
+    "tokenize_prompt",
+]

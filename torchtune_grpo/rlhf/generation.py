@@ -115,22 +115,60 @@ def decode_completions(tokenizer, trajectory: Trajectory, allowed: torch.Tensor)
 
 
 # ---------------------------------------------------------------------------- sampling
+_MASK32 = 0xFFFFFFFF
+
+
+def hash32(x: torch.Tensor | int) -> torch.Tensor:
+    """A 32-bit integer mixing function applied elementwise (int64 tensors, no overflow)."""
+    x = torch.as_tensor(x, dtype=torch.long) & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    return (x >> 16) ^ x
+
+
+def mix_seeds(*parts: torch.Tensor | int) -> torch.Tensor:
+    """Combine integers (or int tensors, broadcast) into one 32-bit seed per element."""
+    out = hash32(0x9E3779B9)
+    for part in parts:
+        out = hash32(out ^ hash32(part))
+    return out
+
+
+def counter_uniform(seeds: torch.Tensor, counter: int) -> torch.Tensor:
+    """One uniform number in ``(0, 1)`` per seed, a pure function of ``(seed, counter)``.
+
+    Sampling driven by these numbers depends only on each row's own seed and decode step,
+    never on which other rows share its batch, on the number of ranks, or on generator state.
+
+    Args:
+        seeds: ``[n]`` int64 seeds.
+        counter: the decode step.
+
+    Returns:
+        ``[n]`` float64.
+    """
+    bits = mix_seeds(seeds, counter)
+    return (bits.double() + 0.5) / 2.0**32
+
+
 def sample_next_token(
     logits: torch.Tensor,
     *,
     temperature: float,
     top_k: int | None = None,
     logit_bias: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
+    seeds: torch.Tensor | None = None,
+    counter: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row.
+    """Sample one token per row by inverse-CDF sampling with counter-based random numbers.
 
     Args:
         logits: ``[n, V]`` raw logits.
         temperature: ``> 0`` samples from ``softmax(logits / temperature)``; ``0`` is greedy.
         top_k: keep only the ``top_k`` most likely ids when sampling (None: all).
-        logit_bias: ``[V]`` additive bias (``-inf`` forbids an id).
-        generator: random generator on ``logits.device``.
+        logit_bias: ``[V]`` additive bias (``-inf`` forbids an id; such ids are never drawn).
+        seeds: ``[n]`` int64 per-row seeds (required when sampling).
+        counter: decode step, so that each step draws fresh numbers.
 
     Returns:
         ``(tokens [n] long, logprobs [n] float32)``: the log-prob is that of the tempered
@@ -144,11 +182,16 @@ def sample_next_token(
     if temperature <= 0:
         tokens = logprobs.argmax(dim=-1)
     else:
+        if seeds is None:
+            raise ValueError("sampling with temperature > 0 needs per-row `seeds`")
         sample_scores = logprobs
         if top_k is not None and top_k < scores.shape[-1]:
             kth = torch.topk(logprobs, top_k, dim=-1).values[:, -1:]
             sample_scores = logprobs.masked_fill(logprobs < kth, float("-inf"))
-        tokens = torch.multinomial(sample_scores.exp(), 1, generator=generator).squeeze(1)
+        cdf = sample_scores.exp().double().cumsum(dim=-1)
+        u = counter_uniform(seeds, counter).to(cdf.device) * cdf[:, -1]
+        tokens = torch.searchsorted(cdf, u.unsqueeze(1)).squeeze(1)
+        tokens = tokens.clamp_(max=scores.shape[-1] - 1)
     return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 
@@ -169,7 +212,7 @@ def generate_micro_batch(
     stop_tokens: torch.Tensor,
     pad_id: int,
     logit_bias: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
+    seeds: torch.Tensor | None = None,
     all_done: Callable[[bool], bool] = _always_local,
     cache_dtype: torch.dtype | None = None,
 ) -> Trajectory:
@@ -185,7 +228,7 @@ def generate_micro_batch(
         stop_tokens: ``[s]`` ids that end a completion.
         pad_id: id written after a completion ended.
         logit_bias: ``[V]`` bias forbidding undefined ids (see :func:`allowed_token_mask`).
-        generator: random generator on the model's device.
+        seeds: ``[n]`` int64 per-row sampling seeds (see :func:`counter_uniform`).
         all_done: given whether this rank's rows have all stopped, says whether every rank's
             have (a collective in distributed runs; identity otherwise).
         cache_dtype: dtype of the KV cache (default: the model's parameter dtype).
@@ -222,7 +265,8 @@ def generate_micro_batch(
                 temperature=temperature,
                 top_k=top_k,
                 logit_bias=logit_bias,
-                generator=generator,
+                seeds=seeds,
+                counter=t,
             )
             active = ~stopped
             token = torch.where(active, token, torch.full_like(token, pad_id))
@@ -256,6 +300,7 @@ def generate_trajectory(
     *,
     group_size: int,
     forward_batch_size: int,
+    prompt_seeds: torch.Tensor | None = None,
     **kwargs,
 ) -> Trajectory:
     """Sample ``group_size`` completions for each prompt, ``forward_batch_size`` rows at a time.
@@ -266,6 +311,9 @@ def generate_trajectory(
         prompt_mask: ``[B, P]`` True on real prompt tokens.
         group_size: ``G``, completions per prompt.
         forward_batch_size: rows per generation micro-batch (a divisor of ``B * G``).
+        prompt_seeds: ``[B]`` int64, one seed per prompt; sample ``g`` of prompt ``b`` uses
+            ``mix_seeds(prompt_seeds[b], g)``, so a completion depends only on its prompt's seed
+            and its index in the group (needed when ``temperature > 0``).
         **kwargs: passed to :func:`generate_micro_batch`.
 
     Returns:
@@ -274,9 +322,15 @@ def generate_trajectory(
     """
     tokens = prompt_tokens.repeat_interleave(group_size, dim=0)
     mask = prompt_mask.repeat_interleave(group_size, dim=0)
+    seeds = None
+    if prompt_seeds is not None:
+        sample_index = torch.arange(group_size).repeat(prompt_tokens.shape[0])
+        seeds = mix_seeds(prompt_seeds.cpu().repeat_interleave(group_size), sample_index)
     parts = [
-        generate_micro_batch(model, tokens[i : i + forward_batch_size],
-                             mask[i : i + forward_batch_size], **kwargs)
+        generate_micro_batch(
+            model, tokens[i : i + forward_batch_size], mask[i : i + forward_batch_size],
+            seeds=None if seeds is None else seeds[i : i + forward_batch_size], **kwargs,
+        )
         for i in range(0, tokens.shape[0], forward_batch_size)
     ]
     return concat_trajectories(parts)

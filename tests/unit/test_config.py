@@ -1,0 +1,92 @@
+"""Config lookup, overrides and validation: every mistake is named before a model loads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torchtune import config as tt_config
+
+from torchtune_grpo.config import (
+    ConfigError,
+    list_shipped_configs,
+    load_config,
+    resolve_config_path,
+    validate_config,
+)
+
+REAL_CONFIGS = ["grpo/qwen2_5_3B_full", "grpo/llama3_2_3B_full"]
+
+
+def test_shipped_names_resolve_and_real_paths_win(tmp_path, monkeypatch):
+    assert "grpo/quickstart_cpu" in list_shipped_configs()
+    for name in ("grpo/quickstart_cpu", "quickstart_cpu", "grpo/quickstart_cpu.yaml"):
+        assert resolve_config_path(name).name == "quickstart_cpu.yaml"
+    local = tmp_path / "grpo" / "quickstart_cpu.yaml"
+    local.parent.mkdir()
+    local.write_text("output_dir: mine\n")
+    monkeypatch.chdir(tmp_path)
+    assert resolve_config_path("grpo/quickstart_cpu.yaml").resolve() == local.resolve()
+    with pytest.raises(FileNotFoundError, match="quickstart_cpu"):
+        resolve_config_path("grpo/no_such_config")
+
+
+def test_overrides_apply():
+    cfg = load_config("grpo/quickstart_cpu", ["group_size=4", "loss.kl_coeff=0.05"])
+    assert cfg.group_size == 4 and cfg.loss.kl_coeff == 0.05
+    with pytest.raises(ValueError, match="key=value"):
+        load_config("grpo/quickstart_cpu", ["group_size"])
+
+
+@pytest.mark.parametrize("name", None or ["grpo/quickstart_cpu", *REAL_CONFIGS])
+def test_shipped_configs_validate(name):
+    validate_config(load_config(name), world_size=1)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["group_size=1"], "'group_size' must be >= 2"),
+        (["kl_coef=0.1"], "unknown config key 'kl_coef'"),
+        (["ppo_epochs=0"], "'ppo_epochs' must be >= 1"),
+        (["temperature=0"], "'temperature' must be > 0"),
+        (["~num_steps"], "missing required config key 'num_steps'"),
+        (["loss._component_=torchtune_grpo.rlhf.loss.NoSuchLoss"], "NoSuchLoss"),
+        (["optimizer._component_=torch.optim.Adamm"], "Adamm"),
+        (["forward_batch_size=7"], "'forward_batch_size' (7) must divide"),
+        (["dtype=fp16"], "'dtype' must be fp32 or bf16"),
+    ],
+)
+def test_bad_configs_name_the_key(overrides, message):
+    cfg = load_config("grpo/quickstart_cpu", overrides)
+    with pytest.raises(ConfigError) as info:
+        validate_config(cfg)
+    assert message in str(info.value)
+
+
+def test_global_batch_must_divide_across_ranks():
+    cfg = load_config("grpo/quickstart_cpu", ["global_batch_size=9"])
+    validate_config(cfg, world_size=1)
+    with pytest.raises(ConfigError, match="does not divide across 2 ranks"):
+        validate_config(cfg, world_size=2)
+
+
+@pytest.mark.parametrize("name", REAL_CONFIGS)
+def test_real_configs_instantiate_what_needs_no_download(name):
+    from torchtune_grpo.rlhf.rewards import build_reward_set
+
+    cfg = load_config(name)
+    with torch.device("meta"):
+        model = tt_config.instantiate(cfg.model)
+    assert sum(p.numel() for p in model.parameters()) > 2.5e9
+    loss = tt_config.instantiate(cfg.loss)
+    assert loss.needs_reference == (cfg.loss.kl_coeff != 0)
+    rewards = build_reward_set(cfg.rewards)
+    assert rewards.success_name in rewards.names
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    optimizer_cfg = OmegaConf.merge(cfg.optimizer, {"fused": False})
+    optimizer = tt_config.instantiate(optimizer_cfg, params)
+    scheduler = tt_config.instantiate(cfg.lr_scheduler, optimizer=optimizer,
+                                      num_training_steps=cfg.num_steps)
+    assert scheduler is not None
+    assert cfg.checkpointer.checkpoint_dir == cfg.model_dir

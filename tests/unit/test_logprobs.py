@@ -1,0 +1,201 @@
+"""Tests for torchtune_grpo.rlhf.logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torchtune.modules import TiedLinear
+
+from torchtune_grpo.rlhf.logprobs import chunked_token_logprobs, naive_token_logprobs
+
+N, T, D, V = 3, 7, 16, 40
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    """Tiny tensors gain nothing from intra-op threads, and on a busy 2-core machine spinning
+    OpenMP threads stall for seconds; run these tests single-threaded and restore afterwards."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _setup(seed: int = 0, forbid: bool = False) -> tuple[nn.Linear, torch.Tensor, ...]:
+    torch.manual_seed(seed)
+    head = nn.Linear(D, V, bias=False)
+    hidden = torch.randn(N, T, D, requires_grad=True)
+    bias = None
+    if forbid:
+        bias = torch.zeros(V)
+        bias[30:] = float("-inf")  # ids 30..39 are forbidden
+        targets = torch.randint(0, 30, (N, T))
+    else:
+        targets = torch.randint(0, V, (N, T))
+    weights = torch.randn(N, T)  # makes the upstream gradient non-uniform
+    return head, hidden, targets, bias, weights
+
+
+def _grads_of(out: tuple, weights: torch.Tensor, head: nn.Linear, hidden: torch.Tensor) -> tuple:
+    logp, ent = out
+    objective = (logp * weights).sum()
+    if ent is not None:
+        objective = objective + (ent * weights.flip(0)).sum()
+    gh, gw = torch.autograd.grad(objective, (hidden, head.weight))
+    return gh, gw
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 21, 1024])
+@pytest.mark.parametrize("checkpoint", [True, False])
+@pytest.mark.parametrize("forbid", [False, True])
+def test_chunked_matches_naive_values_and_grads(
+    chunk_size: int, checkpoint: bool, forbid: bool
+) -> None:
+    head, hidden, targets, bias, weights = _setup(forbid=forbid)
+    chunked = chunked_token_logprobs(
+        hidden,
+        head,
+        targets,
+        temperature=0.7,
+        logit_bias=bias,
+        chunk_size=chunk_size,
+        checkpoint=checkpoint,
+        return_entropy=True,
+    )
+    naive = naive_token_logprobs(head(hidden), targets, 0.7, bias, True)
+    for a, b in zip(chunked, naive):
+        assert a.shape == (N, T) and a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(
+        _grads_of(chunked, weights, head, hidden), _grads_of(naive, weights, head, hidden)
+    ):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+
+
+def test_naive_matches_textbook_formula() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 5)
+    targets = torch.tensor([[0, 4, 2], [1, 1, 3]])
+    logp, ent = naive_token_logprobs(logits, targets, temperature=2.0, return_entropy=True)
+    for i in range(2):
+        for t in range(3):
+            z = [v / 2.0 for v in logits[i, t].tolist()]
+            lse = math.log(sum(math.exp(v) for v in z))
+            assert logp[i, t].item() == pytest.approx(z[targets[i, t]] - lse, rel=1e-5)
+            h = -sum(math.exp(v - lse) * (v - lse) for v in z)
+            assert ent[i, t].item() == pytest.approx(h, rel=1e-5)
+
+
+def test_forbidden_ids_no_nan_and_entropy_over_allowed_ids() -> None:
+    head, hidden, targets, bias, weights = _setup(forbid=True)
+    logp, ent = chunked_token_logprobs(
+        hidden, head, targets, logit_bias=bias, chunk_size=4, return_entropy=True
+    )
+    assert torch.isfinite(logp).all() and torch.isfinite(ent).all()
+    # Same as a softmax restricted to the 30 allowed ids.
+    allowed_logits = head(hidden)[..., :30]
+    ref_logp = torch.log_softmax(allowed_logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    ref_ent = torch.distributions.Categorical(logits=allowed_logits).entropy()
+    torch.testing.assert_close(logp, ref_logp, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ent, ref_ent, rtol=1e-5, atol=1e-6)
+    gh, gw = _grads_of((logp, ent), weights, head, hidden)
+    assert torch.isfinite(gh).all() and torch.isfinite(gw).all()
+    assert gw[30:].abs().sum() == 0  # forbidden ids have p = 0: no gradient to their rows
+
+
+def test_entropy_gradient_with_underflowing_probabilities() -> None:
+    # Logits so spread that many probabilities underflow to exactly 0 in float32.
+    head = nn.Linear(2, 6, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.tensor([[500.0, 0], [0, 0], [-500, 0], [0, 1], [0, -1], [1, 1]]))
+    hidden = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]], requires_grad=True)
+    bias = torch.tensor([0.0, 0.0, float("-inf"), 0.0, 0.0, 0.0])
+    logp, ent = chunked_token_logprobs(
+        hidden, head, torch.tensor([[0, 3]]), logit_bias=bias, return_entropy=True
+    )
+    (logp.sum() + ent.sum()).backward()
+    assert torch.isfinite(logp).all() and torch.isfinite(ent).all()
+    assert torch.isfinite(hidden.grad).all() and torch.isfinite(head.weight.grad).all()
+
+
+def test_tied_linear_projection_and_bf16_hidden() -> None:
+    torch.manual_seed(0)
+    embed = nn.Embedding(V, D)
+    tied = TiedLinear(embed)
+    hidden = torch.randn(N, T, D, requires_grad=True)
+    targets = torch.randint(0, V, (N, T))
+    logp, ent = chunked_token_logprobs(hidden, tied, targets, chunk_size=4)
+    assert ent is None
+    logp.sum().backward()
+    assert embed.weight.grad is not None and embed.weight.grad.abs().sum() > 0
+    ref, _ = naive_token_logprobs(hidden @ embed.weight.T, targets)
+    torch.testing.assert_close(logp, ref, rtol=1e-5, atol=1e-6)
+    # Low-precision hidden states: the output is float32 all the same.
+    lp16, _ = chunked_token_logprobs(
+        hidden.detach().bfloat16(), lambda h: h @ embed.weight.detach().bfloat16().T, targets
+    )
+    assert lp16.dtype == torch.float32
+    torch.testing.assert_close(lp16, ref.detach(), rtol=0.05, atol=0.1)
+
+
+def test_no_grad_and_empty_inputs() -> None:
+    head, hidden, targets, _, _ = _setup()
+    with torch.no_grad():
+        logp, _ = chunked_token_logprobs(hidden, head, targets, chunk_size=3)
+    assert not logp.requires_grad and logp.shape == (N, T)
+    empty, ent = chunked_token_logprobs(
+        torch.zeros(2, 0, D), head, torch.zeros(2, 0, dtype=torch.long), return_entropy=True
+    )
+    assert empty.shape == (2, 0) and ent is not None and ent.shape == (2, 0)
+
+
+def test_checkpoint_saves_no_logits_for_backward() -> None:
+    # Count the tensors autograd keeps for the backward pass outside the checkpointed regions.
+    head, hidden, targets, _, _ = _setup()
+    big = 4 * V  # a chunk of 4 tokens times the vocabulary
+
+    def largest_saved(checkpoint: bool) -> int:
+        sizes: list[int] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            sizes.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            chunked_token_logprobs(hidden, head, targets, chunk_size=4, checkpoint=checkpoint)
+        return max(sizes, default=0)
+
+    assert largest_saved(False) >= big
+    assert largest_saved(True) < big
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"temperature": 0.0}, "temperature"),
+        ({"chunk_size": 0}, "chunk_size"),
+        ({"logit_bias": torch.zeros(2, V)}, "logit_bias"),
+    ],
+)
+def test_validation(kwargs: dict, match: str) -> None:
+    head, hidden, targets, _, _ = _setup()
+    with pytest.raises(ValueError, match=match):
+        chunked_token_logprobs(hidden, head, targets, **kwargs)
+
+
+def test_validation_targets() -> None:
+    head, hidden, targets, _, _ = _setup()
+    with pytest.raises(ValueError, match="targets"):
+        chunked_token_logprobs(hidden, head, targets[:, :3])
+    bad = targets.clone()
+    bad[0, 0] = -100
+    with pytest.raises(ValueError, match="targets"):
+        chunked_token_logprobs(hidden, head, bad)
+    with pytest.raises(ValueError, match="targets"):
+        naive_token_logprobs(head(hidden), targets.float())
+    with pytest.raises(ValueError, match="temperature"):
+        naive_token_logprobs(head(hidden), targets, temperature=-1.0)

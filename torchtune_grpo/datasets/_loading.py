@@ -1,0 +1,157 @@
+"""Loading dataset rows from local files or the Hugging Face Hub."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LOCAL_FORMATS", "load_rows"]
+
+#: ``datasets`` builder names for local files, and the file extensions that map to them.
+LOCAL_FORMATS = {
+    "json": (".json", ".jsonl"),
+    "parquet": (".parquet",),
+    "csv": (".csv",),
+}
+
+
+def _format_of(path: str) -> str | None:
+    """The ``datasets`` builder for a file name (``"json"`` for ``x.jsonl``), or ``None``."""
+    name = path.lower()
+    for suffix in (".gz", ".bz2", ".xz", ".zst", ".zip"):
+        name = name.removesuffix(suffix)
+    for fmt, extensions in LOCAL_FORMATS.items():
+        if name.endswith(extensions):
+            return fmt
+    return None
+
+
+def _looks_like_path(source: str) -> bool:
+    """Whether ``source`` is meant as a local path rather than a Hub dataset id."""
+    # Hub ids are "name" or "owner/name"; anything else path-like is a path.
+    return (
+        source.startswith(("/", ".", "~", "\\"))
+        or source.count("/") > 1
+        or _format_of(source) is not None
+    )
+
+
+def _file_list(data_files: Any) -> list[str]:
+    """All file paths named by a ``data_files`` value (string, list or split mapping)."""
+    if isinstance(data_files, str | os.PathLike):
+        return [os.fspath(data_files)]
+    if isinstance(data_files, Mapping):
+        return [path for value in data_files.values() for path in _file_list(value)]
+    if isinstance(data_files, Sequence):
+        return [path for value in data_files for path in _file_list(value)]
+    raise ValueError(
+        f"data_files must be a path, a list of paths or a mapping split -> paths, got "
+        f"{type(data_files).__name__}"
+    )
+
+
+def _under(folder: Path, data_files: Any) -> Any:
+    """``data_files`` with relative paths made relative to ``folder``."""
+    if isinstance(data_files, str | os.PathLike):
+        path = Path(data_files).expanduser()
+        return str(path if path.is_absolute() else folder / path)
+    if isinstance(data_files, Mapping):
+        return {key: _under(folder, value) for key, value in data_files.items()}
+    return [_under(folder, value) for value in data_files]
+
+
+def _check_local_files(files: list[str]) -> None:
+    """Raise FileNotFoundError for the first file that does not exist (globs are allowed)."""
+    for path in files:
+        if any(ch in path for ch in "*?[") or "://" in path:
+            continue
+        if not Path(path).expanduser().exists():
+            raise FileNotFoundError(
+                f"data file {path!r} does not exist; check the path (relative paths are "
+                f"resolved from {os.getcwd()!r})"
+            )
+
+
+def _split_names(split: str) -> list[str]:
+    """Split names used in a split expression: ``"train[:200]+test"`` -> ``["train", "test"]``."""
+    return [part.split("[", 1)[0].strip() for part in split.split("+") if part.strip()]
+
+
+def load_rows(
+    source: str,
+    *,
+    data_files: Any = None,
+    split: str = "train",
+    name: str | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Load the rows of a dataset split as a ``datasets.Dataset``.
+
+    Local data is used when ``data_files`` is given or ``source`` is an existing file or
+    folder; otherwise ``source`` is a Hub dataset id loaded with
+    ``datasets.load_dataset(source, name, split=split)``. For local data the format is
+    ``source`` itself when it is ``"json"``, ``"parquet"`` or ``"csv"``, else it comes from the
+    file extension (``.jsonl``/``.json`` -> json). A folder is handed to ``datasets``, which
+    infers the format and the splits from the file names (``train.jsonl``, ``test.jsonl``).
+
+    Split slicing (``"train[:200]"``, ``"train[200:]"``, ``"train[:10%]"``) works for local
+    files too: single files and lists of files are registered under the split name the
+    expression uses, so ``split="test[:100]"`` on one file reads that file.
+
+    Args:
+        source: a Hub dataset id, a path to a file or folder, or a format name used together
+            with ``data_files``.
+        data_files: local file(s): a path, a list of paths or a mapping split -> path(s).
+        split: split expression, with optional slicing.
+        name: the Hub dataset configuration (e.g. ``"main"`` for ``openai/gsm8k``); ignored for
+            local files.
+        **kwargs: passed to ``datasets.load_dataset`` (e.g. ``cache_dir``, ``revision``).
+
+    Returns:
+        The ``datasets.Dataset`` of the split.
+
+    Raises:
+        FileNotFoundError: when a local file or folder does not exist.
+        ValueError: when the format of local files cannot be determined.
+    """
+    import datasets
+
+    if not isinstance(source, str) or not source:
+        raise ValueError(f"source must be a dataset id or a path, got {source!r}")
+    source_path = Path(source).expanduser()
+    is_format = source in LOCAL_FORMATS
+    if data_files is None and not is_format and not source_path.exists():
+        if _looks_like_path(source):
+            raise FileNotFoundError(
+                f"dataset source {source!r} looks like a local path but does not exist; check "
+                f"the path (relative paths are resolved from {os.getcwd()!r})"
+            )
+        return datasets.load_dataset(source, name, split=split, **kwargs)
+
+    if data_files is None and source_path.is_dir():
+        return datasets.load_dataset(str(source_path), split=split, **kwargs)
+
+    if data_files is None:
+        data_files = str(source_path)
+        fmt = _format_of(source)
+    elif is_format:
+        fmt = source
+    else:
+        if source_path.is_dir():  # data_files relative to the source folder
+            data_files = _under(source_path, data_files)
+        formats = {_format_of(path) for path in _file_list(data_files)}
+        fmt = formats.pop() if len(formats) == 1 else None
+    if fmt is None:
+        raise ValueError(
+            f"cannot tell the format of the local data {source!r} / data_files={data_files!r}; "
+            f"use files ending in {sorted(e for v in LOCAL_FORMATS.values() for e in v)} or set "
+            f"source to one of {sorted(LOCAL_FORMATS)}"
+        )
+    _check_local_files(_file_list(data_files))
+    if not isinstance(data_files, Mapping):
+        names = set(_split_names(split))
+        if len(names) == 1:
+            data_files = {names.pop(): data_files}
+    return datasets.load_dataset(fmt, data_files=data_files, split=split, **kwargs)

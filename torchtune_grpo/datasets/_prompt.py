@@ -1,0 +1,403 @@
+"""Prompt templates, prompt tokenization and the generic prompt dataset.
+
+A GRPO dataset yields *prompts* (token ids the policy continues) together with the gold answer
+the rewards compare against. :class:`PromptTemplate` says how a question becomes a prompt,
+:func:`tokenize_prompt` applies it with a torchtune tokenizer, :class:`PromptDataset` holds the
+tokenized prompts of any question/answer source, and :func:`collate_prompts` left-pads a batch
+so that every prompt ends at the same column, where generation starts.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+from torchtune.data import Message
+
+__all__ = [
+    "GSM8K_TEMPLATE",
+    "INVALID_ROW_POLICIES",
+    "PromptDataset",
+    "PromptTemplate",
+    "collate_prompts",
+    "format_reference_completion",
+    "resolve_template",
+    "tokenize_prompt",
+]
+
+#: Accepted values of ``invalid_rows``: raise on the first bad row, or drop and count them.
+INVALID_ROW_POLICIES = ("error", "skip")
+
+
+@dataclass(frozen=True)
+class PromptTemplate:
+    """How a question becomes a prompt.
+
+    Attributes:
+        user: the user message; ``{question}`` is replaced by the question (write literal braces
+            as ``{{`` and ``}}``).
+        system: optional system message.
+        assistant_prefix: text that starts the assistant's turn (e.g. ``"<think>"``); the
+            completion continues it, so it is not part of the completion. Tokenizers strip
+            message content, so leading/trailing whitespace of the prefix is lost in chat mode.
+        chat: use the tokenizer's chat format (``tokenize_messages``); ``False`` encodes
+            ``system + "\\n\\n" + user + assistant_prefix`` as plain text.
+        think_tag: name of the reasoning tag the template asks for, or ``None``.
+        answer_tag: name of the final-answer tag the template asks for, or ``None``. These two
+            only describe the format to :func:`format_reference_completion` and to the reward
+            components' configs; they do not change the prompt.
+    """
+
+    user: str = "{question}"
+    system: str | None = None
+    assistant_prefix: str = ""
+    chat: bool = True
+    think_tag: str | None = None
+    answer_tag: str | None = None
+
+    def format_user(self, question: str) -> str:
+        """The user message for ``question``.
+
+        Args:
+            question: the question text.
+
+        Returns:
+            ``user`` with ``{question}`` filled in.
+        """
+        return self.user.format(question=question)
+
+
+#: A reasoning template for GSM8K-style problems: think inside ``<think>``, answer with only the
+#: final number inside ``<answer>``. The assistant turn is pre-filled with ``<think>``, so score
+#: format with ``FormatReward(prefix="<think>")``.
+GSM8K_TEMPLATE = PromptTemplate(
+    system=(
+        "You are a helpful assistant that solves math word problems. You first think about "
+        "the reasoning process step by step and then give the final answer."
+    ),
+    user=(
+        "{question}\n\n"
+        "Reason step by step inside <think> </think> tags. Then give only the final answer, "
+        "a single number without units, inside <answer> </answer> tags, for example "
+        "<think> reasoning here </think> <answer> 42 </answer>."
+    ),
+    assistant_prefix="<think>",
+    chat=True,
+    think_tag="think",
+    answer_tag="answer",
+)
+
+
+def _check_template(template: PromptTemplate, where: str) -> PromptTemplate:
+    """Validate a template's fields; ``where`` names it in error messages."""
+    for name in ("user", "assistant_prefix"):
+        value = getattr(template, name)
+        if not isinstance(value, str):
+            raise ValueError(  # noqa: TRY004 - a config error
+                f"{where}: `{name}` must be a string, got {value!r}"
+            )
+    if template.system is not None and not isinstance(template.system, str):
+        raise ValueError(f"{where}: `system` must be a string or null, got {template.system!r}")
+    if "{question}" not in template.user:
+        raise ValueError(
+            f"{where}: `user` must contain the placeholder {{question}}, got {template.user!r}"
+        )
+    try:
+        template.format_user("x")
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ValueError(
+            f"{where}: `user` is not a valid format string ({exc!r}); only {{question}} may be "
+            "a placeholder, write literal braces as {{{{ and }}}}"
+        ) from exc
+    return template
+
+
+def resolve_template(
+    template: PromptTemplate | Mapping[str, Any] | str | None,
+    default: PromptTemplate = GSM8K_TEMPLATE,
+) -> PromptTemplate:
+    """Turn a config value into a :class:`PromptTemplate`.
+
+    Args:
+        template: a :class:`PromptTemplate`; a mapping of its fields (e.g. a ``DictConfig``
+            from YAML; a ``_component_`` key, if present, is ignored); a dotted import path to a
+            ``PromptTemplate`` object (e.g.
+            ``"torchtune_grpo.datasets.GSM8K_TEMPLATE"``); or ``None`` for ``default``.
+        default: the template used for ``None``.
+
+    Returns:
+        The validated template.
+
+    Raises:
+        ValueError: on unknown fields, a path that does not import or does not name a
+            ``PromptTemplate``, or a ``user`` string without ``{question}``.
+    """
+    if template is None:
+        return _check_template(default, "template (default)")
+    if isinstance(template, PromptTemplate):
+        return _check_template(template, "template")
+    if isinstance(template, str):
+        from torchtune.config._utils import _get_component_from_path
+
+        try:
+            obj = _get_component_from_path(template)
+        except Exception as exc:
+            raise ValueError(
+                f"template: {template!r} does not import ({exc}); give the dotted path of a "
+                "PromptTemplate object, or the template's fields as a mapping"
+            ) from exc
+        if not isinstance(obj, PromptTemplate):
+            raise ValueError(  # noqa: TRY004 - a config error
+                f"template: {template!r} is a {type(obj).__name__}, not a PromptTemplate"
+            )
+        return _check_template(obj, f"template {template!r}")
+    if hasattr(template, "keys"):  # Mapping or DictConfig
+        from omegaconf import DictConfig, OmegaConf
+
+        values = (
+            OmegaConf.to_container(template, resolve=True)
+            if isinstance(template, DictConfig)
+            else dict(template)
+        )
+        values.pop("_component_", None)
+        allowed = {f.name for f in fields(PromptTemplate)}
+        unknown = sorted(set(values) - allowed)
+        if unknown:
+            raise ValueError(
+                f"template: unknown key(s) {unknown}; allowed keys are {sorted(allowed)}"
+            )
+        return _check_template(PromptTemplate(**values), "template")
+    raise ValueError(
+        f"template: expected a PromptTemplate, a mapping, a dotted path or null, got "
+        f"{type(template).__name__}"
+    )
+
+
+def _tokenize_messages_kwargs(tokenizer: Any) -> dict[str, bool]:
+    """Keyword that stops ``tokenize_messages`` from closing the last (assistant) turn."""
+    try:
+        params = inspect.signature(tokenizer.tokenize_messages).parameters
+    except (TypeError, ValueError):
+        return {"add_end_tokens": False}
+    if "add_end_tokens" in params:  # Llama 3 style
+        return {"add_end_tokens": False}
+    if "add_eos" in params:  # Qwen 2 / 2.5 style: the last assistant turn is left open
+        return {"add_eos": False}
+    return {"add_end_tokens": False}
+
+
+def tokenize_prompt(tokenizer: Any, template: PromptTemplate, question: str) -> list[int]:
+    """Token ids of the prompt for ``question``, ending where the completion starts.
+
+    In chat mode the messages ``[system (if any), user, assistant(assistant_prefix)]`` are
+    tokenized with ``tokenizer.tokenize_messages`` without end tokens, so the assistant turn
+    stays open: with an empty prefix the ids end right after the assistant header (for Llama 3:
+    ``<|start_header_id|>assistant<|end_header_id|>\\n\\n``). Otherwise the plain text
+    ``system + "\\n\\n" + user + assistant_prefix`` (just ``user + assistant_prefix`` without a
+    system message) is encoded with BOS and without EOS.
+
+    Args:
+        tokenizer: a torchtune model tokenizer (``tokenize_messages`` and ``encode``).
+        template: the prompt template.
+        question: the question text.
+
+    Returns:
+        The prompt's token ids (length ``P``).
+    """
+    user = template.format_user(question)
+    if template.chat:
+        messages = []
+        if template.system:
+            messages.append(Message(role="system", content=template.system, masked=True))
+        messages.append(Message(role="user", content=user, masked=True))
+        messages.append(Message(role="assistant", content=template.assistant_prefix, eot=False))
+        tokens, _ = tokenizer.tokenize_messages(messages, **_tokenize_messages_kwargs(tokenizer))
+        return list(tokens)
+    text = user + template.assistant_prefix
+    if template.system:
+        text = template.system + "\n\n" + text
+    return list(tokenizer.encode(text, add_bos=True, add_eos=False))
+
+
+def format_reference_completion(template: PromptTemplate, reasoning: str, final_answer: str) -> str:
+    """A completion in the format ``template`` asks for (a "gold" completion).
+
+    With ``think_tag`` set, the reasoning goes inside the think block; its opening tag is
+    omitted when ``assistant_prefix`` already ends with it (the prompt pre-fills it). With
+    ``answer_tag`` set, the final answer goes inside the answer block; without it the
+    completion ends with ``"The final answer is {final_answer}."``.
+
+    Args:
+        template: the prompt template.
+        reasoning: the reasoning text.
+        final_answer: the final answer text.
+
+    Returns:
+        The completion text (without the template's ``assistant_prefix``).
+    """
+    reasoning = reasoning.strip()
+    if template.think_tag:
+        opening, closing = f"<{template.think_tag}>", f"</{template.think_tag}>"
+        prefilled = template.assistant_prefix.rstrip().endswith(opening)
+        head = ("" if prefilled else opening) + "\n" + reasoning + "\n" + closing + "\n"
+    else:
+        head = reasoning + "\n" if reasoning else ""
+    if template.answer_tag:
+        tail = f"<{template.answer_tag}>{final_answer}</{template.answer_tag}>"
+    else:
+        tail = f"The final answer is {final_answer}."
+    return head + tail
+
+
+class PromptDataset(Dataset):
+    """Tokenized prompts with their gold answers; generic over the question source.
+
+    Prompts are tokenized once, up front, so over-long prompts are found (and raised on or
+    dropped) before training starts. A prompt is too long when it has more than
+    ``max_prompt_tokens`` tokens, or when the tokenizer has a ``max_seq_len`` and the prompt
+    reaches it (the tokenizer would have truncated it silently).
+
+    Args:
+        samples: ``(question, answer, index)`` triples; ``index`` is the row's index in its
+            source, reported in error messages and returned with each item.
+        tokenizer: a torchtune model tokenizer.
+        template: the prompt template (anything :func:`resolve_template` accepts; ``None`` is
+            :data:`GSM8K_TEMPLATE`).
+        max_prompt_tokens: the longest prompt allowed, or ``None``.
+        invalid_rows: ``"error"`` (raise on an over-long prompt) or ``"skip"`` (drop it and
+            count it in :attr:`skipped_rows`).
+        skipped_rows: rows the caller already dropped (added to :attr:`skipped_rows`).
+        name: the dataset's name, used in error messages.
+
+    Raises:
+        ValueError: on an unknown ``invalid_rows``, a non-positive ``max_prompt_tokens``, an
+            over-long prompt with ``invalid_rows="error"``, or no prompt left.
+
+    Attributes:
+        skipped_rows: number of source rows dropped (invalid or too long).
+        template: the resolved template.
+    """
+
+    def __init__(
+        self,
+        samples: Sequence[tuple[str, str, int]],
+        tokenizer: Any,
+        template: PromptTemplate | Mapping[str, Any] | str | None = None,
+        *,
+        max_prompt_tokens: int | None = None,
+        invalid_rows: str = "error",
+        skipped_rows: int = 0,
+        name: str = "dataset",
+    ) -> None:
+        if invalid_rows not in INVALID_ROW_POLICIES:
+            raise ValueError(
+                f"{name}: invalid_rows must be one of {INVALID_ROW_POLICIES}, got {invalid_rows!r}"
+            )
+        if max_prompt_tokens is not None and (
+            isinstance(max_prompt_tokens, bool)
+            or not isinstance(max_prompt_tokens, int)
+            or max_prompt_tokens <= 0
+        ):
+            raise ValueError(
+                f"{name}: max_prompt_tokens must be a positive integer or null, "
+                f"got {max_prompt_tokens!r}"
+            )
+        self.template = resolve_template(template)
+        self.skipped_rows = int(skipped_rows)
+        seq_limit = getattr(tokenizer, "max_seq_len", None)
+        self._tokens: list[list[int]] = []
+        self._answers: list[str] = []
+        self._questions: list[str] = []
+        self._indices: list[int] = []
+        for question, answer, index in samples:
+            tokens = tokenize_prompt(tokenizer, self.template, question)
+            problem = None
+            if max_prompt_tokens is not None and len(tokens) > max_prompt_tokens:
+                problem = f"has {len(tokens)} prompt tokens, more than max_prompt_tokens="
+                problem += f"{max_prompt_tokens}"
+            elif seq_limit and len(tokens) >= seq_limit:
+                problem = (
+                    f"reaches the tokenizer's max_seq_len={seq_limit} ({len(tokens)} tokens) and "
+                    "was truncated"
+                )
+            if problem is not None:
+                if invalid_rows == "skip":
+                    self.skipped_rows += 1
+                    continue
+                raise ValueError(
+                    f"{name}: row {index} (field 'question') {problem}. Raise the limit, or set "
+                    "invalid_rows=skip to drop such rows."
+                )
+            self._tokens.append(tokens)
+            self._answers.append(answer)
+            self._questions.append(question)
+            self._indices.append(int(index))
+        if not self._tokens:
+            raise ValueError(
+                f"{name}: no usable rows ({self.skipped_rows} skipped); check the data source, "
+                "the split and max_prompt_tokens"
+            )
+
+    def __len__(self) -> int:
+        """Number of prompts."""
+        return len(self._tokens)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        """One prompt.
+
+        Args:
+            i: position in the dataset.
+
+        Returns:
+            ``{"tokens": list[int] (length P), "answer": str, "question": str, "index": int}``.
+        """
+        return {
+            "tokens": list(self._tokens[i]),
+            "answer": self._answers[i],
+            "question": self._questions[i],
+            "index": self._indices[i],
+        }
+
+    @property
+    def prompt_lengths(self) -> list[int]:
+        """Number of tokens of every prompt, in dataset order."""
+        return [len(t) for t in self._tokens]
+
+
+def collate_prompts(batch: list[dict[str, Any]], pad_id: int) -> dict[str, Any]:
+    """Stack prompts into a left-padded batch, so that all prompts end at column ``P - 1``.
+
+    Args:
+        batch: ``B`` items of a :class:`PromptDataset`.
+        pad_id: the padding token id.
+
+    Returns:
+        ``tokens``: LongTensor ``[B, P]`` (``P`` the longest prompt), left-padded with
+        ``pad_id``; ``prompt_lengths``: LongTensor ``[B]``; ``answers``: ``list[str]`` of
+        length ``B``; ``questions``: ``list[str]``; ``indices``: LongTensor ``[B]``.
+
+    Raises:
+        ValueError: on an empty batch or an empty prompt.
+    """
+    if not batch:
+        raise ValueError("collate_prompts: the batch is empty")
+    lengths = [len(item["tokens"]) for item in batch]
+    if min(lengths) == 0:
+        raise ValueError(
+            f"collate_prompts: the prompt of row {batch[lengths.index(0)].get('index')} is empty"
+        )
+    width = max(lengths)
+    tokens = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    for row, item in enumerate(batch):
+        tokens[row, width - lengths[row] :] = torch.as_tensor(item["tokens"], dtype=torch.long)
+    return {
+        "tokens": tokens,
+        "prompt_lengths": torch.tensor(lengths, dtype=torch.long),
+        "answers": [item["answer"] for item in batch],
+        "questions": [item["question"] for item in batch],
+        "indices": torch.tensor([item["index"] for item in batch], dtype=torch.long),
+    }

@@ -1,0 +1,146 @@
+"""GSM8K (grade-school math word problems) as a GRPO prompt dataset."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torchtune_grpo.datasets._loading import load_rows
+from torchtune_grpo.datasets._prompt import (
+    GSM8K_TEMPLATE,
+    INVALID_ROW_POLICIES,
+    PromptDataset,
+    PromptTemplate,
+    resolve_template,
+)
+
+__all__ = ["extract_gsm8k_answer", "gsm8k_dataset", "split_gsm8k_solution"]
+
+_MARKER = "####"
+
+
+def split_gsm8k_solution(solution: str) -> tuple[str, str] | None:
+    """Split a GSM8K reference solution into its reasoning and its final answer.
+
+    Args:
+        solution: the ``answer`` field of a GSM8K row: reasoning, then ``#### <final answer>``.
+
+    Returns:
+        ``(reasoning, final_answer)``: the text before the last ``####`` (stripped) and the
+        text after it, stripped and with thousands commas removed (``"1,000"`` -> ``"1000"``);
+        ``None`` when there is no ``####`` or nothing after it.
+    """
+    if not isinstance(solution, str) or _MARKER not in solution:
+        return None
+    reasoning, _, final = solution.rpartition(_MARKER)
+    final = final.strip().replace(",", "")
+    if not final:
+        return None
+    return reasoning.strip(), final
+
+
+def extract_gsm8k_answer(solution: str) -> str | None:
+    """The gold final answer of a GSM8K reference solution (see :func:`split_gsm8k_solution`).
+
+    Args:
+        solution: the ``answer`` field of a GSM8K row.
+
+    Returns:
+        The final answer without commas (e.g. ``"18"``), or ``None`` when it has none.
+    """
+    parts = split_gsm8k_solution(solution)
+    return None if parts is None else parts[1]
+
+
+def _row_problem(row: Mapping[str, Any]) -> tuple[str, str] | None:
+    """``(field, what is wrong)`` for an invalid row, or ``None`` for a valid one."""
+    for key in ("question", "answer"):
+        value = row.get(key)
+        if value is None:
+            return key, "is missing"
+        if not isinstance(value, str):
+            return key, f"is a {type(value).__name__}, not a string"
+        if not value.strip():
+            return key, "is empty"
+    if extract_gsm8k_answer(row["answer"]) is None:
+        return "answer", "has no final answer after '####'"
+    return None
+
+
+def gsm8k_dataset(
+    tokenizer: Any,
+    *,
+    source: str = "openai/gsm8k",
+    name: str | None = "main",
+    split: str = "train",
+    data_files: Any = None,
+    template: PromptTemplate | Mapping[str, Any] | str | None = None,
+    max_prompt_tokens: int | None = None,
+    invalid_rows: str = "error",
+    **load_kwargs: Any,
+) -> PromptDataset:
+    """GSM8K prompts with their gold final answers.
+
+    Each row needs a ``question`` and an ``answer`` string; the gold answer is the text after
+    ``####`` in ``answer``, stripped and without commas. Use it in a config as::
+
+        dataset:
+          _component_: torchtune_grpo.datasets.gsm8k_dataset
+          split: train
+          max_prompt_tokens: 512
+
+    Args:
+        tokenizer: a torchtune model tokenizer.
+        source: Hub dataset id, or a local file/folder (e.g. ``/data/gsm8k/test.jsonl``), or
+            ``"json"``/``"parquet"``/``"csv"`` with ``data_files`` (see
+            :func:`~torchtune_grpo.datasets.load_rows`).
+        name: Hub configuration (``"main"`` or ``"socratic"``).
+        split: split expression, slicing allowed (``"train[:200]"``).
+        data_files: local file(s), see :func:`~torchtune_grpo.datasets.load_rows`.
+        template: prompt template (see :func:`~torchtune_grpo.datasets.resolve_template`);
+            default :data:`~torchtune_grpo.datasets.GSM8K_TEMPLATE`.
+        max_prompt_tokens: the longest prompt allowed, or ``None``.
+        invalid_rows: ``"error"``: raise on the first invalid row (missing, empty or non-string
+            ``question``/``answer``, no ``####``) or too-long prompt; ``"skip"``: drop such rows
+            and count them in ``dataset.skipped_rows``.
+        **load_kwargs: passed to ``datasets.load_dataset`` (e.g. ``cache_dir``).
+
+    Returns:
+        A :class:`~torchtune_grpo.datasets.PromptDataset` whose items are
+        ``{"tokens", "answer", "question", "index"}`` (``index``: the row's index in the split).
+
+    Raises:
+        ValueError: on an invalid row or too-long prompt with ``invalid_rows="error"`` (naming
+            the row index and the field), an unknown ``invalid_rows``, or no usable row.
+        FileNotFoundError: when a local source does not exist.
+    """
+    if invalid_rows not in INVALID_ROW_POLICIES:
+        raise ValueError(
+            f"gsm8k_dataset: invalid_rows must be one of {INVALID_ROW_POLICIES}, "
+            f"got {invalid_rows!r}"
+        )
+    template = resolve_template(template, default=GSM8K_TEMPLATE)
+    rows = load_rows(source, data_files=data_files, split=split, name=name, **load_kwargs)
+    samples: list[tuple[str, str, int]] = []
+    skipped = 0
+    for index, row in enumerate(rows):
+        problem = _row_problem(row)
+        if problem is not None:
+            if invalid_rows == "skip":
+                skipped += 1
+                continue
+            key, what = problem
+            raise ValueError(
+                f"gsm8k_dataset ({source}, split {split!r}): row {index} field {key!r} {what}. "
+                "Fix the data, or set invalid_rows=skip to drop such rows."
+            )
+        samples.append((row["question"], extract_gsm8k_answer(row["answer"]), index))
+    return PromptDataset(
+        samples,
+        tokenizer,
+        template,
+        max_prompt_tokens=max_prompt_tokens,
+        invalid_rows=invalid_rows,
+        skipped_rows=skipped,
+        name=f"gsm8k_dataset ({source}, split {split!r})",
+    )
