@@ -18,6 +18,7 @@ from pathlib import Path
 RECIPES = (
     "grpo_full_finetune_distributed",
     "grpo_full_finetune_single_device",
+    "grpo_eval",
 )
 
 
@@ -25,8 +26,14 @@ def _ls(_args) -> int:
     from torchtune_grpo.config import list_shipped_configs
 
     print("RECIPE" + " " * 36 + "CONFIG")
+    names = list_shipped_configs()
+    groups = {
+        "grpo_eval": [n for n in names if "eval" in n],
+        "grpo_full_finetune_distributed": [n for n in names if "eval" not in n],
+        "grpo_full_finetune_single_device": [n for n in names if "eval" not in n],
+    }
     for recipe in RECIPES:
-        for i, name in enumerate(list_shipped_configs()):
+        for i, name in enumerate(groups[recipe]):
             print(f"{recipe if i == 0 else '':42}{name}")
     return 0
 
@@ -47,11 +54,12 @@ def _cp(args) -> int:
 
 
 def _validate(args) -> int:
-    from torchtune_grpo.config import ConfigError, load_config, validate_config
+    from torchtune_grpo.config import EVAL_KEYS, ConfigError, load_config, validate_config
 
     try:
         cfg = load_config(args.config, args.overrides)
-        validate_config(cfg, world_size=args.world_size)
+        schema = EVAL_KEYS if "checkpoint_dir" in cfg else None
+        validate_config(cfg, world_size=args.world_size, schema=schema)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(e, file=sys.stderr)
         return 1

@@ -10,7 +10,6 @@ into place after an fsync, so a crash during a save never leaves a half-written
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -67,7 +66,7 @@ def save_step_checkpoint(
     checkpointer: Any,
     model_state_dict: dict[str, torch.Tensor],
     recipe_state: dict[str, Any],
-    extra_files: dict[str, Any] | None = None,
+    extra_files: dict[str, str] | None = None,
     keep_last_n: int | None = None,
 ) -> Path:
     """Write ``output_dir/step_{step}`` atomically (call on rank 0 only).
@@ -80,7 +79,7 @@ def save_step_checkpoint(
         model_state_dict: the full (gathered) torchtune-format model state dict.
         recipe_state: tensors and plain values for exact resume; saved as
             ``recipe_state.pt``, loadable with ``torch.load(weights_only=True)``.
-        extra_files: ``name -> JSON-serialisable object`` written next to the model.
+        extra_files: ``name -> text`` written next to the model (evaluation results).
         keep_last_n: delete older complete checkpoints beyond this many (never this one).
 
     Returns:
@@ -106,8 +105,8 @@ def save_step_checkpoint(
     written.rmdir()
 
     torch.save(recipe_state, staging / RECIPE_STATE_FILE)
-    for name, payload in (extra_files or {}).items():
-        (staging / name).write_text(json.dumps(payload, indent=2))
+    for name, text in (extra_files or {}).items():
+        (staging / name).write_text(text)
     (staging / COMPLETE_MARKER).write_text(f"{step}\n")
     _fsync_tree(staging)
     if final.exists():  # a re-run of the same step replaces its old checkpoint
@@ -127,3 +126,52 @@ def load_recipe_state(checkpoint: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: {checkpoint} is not a complete step checkpoint")
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def hf_checkpointer(
+    checkpoint_dir: str,
+    model_type: str,
+    output_dir: str | None = None,
+    checkpoint_files: list[str] | None = None,
+    **kwargs: Any,
+):
+    """A torchtune ``FullModelHFCheckpointer`` that finds the weight files itself.
+
+    Saved step folders name their weights ``model-0000k-of-0000n.safetensors`` while
+    downloaded models use other names; listing them by hand in every eval config is error-prone.
+
+    Args:
+        checkpoint_dir: folder with the HF weights and ``config.json``.
+        model_type: torchtune model type (``LLAMA3_2``, ``QWEN2``, ...).
+        output_dir: where the checkpointer may write; a fresh temporary folder when None
+            (read-only uses such as evaluation).
+        checkpoint_files: weight files; all ``*.safetensors`` (else ``*.bin``) when None.
+        **kwargs: passed to ``FullModelHFCheckpointer``.
+
+    Raises:
+        FileNotFoundError: no folder, no ``config.json`` or no weight file, naming the path.
+    """
+    import tempfile
+
+    from torchtune.training import FullModelHFCheckpointer
+
+    folder = Path(checkpoint_dir).expanduser()
+    if not folder.is_dir():
+        raise FileNotFoundError(f"checkpoint_dir {folder} does not exist")
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder / 'config.json'} not found: not an HF checkpoint folder")
+    if checkpoint_files is None:
+        checkpoint_files = sorted(p.name for p in folder.glob("*.safetensors")) or sorted(
+            p.name for p in folder.glob("*.bin")
+        )
+        if not checkpoint_files:
+            raise FileNotFoundError(f"no *.safetensors or *.bin weight file in {folder}")
+    if output_dir is None:
+        output_dir = tempfile.mkdtemp(prefix="grpo_ckpt_")
+    return FullModelHFCheckpointer(
+        checkpoint_dir=str(folder),
+        checkpoint_files=list(checkpoint_files),
+        model_type=model_type,
+        output_dir=str(output_dir),
+        **kwargs,
+    )

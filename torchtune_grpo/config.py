@@ -89,7 +89,11 @@ def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[[], Any]:
         flags = [o for o in overrides if o.startswith("--")]
         if flags:
             parser.error(f"unsupported flags {flags}: use --config and key=value overrides")
-        sys.exit(recipe_main(load_config(args.config, overrides)))
+        try:
+            sys.exit(recipe_main(load_config(args.config, overrides)))
+        except ConfigError as e:  # a user mistake: the message says it all, no traceback
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
 
     return wrapper
 
@@ -155,8 +159,15 @@ RECIPE_KEYS: dict[str, Key] = {
     "keep_last_n_checkpoints": Key("int|null", None,
                                    "Delete older step checkpoints beyond this many.",
                                    _optional_positive),
-    "eval_every_n_steps": Key("int|null", None, "Evaluate every N steps (null: never).",
+    "eval_every_n_steps": Key("int|null", None,
+                              "Evaluate on ``eval_dataset`` every N steps and at the end; the "
+                              "results go into that step's checkpoint (null: never).",
                               _optional_positive),
+    "eval_dataset": Key("component|null", None, "Held-out prompt dataset (takes ``tokenizer``)."),
+    "eval": Key("dict|null", None,
+                "Evaluation sampling: ``num_samples``, ``temperature`` (0: greedy), ``top_k``, "
+                "``k`` (list), ``max_generated_tokens``, ``forward_batch_size``."),
+    "eval_at_start": Key("bool", True, "Also evaluate before the first step (logged as step 0)."),
     "resume_from_checkpoint": Key("bool|str", False,
                                   "Continue from the newest complete ``step_{N}`` (or a path)."),
     "model": Key("component", REQUIRED, "torchtune model builder."),
@@ -182,6 +193,22 @@ RECIPE_KEYS: dict[str, Key] = {
                               _at_least(1)),
     "shuffle": Key("bool", True, "Shuffle the prompt dataset each epoch."),
     "progress_bar": Key("bool", True, "Show a tqdm progress bar on rank 0."),
+}
+
+#: Keys of ``grpo_eval`` (shared ones keep their meaning from :data:`RECIPE_KEYS`).
+EVAL_KEYS: dict[str, Key] = {
+    "checkpoint_dir": Key("str", REQUIRED,
+                          "The checkpoint to evaluate; results are written into it."),
+    **{k: RECIPE_KEYS[k] for k in ("seed", "device", "dtype", "model", "tokenizer",
+                                   "checkpointer", "dataset", "rewards", "top_k",
+                                   "progress_bar", "model_dir")},
+    "num_samples": Key("int", 1, "Completions per problem.", _at_least(1)),
+    "temperature": Key("float", 0.0, "Sampling temperature; 0 is greedy.",
+                       lambda v: None if v >= 0 else "must be >= 0"),
+    "k": Key("list", [1], "Budgets reported as pass@k and maj@k (each <= num_samples)."),
+    "max_generated_tokens": Key("int", REQUIRED, "Most tokens generated per completion.",
+                                _at_least(1)),
+    "forward_batch_size": Key("int", 64, "Sequences per generation micro-batch.", _at_least(1)),
 }
 
 _TYPES: dict[str, Callable[[Any], bool]] = {
@@ -240,18 +267,21 @@ class ConfigError(ValueError):
 
 
 def validate_config(cfg: DictConfig, *, world_size: int = 1,
-                    extra_keys: dict[str, Key] | None = None) -> None:
+                    extra_keys: dict[str, Key] | None = None,
+                    schema: dict[str, Key] | None = None) -> None:
     """Check ``cfg`` against :data:`RECIPE_KEYS` without building anything expensive.
 
     Args:
         cfg: the merged config.
         world_size: number of ranks the run will use (for batch divisibility).
-        extra_keys: recipe-specific keys beyond :data:`RECIPE_KEYS`.
+        extra_keys: recipe-specific keys beyond the schema.
+        schema: the recipe's keys (default :data:`RECIPE_KEYS`; ``grpo_eval``:
+            :data:`EVAL_KEYS`).
 
     Raises:
         ConfigError: listing every problem, each naming its key.
     """
-    known = {**RECIPE_KEYS, **(extra_keys or {})}
+    known = {**(schema if schema is not None else RECIPE_KEYS), **(extra_keys or {})}
     errors: list[str] = []
     for key in cfg:
         if key not in known:
@@ -259,7 +289,7 @@ def validate_config(cfg: DictConfig, *, world_size: int = 1,
             hint = f" Did you mean {close[0]!r}?" if close else ""
             errors.append(f"unknown config key {key!r}.{hint}")
     for key, spec in known.items():
-        if key not in cfg:
+        if key not in cfg or OmegaConf.is_missing(cfg, key):
             if spec.default is REQUIRED:
                 errors.append(f"missing required config key {key!r}: {spec.doc}")
             continue
@@ -271,11 +301,12 @@ def validate_config(cfg: DictConfig, *, world_size: int = 1,
             problem = spec.check(value)
             if problem:
                 errors.append(f"config key {key!r} {problem} (got {value!r})")
-    _check_components(cfg, "cfg", errors)
+    raw = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else cfg
+    _check_components(raw, "cfg", errors)
     rewards = cfg.get("rewards")
     if isinstance(rewards, (list, ListConfig)) and len(rewards) == 0:
         errors.append("config key 'rewards' must list at least one reward component")
-    if not errors:
+    if not errors and schema is None:
         errors.extend(_batch_errors(cfg, world_size))
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
@@ -291,6 +322,8 @@ def per_rank_batch_size(cfg: DictConfig, world_size: int) -> int:
 
 def _batch_errors(cfg: DictConfig, world_size: int) -> list[str]:
     errors = []
+    if cfg.get("eval_every_n_steps") and cfg.get("eval_dataset") is None:
+        errors.append("config key 'eval_every_n_steps' is set but 'eval_dataset' is not")
     global_batch = cfg.get("global_batch_size")
     if global_batch is None and cfg.get("batch_size") is None:
         return ["set config key 'batch_size' (prompts per rank) or 'global_batch_size'"]

@@ -29,30 +29,22 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
-from torchtune import config, modules, training, utils
+from torchtune import config, training, utils
 
 from torchtune_grpo import distributed as D
 from torchtune_grpo.checkpointing import save_step_checkpoint
 from torchtune_grpo.config import per_rank_batch_size, validate_config
 from torchtune_grpo.datasets import collate_prompts
+from torchtune_grpo.evaluation import EvalResult, EvalSettings, evaluate
 from torchtune_grpo.rlhf.advantages import group_advantages
-from torchtune_grpo.rlhf.forward import install_output_modes, response_logprobs
-from torchtune_grpo.rlhf.generation import (
-    allowed_token_mask,
-    decode_completions,
-    generate_trajectory,
-    logit_bias_from_mask,
-    mix_seeds,
-    stop_token_ids,
-)
+from torchtune_grpo.modeling import DTYPES, build_model, token_rules
+from torchtune_grpo.rlhf.forward import response_logprobs
+from torchtune_grpo.rlhf.generation import decode_completions, generate_trajectory, mix_seeds
 from torchtune_grpo.rlhf.loss import summarize_loss_stats
 from torchtune_grpo.rlhf.rewards import build_reward_set
 from torchtune_grpo.rlhf.trajectory import Trajectory, attention_mask, position_ids
 
 log = utils.get_logger("INFO")
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
 
 def _world_size_from_env() -> int:
     import os
@@ -71,7 +63,7 @@ class GRPORecipe:
         validate_config(cfg, world_size=_world_size_from_env())
         self.cfg = cfg
         self.device = utils.get_device(cfg.get("device", "cuda"))
-        self.dtype = _DTYPES[cfg.get("dtype", "bf16")]
+        self.dtype = DTYPES[cfg.get("dtype", "bf16")]
         self.world_size, self.rank = D.init_distributed(self.device)
         self.is_rank_zero = self.rank == 0
         self.seed = training.set_seed(cfg.get("seed", 0))
@@ -102,6 +94,22 @@ class GRPORecipe:
         self.rewards = build_reward_set(cfg.rewards)
         self.loss_fn = config.instantiate(cfg.loss)
         self.dataloader = self._build_dataloader()
+        self.eval_every = cfg.get("eval_every_n_steps")
+        self.eval_dataset = None
+        if cfg.get("eval_dataset") is not None:
+            self.eval_dataset = config.instantiate(cfg.eval_dataset, tokenizer=self.tokenizer)
+        eval_cfg = cfg.get("eval") or {}
+        self.eval_settings = EvalSettings(
+            num_samples=int(eval_cfg.get("num_samples", 1)),
+            temperature=float(eval_cfg.get("temperature", 0.0)),
+            top_k=eval_cfg.get("top_k"),
+            k=list(eval_cfg.get("k", [1])),
+            max_generated_tokens=int(eval_cfg.get("max_generated_tokens")
+                                     or self.max_generated_tokens),
+            forward_batch_size=int(eval_cfg.get("forward_batch_size")
+                                   or self.forward_batch_size),
+            seed=self.seed,
+        )
 
         self.checkpointer = config.instantiate(cfg.checkpointer)
         state_dict = self.checkpointer.load_checkpoint()[training.MODEL_KEY]
@@ -124,11 +132,9 @@ class GRPORecipe:
             self.metric_logger = config.instantiate(cfg.metric_logger)
             self.metric_logger.log_config(cfg)
 
-        vocab_size = self._vocab_size()
-        self.allowed_tokens = allowed_token_mask(self.tokenizer, vocab_size)
-        self.logit_bias = logit_bias_from_mask(self.allowed_tokens).to(self.device)
-        self.stop_tokens = torch.tensor(stop_token_ids(self.tokenizer), device=self.device)
-        self.pad_id = int(getattr(self.tokenizer, "pad_id", 0) or 0)
+        self.rules = token_rules(self.tokenizer, self.model, self.device)
+        self.allowed_tokens, self.logit_bias = self.rules.allowed, self.rules.logit_bias
+        self.stop_tokens, self.pad_id = self.rules.stop_tokens, self.rules.pad_id
         self.shuffle_generator = torch.Generator().manual_seed(self.seed + 7919 * (self.rank + 1))
 
     def _build_dataloader(self) -> StatefulDataLoader:
@@ -154,48 +160,13 @@ class GRPORecipe:
 
     def _build_model(self, state_dict: dict[str, torch.Tensor], *, trainable: bool) -> nn.Module:
         cfg = self.cfg
-        checkpointing = trainable and cfg.get("enable_activation_checkpointing", False)
-        if self.world_size > 1:
-            with training.set_default_dtype(self.dtype), torch.device("meta"):
-                model = config.instantiate(cfg.model)
-            if checkpointing:
-                training.set_activation_checkpointing(
-                    model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
-                )
-            training.shard_model(
-                model=model,
-                shard_conditions=[partial(training.get_shard_conditions, names_to_match=None)],
-                cpu_offload=cfg.get("fsdp_cpu_offload", False),
-                reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True),
-            )
-            with training.set_default_dtype(self.dtype), self.device:
-                for module in model.modules():
-                    if hasattr(module, "rope_init"):
-                        module.rope_init()
-            training.load_from_full_model_state_dict(
-                model, state_dict, self.device, strict=True,
-                cpu_offload=cfg.get("fsdp_cpu_offload", False),
-            )
-        else:
-            with training.set_default_dtype(self.dtype), self.device:
-                model = config.instantiate(cfg.model)
-            model.load_state_dict(state_dict, strict=True)
-            if checkpointing:
-                training.set_activation_checkpointing(
-                    model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
-                )
-        install_output_modes(model)
-        if not trainable:
-            model.eval()
-            model.requires_grad_(False)
-        return model
-
-    def _vocab_size(self) -> int:
-        out = self.model.output
-        weight = getattr(out, "weight", None)
-        if weight is None:  # TiedLinear
-            weight = out.tied_module.weight
-        return int(weight.shape[0])
+        return build_model(
+            cfg.model, state_dict, device=self.device, dtype=self.dtype,
+            world_size=self.world_size, trainable=trainable,
+            activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+            fsdp_cpu_offload=cfg.get("fsdp_cpu_offload", False),
+            reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True),
+        )
 
     # ------------------------------------------------------------------ one step
     def rollout(self, batch: dict[str, Any]) -> Trajectory:
@@ -364,8 +335,10 @@ class GRPORecipe:
         from tqdm import tqdm
 
         batches = self._batches()
-        progress = tqdm(total=self.num_steps, initial=self.step,
-                        disable=not (self.is_rank_zero and self.cfg.get("progress_bar", True)))
+        show = self.is_rank_zero and self.cfg.get("progress_bar", True)
+        if self.eval_dataset is not None and self.step == 0 and self.cfg.get("eval_at_start", True):
+            self.run_eval()
+        progress = tqdm(total=self.num_steps, initial=self.step, disable=not show)
         while self.step < self.num_steps:
             batch = next(batches)
             times = {}
@@ -398,10 +371,31 @@ class GRPORecipe:
                 f"step {self.step} reward {metrics['reward/mean']:.3f} "
                 f"success {metrics['success_rate']:.2f}"
             )
-            if self.save_every and self.step % self.save_every == 0 and self.step < self.num_steps:
-                self.save_checkpoint()
+            last = self.step == self.num_steps
+            evaluated = None
+            if self.eval_every and (self.step % self.eval_every == 0 or last):
+                evaluated = self.run_eval()
+            if last or evaluated is not None or (
+                self.save_every and self.step % self.save_every == 0
+            ):
+                self.save_checkpoint(evaluated)
         progress.close()
-        self.save_checkpoint()
+
+    def run_eval(self) -> EvalResult:
+        """Evaluate the current policy on ``eval_dataset``; log ``eval/...`` metrics."""
+        result = evaluate(
+            self.model, self.tokenizer, self.eval_dataset, self.rewards, self.eval_settings,
+            device=self.device, logit_bias=self.logit_bias, allowed_tokens=self.allowed_tokens,
+            stop_tokens=self.stop_tokens, pad_id=self.pad_id, cache_dtype=self.dtype,
+        )
+        metrics = {f"eval/{k}": v for k, v in result.metrics.items()}
+        metrics["eval/problems_per_second"] = len(result.samples) / max(result.seconds, 1e-9)
+        if self.metric_logger is not None:
+            self.metric_logger.log_dict(metrics, step=self.step)
+        if self.is_rank_zero:
+            log.info(f"step {self.step}: " + ", ".join(
+                f"{k}={v:.4f}" for k, v in metrics.items()))
+        return result
 
     # ------------------------------------------------------------------ checkpoint
     def _full_model_state_dict(self) -> dict[str, torch.Tensor]:
@@ -417,16 +411,29 @@ class GRPORecipe:
             "config": OmegaConf.to_container(self.cfg, resolve=True),
         }
 
-    def save_checkpoint(self) -> None:
-        """Write ``output_dir/step_{step}`` (rank 0 writes, every rank takes part)."""
+    def save_checkpoint(self, evaluated: EvalResult | None = None) -> None:
+        """Write ``output_dir/step_{step}`` (rank 0 writes, every rank takes part).
+
+        Args:
+            evaluated: evaluation results of this step, stored inside the folder.
+        """
         state = self._full_model_state_dict()
         if self.is_rank_zero:
+            extra = None
+            if evaluated is not None:
+                extra = evaluated.files(
+                    dataset=str(self.cfg.eval_dataset.get("_component_")),
+                    split=str(self.cfg.eval_dataset.get("split", "")),
+                    model_path=str(self.cfg.output_dir) + f"/step_{self.step}",
+                    step=self.step,
+                )
             path = save_step_checkpoint(
                 output_dir=self.cfg.output_dir,
                 step=self.step,
                 checkpointer=self.checkpointer,
                 model_state_dict=state,
                 recipe_state=self.recipe_state(),
+                extra_files=extra,
                 keep_last_n=self.cfg.get("keep_last_n_checkpoints"),
             )
             log.info(f"saved {path}")

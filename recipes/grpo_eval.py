@@ -1,0 +1,70 @@
+"""Evaluate a checkpoint on a whole test split: greedy pass@1, pass@k, maj@k, reward means.
+
+Usage::
+
+    tune run grpo_eval --config grpo/eval_gsm8k checkpoint_dir=/tmp/grpo/qwen2_5_3B/step_200
+    tune run --nproc_per_node 8 grpo_eval --config grpo/eval_gsm8k checkpoint_dir=...
+
+Writes ``eval_results.json`` and ``eval_samples.jsonl`` into ``checkpoint_dir`` (see
+:mod:`torchtune_grpo.evaluation`). With several processes the problems are split across ranks
+and gathered; rank 0 writes the files.
+"""
+
+from omegaconf import DictConfig
+from torchtune import config, training, utils
+
+from torchtune_grpo import distributed as D
+from torchtune_grpo.config import EVAL_KEYS, parse, validate_config
+from torchtune_grpo.evaluation import EvalSettings, evaluate
+from torchtune_grpo.modeling import DTYPES, build_model, token_rules
+from torchtune_grpo.rlhf.rewards import build_reward_set
+
+log = utils.get_logger("INFO")
+
+
+@parse
+def recipe_main(cfg: DictConfig) -> None:
+    """Entry point: ``--config NAME checkpoint_dir=DIR [key=value ...]``."""
+    validate_config(cfg, schema=EVAL_KEYS)
+    settings = EvalSettings(
+        num_samples=int(cfg.get("num_samples", 1)),
+        temperature=float(cfg.get("temperature", 0.0)),
+        top_k=cfg.get("top_k"),
+        k=list(cfg.get("k", [1])),
+        max_generated_tokens=int(cfg.max_generated_tokens),
+        forward_batch_size=int(cfg.get("forward_batch_size", 64)),
+        seed=int(cfg.get("seed", 0)),
+    )
+    device = utils.get_device(cfg.get("device", "cuda"))
+    dtype = DTYPES[cfg.get("dtype", "bf16")]
+    world_size, rank = D.init_distributed(device)
+    tokenizer = config.instantiate(cfg.tokenizer)
+    dataset = config.instantiate(cfg.dataset, tokenizer=tokenizer)
+    rewards = build_reward_set(cfg.rewards)
+    checkpointer = config.instantiate(cfg.checkpointer)
+    state_dict = checkpointer.load_checkpoint()[training.MODEL_KEY]
+    model = build_model(cfg.model, state_dict, device=device, dtype=dtype,
+                        world_size=world_size, trainable=False)
+    del state_dict
+    rules = token_rules(tokenizer, model, device)
+    result = evaluate(
+        model, tokenizer, dataset, rewards, settings, device=device,
+        logit_bias=rules.logit_bias, allowed_tokens=rules.allowed,
+        stop_tokens=rules.stop_tokens, pad_id=rules.pad_id, cache_dtype=dtype,
+        progress=cfg.get("progress_bar", True),
+    )
+    if rank == 0:
+        paths = result.write(
+            cfg.checkpoint_dir,
+            dataset=str(cfg.dataset.get("_component_")),
+            split=str(cfg.dataset.get("split", "")),
+            model_path=str(cfg.checkpoint_dir),
+        )
+        summary = ", ".join(f"{k}={v:.4f}" for k, v in result.metrics.items())
+        log.info(f"{len(result.samples)} problems in {result.seconds:.1f}s: {summary}")
+        log.info(f"wrote {paths[0]} and {paths[1]}")
+    D.destroy()
+
+
+if __name__ == "__main__":
+    recipe_main()

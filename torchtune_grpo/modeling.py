@@ -1,0 +1,146 @@
+"""Building the policy (and reference) model, plain or FSDP2-sharded, and its token rules.
+
+Shared by the training recipes and ``grpo_eval``: with one rank the model is built directly on
+its device; with several it is built on the meta device, sharded with torchtune's
+``shard_model`` and filled from the full state dict with ``load_from_full_model_state_dict``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torchtune import config, modules, training
+
+from torchtune_grpo.rlhf.forward import install_output_modes
+from torchtune_grpo.rlhf.generation import (
+    allowed_token_mask,
+    logit_bias_from_mask,
+    stop_token_ids,
+)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _check_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Raise a ValueError naming the first parameter whose name or shape does not match."""
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing = sorted(set(expected) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            "the checkpoint does not match the config's `model`: "
+            + (f"missing {missing[:5]} " if missing else "")
+            + (f"unexpected {unexpected[:5]}" if unexpected else "")
+        )
+    for name, shape in expected.items():
+        got = tuple(state_dict[name].shape)
+        if got != shape:
+            raise ValueError(
+                f"the checkpoint does not match the config's `model`: parameter {name!r} has "
+                f"shape {list(got)} in the checkpoint but {list(shape)} in the model"
+            )
+
+
+def build_model(
+    cfg_model: DictConfig,
+    state_dict: dict[str, torch.Tensor],
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    world_size: int,
+    trainable: bool = True,
+    activation_checkpointing: bool = False,
+    fsdp_cpu_offload: bool = False,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Instantiate ``cfg_model``, load ``state_dict`` and prepare it for GRPO.
+
+    Args:
+        cfg_model: the ``model`` config node.
+        state_dict: full torchtune-format weights.
+        device: target device.
+        dtype: parameter dtype.
+        world_size: ranks; above 1 the model is FSDP2-sharded.
+        trainable: False freezes it and puts it in eval mode (reference model, evaluation).
+        activation_checkpointing: wrap transformer layers (trainable models only).
+        fsdp_cpu_offload: keep FSDP shards on CPU.
+        reshard_after_forward: FSDP2 ``reshard_after_forward``.
+    """
+    checkpointing = trainable and activation_checkpointing
+    if world_size > 1:
+        with training.set_default_dtype(dtype), torch.device("meta"):
+            model = config.instantiate(cfg_model)
+        _check_state_dict(model, state_dict)
+        if checkpointing:
+            training.set_activation_checkpointing(
+                model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
+            )
+        training.shard_model(
+            model=model,
+            shard_conditions=[partial(training.get_shard_conditions, names_to_match=None)],
+            cpu_offload=fsdp_cpu_offload,
+            reshard_after_forward=reshard_after_forward,
+        )
+        with training.set_default_dtype(dtype), device:
+            for module in model.modules():
+                if hasattr(module, "rope_init"):
+                    module.rope_init()
+        training.load_from_full_model_state_dict(
+            model, state_dict, device, strict=True, cpu_offload=fsdp_cpu_offload
+        )
+    else:
+        with training.set_default_dtype(dtype), device:
+            model = config.instantiate(cfg_model)
+        _check_state_dict(model, state_dict)
+        model.load_state_dict(state_dict, strict=True)
+        if checkpointing:
+            training.set_activation_checkpointing(
+                model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
+            )
+    install_output_modes(model)
+    if not trainable:
+        model.eval()
+        model.requires_grad_(False)
+    return model
+
+
+def output_vocab_size(model: nn.Module) -> int:
+    """``V``: rows of the output projection (tied or not)."""
+    out = model.output
+    weight = getattr(out, "weight", None)
+    if weight is None:  # torchtune's TiedLinear
+        weight = out.tied_module.weight
+    return int(weight.shape[0])
+
+
+@dataclass
+class TokenRules:
+    """What sampling may emit and where it stops.
+
+    Attributes:
+        allowed: ``[V]`` bool, ids sampling may emit (ordinary vocabulary and stop tokens).
+        logit_bias: ``[V]`` float32 on the device, 0 or ``-inf``.
+        stop_tokens: ``[s]`` stop ids on the device.
+        pad_id: padding id.
+    """
+
+    allowed: torch.Tensor
+    logit_bias: torch.Tensor
+    stop_tokens: torch.Tensor
+    pad_id: int
+
+
+def token_rules(tokenizer: Any, model: nn.Module, device: torch.device) -> TokenRules:
+    """The :class:`TokenRules` of ``tokenizer`` for ``model``'s vocabulary."""
+    allowed = allowed_token_mask(tokenizer, output_vocab_size(model))
+    return TokenRules(
+        allowed=allowed,
+        logit_bias=logit_bias_from_mask(allowed).to(device),
+        stop_tokens=torch.tensor(stop_token_ids(tokenizer), device=device),
+        pad_id=int(getattr(tokenizer, "pad_id", 0) or 0),
+    )
