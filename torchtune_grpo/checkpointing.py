@@ -21,6 +21,8 @@ import torch
 STEP_DIR_PATTERN = re.compile(r"^step_(\d+)$")
 RECIPE_STATE_FILE = "recipe_state.pt"
 COMPLETE_MARKER = "CHECKPOINT_COMPLETE"
+#: Files of a step folder that describe that step only; never carried into a later one.
+_NOT_INHERITED = {COMPLETE_MARKER, RECIPE_STATE_FILE, "eval_results.json", "eval_samples.jsonl"}
 
 
 def step_dir(output_dir: str | Path, step: int) -> Path:
@@ -86,6 +88,7 @@ def save_step_checkpoint(
         The final folder.
     """
     output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
     final = step_dir(output_dir, step)
     staging = output_dir / f".step_{step}.partial"
     shutil.rmtree(staging, ignore_errors=True)
@@ -101,8 +104,10 @@ def save_step_checkpoint(
         checkpointer._output_dir = original_output
     written = staging / f"epoch_{step}"
     for item in written.iterdir():
+        if item.name in _NOT_INHERITED:  # copied from a step folder we resumed from
+            continue
         item.rename(staging / item.name)
-    written.rmdir()
+    shutil.rmtree(written)
 
     torch.save(recipe_state, staging / RECIPE_STATE_FILE)
     for name, text in (extra_files or {}).items():
@@ -120,6 +125,50 @@ def save_step_checkpoint(
     return final
 
 
+def weight_files(folder: str | Path) -> list[str]:
+    """Names of the weight files of an HF folder (``*.safetensors``, else ``*.bin``)."""
+    folder = Path(folder)
+    files = sorted(p.name for p in folder.glob("*.safetensors")) or sorted(
+        p.name for p in folder.glob("*.bin")
+    )
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors or *.bin weight file in {folder}")
+    return files
+
+
+def resolve_resume(resume: bool | str | None, output_dir: str | Path) -> Path | None:
+    """The step folder to resume from, or None for a fresh start.
+
+    Args:
+        resume: ``resume_from_checkpoint``: False/None (fresh), True (the newest complete
+            ``step_{N}`` of ``output_dir``; fresh, with a warning, when there is none) or a
+            path to a step folder.
+        output_dir: the run's output folder.
+
+    Raises:
+        FileNotFoundError: an explicit path that is not a complete step checkpoint.
+    """
+    if not resume:
+        return None
+    if resume is True:
+        latest = latest_step_checkpoint(output_dir)
+        if latest is None:
+            import logging
+
+            logging.getLogger(__name__).warning(
+                f"resume_from_checkpoint: no complete step_N checkpoint in {output_dir}; "
+                "starting from the base model"
+            )
+        return latest
+    path = Path(str(resume)).expanduser()
+    if not (path / COMPLETE_MARKER).is_file() or not (path / RECIPE_STATE_FILE).is_file():
+        raise FileNotFoundError(
+            f"resume_from_checkpoint: {path} is not a complete step checkpoint (expected "
+            f"{COMPLETE_MARKER} and {RECIPE_STATE_FILE} in it)"
+        )
+    return path
+
+
 def load_recipe_state(checkpoint: str | Path) -> dict[str, Any]:
     """``recipe_state.pt`` of a step folder, loaded with ``weights_only=True``."""
     path = Path(checkpoint) / RECIPE_STATE_FILE
@@ -134,7 +183,7 @@ def hf_checkpointer(
     output_dir: str | None = None,
     checkpoint_files: list[str] | None = None,
     **kwargs: Any,
-):
+) -> Any:
     """A torchtune ``FullModelHFCheckpointer`` that finds the weight files itself.
 
     Saved step folders name their weights ``model-0000k-of-0000n.safetensors`` while
@@ -161,11 +210,7 @@ def hf_checkpointer(
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder / 'config.json'} not found: not an HF checkpoint folder")
     if checkpoint_files is None:
-        checkpoint_files = sorted(p.name for p in folder.glob("*.safetensors")) or sorted(
-            p.name for p in folder.glob("*.bin")
-        )
-        if not checkpoint_files:
-            raise FileNotFoundError(f"no *.safetensors or *.bin weight file in {folder}")
+        checkpoint_files = weight_files(folder)
     if output_dir is None:
         output_dir = tempfile.mkdtemp(prefix="grpo_ckpt_")
     return FullModelHFCheckpointer(

@@ -20,6 +20,7 @@ Single process (no torchrun) runs the same code with no process group and no FSD
 from __future__ import annotations
 
 import math
+import signal
 import time
 from functools import partial
 from typing import Any
@@ -27,12 +28,16 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from torchtune import config, training, utils
 
 from torchtune_grpo import distributed as D
-from torchtune_grpo.checkpointing import save_step_checkpoint
+from torchtune_grpo.batching import StepBatches
+from torchtune_grpo.checkpointing import (
+    load_recipe_state,
+    resolve_resume,
+    save_step_checkpoint,
+    weight_files,
+)
 from torchtune_grpo.config import per_rank_batch_size, validate_config
 from torchtune_grpo.datasets import collate_prompts
 from torchtune_grpo.evaluation import EvalResult, EvalSettings, evaluate
@@ -84,6 +89,8 @@ class GRPORecipe:
         self.adv_scale = adv_cfg.get("scale", "group")
         self.adv_eps = float(adv_cfg.get("eps", 1e-6))
         self.step = 0
+        self.skipped_steps = 0
+        self._stop_requested = False
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -93,7 +100,11 @@ class GRPORecipe:
         self.dataset = config.instantiate(cfg.dataset, tokenizer=self.tokenizer)
         self.rewards = build_reward_set(cfg.rewards)
         self.loss_fn = config.instantiate(cfg.loss)
-        self.dataloader = self._build_dataloader()
+        self.batches = StepBatches(
+            self.dataset, batch_size=self.batch_size, world_size=self.world_size,
+            rank=self.rank, seed=self.seed, shuffle=bool(cfg.get("shuffle", True)),
+            collate=partial(collate_prompts, pad_id=int(getattr(self.tokenizer, "pad_id", 0))),
+        )
         self.eval_every = cfg.get("eval_every_n_steps")
         self.eval_dataset = None
         if cfg.get("eval_dataset") is not None:
@@ -111,13 +122,28 @@ class GRPORecipe:
             seed=self.seed,
         )
 
-        self.checkpointer = config.instantiate(cfg.checkpointer)
-        state_dict = self.checkpointer.load_checkpoint()[training.MODEL_KEY]
+        self.resume_dir = resolve_resume(cfg.get("resume_from_checkpoint", False),
+                                         cfg.output_dir)
+        base_checkpointer = config.instantiate(cfg.checkpointer)
+        if self.resume_dir is None:
+            self.checkpointer = base_checkpointer
+            state_dict = self.checkpointer.load_checkpoint()[training.MODEL_KEY]
+            base_state = state_dict
+        else:
+            # the policy continues from the step folder; the reference stays the base model
+            self.checkpointer = config.instantiate(
+                cfg.checkpointer, checkpoint_dir=str(self.resume_dir),
+                checkpoint_files=weight_files(self.resume_dir),
+            )
+            state_dict = self.checkpointer.load_checkpoint()[training.MODEL_KEY]
+            base_state = (base_checkpointer.load_checkpoint()[training.MODEL_KEY]
+                          if self.loss_fn.needs_reference else None)
         self.model = self._build_model(state_dict, trainable=True)
         self.ref_model = (
-            self._build_model(state_dict, trainable=False) if self.loss_fn.needs_reference else None
+            self._build_model(base_state, trainable=False) if self.loss_fn.needs_reference
+            else None
         )
-        del state_dict
+        del state_dict, base_state
 
         self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
         self.lr_scheduler = None
@@ -127,6 +153,8 @@ class GRPORecipe:
                 optimizer=self.optimizer,
                 num_training_steps=self.num_steps * self.ppo_epochs,
             )
+        if self.resume_dir is not None:
+            self._load_recipe_state(load_recipe_state(self.resume_dir))
         self.metric_logger = None
         if self.is_rank_zero and cfg.get("metric_logger") is not None:
             self.metric_logger = config.instantiate(cfg.metric_logger)
@@ -135,28 +163,6 @@ class GRPORecipe:
         self.rules = token_rules(self.tokenizer, self.model, self.device)
         self.allowed_tokens, self.logit_bias = self.rules.allowed, self.rules.logit_bias
         self.stop_tokens, self.pad_id = self.rules.stop_tokens, self.rules.pad_id
-        self.shuffle_generator = torch.Generator().manual_seed(self.seed + 7919 * (self.rank + 1))
-
-    def _build_dataloader(self) -> StatefulDataLoader:
-        if len(self.dataset) < self.batch_size * self.world_size:
-            raise ValueError(
-                f"the dataset has {len(self.dataset)} prompts, fewer than one step needs "
-                f"({self.batch_size} per rank x {self.world_size} ranks)"
-            )
-        self.sampler = StatefulDistributedSampler(
-            self.dataset,
-            num_replicas=self.world_size,
-            rank=self.rank,
-            shuffle=bool(self.cfg.get("shuffle", True)),
-            seed=self.seed,
-        )
-        return StatefulDataLoader(
-            self.dataset,
-            batch_size=self.batch_size,
-            sampler=self.sampler,
-            collate_fn=partial(collate_prompts, pad_id=int(getattr(self.tokenizer, "pad_id", 0))),
-            drop_last=True,
-        )
 
     def _build_model(self, state_dict: dict[str, torch.Tensor], *, trainable: bool) -> nn.Module:
         cfg = self.cfg
@@ -247,8 +253,12 @@ class GRPORecipe:
         )
         normalizer = D.all_reduce(normalizer.clone(), "sum")
         stats, grad_norms, skipped = [], [], 0
-        for _ in range(self.ppo_epochs):
-            order = torch.randperm(traj.num_sequences, generator=self.shuffle_generator)
+        for epoch in range(self.ppo_epochs):
+            # micro-batch order: a pure function of (seed, step, epoch, rank), like sampling
+            gen = torch.Generator().manual_seed(
+                int(mix_seeds(self.seed, self.step, epoch, self.rank, 0x5F0F))
+            )
+            order = torch.randperm(traj.num_sequences, generator=gen)
             for i in range(0, traj.num_sequences, self.forward_batch_size):
                 idx = order[i : i + self.forward_batch_size].to(self.device)
                 logprobs, entropy = response_logprobs(
@@ -273,6 +283,7 @@ class GRPORecipe:
                 self.optimizer.step()
             else:
                 skipped += 1
+                self.skipped_steps += 1
                 log.warning(f"step {self.step + 1}: non-finite gradient norm, update skipped")
             self.optimizer.zero_grad(set_to_none=True)
             if self.lr_scheduler is not None:
@@ -323,24 +334,29 @@ class GRPORecipe:
         return metrics
 
     # ------------------------------------------------------------------ loop
-    def _batches(self):
-        epoch = 0
-        while True:
-            self.sampler.set_epoch(epoch)
-            yield from self.dataloader
-            epoch += 1
-
     def train(self) -> None:
         """Run ``num_steps`` GRPO steps (see the module docstring)."""
         from tqdm import tqdm
 
-        batches = self._batches()
         show = self.is_rank_zero and self.cfg.get("progress_bar", True)
         if self.eval_dataset is not None and self.step == 0 and self.cfg.get("eval_at_start", True):
             self.run_eval()
         progress = tqdm(total=self.num_steps, initial=self.step, disable=not show)
+        previous_handler = signal.signal(signal.SIGTERM, self._request_stop)
+        try:
+            self._train_loop(progress)
+        finally:
+            signal.signal(signal.SIGTERM, previous_handler)
+            progress.close()
+
+    def _request_stop(self, signum, _frame) -> None:
+        """SIGTERM (preemption): finish the current step, save, and stop."""
+        log.warning(f"received signal {signum}: saving at the end of this step, then stopping")
+        self._stop_requested = True
+
+    def _train_loop(self, progress) -> None:
         while self.step < self.num_steps:
-            batch = next(batches)
+            batch = self.batches.batch(self.step)
             times = {}
             t0 = time.perf_counter()
             traj = self.rollout(batch)
@@ -371,15 +387,19 @@ class GRPORecipe:
                 f"step {self.step} reward {metrics['reward/mean']:.3f} "
                 f"success {metrics['success_rate']:.2f}"
             )
+            preempted = not D.all_ranks_true(not self._stop_requested, self.device)
             last = self.step == self.num_steps
             evaluated = None
             if self.eval_every and (self.step % self.eval_every == 0 or last):
                 evaluated = self.run_eval()
-            if last or evaluated is not None or (
+            if last or preempted or evaluated is not None or (
                 self.save_every and self.step % self.save_every == 0
             ):
                 self.save_checkpoint(evaluated)
-        progress.close()
+            if preempted:
+                log.warning(f"stopped after step {self.step} on request; resume with "
+                            "resume_from_checkpoint=true")
+                break
 
     def run_eval(self) -> EvalResult:
         """Evaluate the current policy on ``eval_dataset``; log ``eval/...`` metrics."""
@@ -403,13 +423,54 @@ class GRPORecipe:
             return training.gather_cpu_state_dict(self.model, self.is_rank_zero, self.device)
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
-    def recipe_state(self) -> dict[str, Any]:
-        """What the next step reads, for ``recipe_state.pt``."""
+    def _full_optimizer_state_dict(self) -> dict[str, Any]:
+        if self.world_size > 1:  # gathered on rank 0 (a collective: every rank calls it)
+            return training.get_full_optimizer_state_dict(
+                self.model, self.optimizer, self.is_rank_zero, device=self.device
+            )
+        return self.optimizer.state_dict()
+
+    def recipe_state(self, optimizer_state: dict[str, Any]) -> dict[str, Any]:
+        """What the next step reads, for ``recipe_state.pt``.
+
+        Sampling, prompt order and micro-batch order are pure functions of ``(seed, step)``,
+        so no random-generator state needs saving: the step, the optimizer and the scheduler
+        are the whole state.
+        """
         return {
             "step": self.step,
             "seed": self.seed,
+            "global_batch_size": self.batch_size * self.world_size,
+            "world_size": self.world_size,
+            "optimizer": optimizer_state,
+            "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
+            "skipped_steps": self.skipped_steps,
             "config": OmegaConf.to_container(self.cfg, resolve=True),
         }
+
+    def _load_recipe_state(self, state: dict[str, Any]) -> None:
+        if state["seed"] != self.seed:
+            raise ValueError(
+                f"resume_from_checkpoint: {self.resume_dir} was trained with seed "
+                f"{state['seed']}, the config says {self.seed}; an exact resume needs the same seed"
+            )
+        if state["global_batch_size"] != self.batch_size * self.world_size:
+            log.warning(
+                f"resuming with a global batch of {self.batch_size * self.world_size} prompts "
+                f"instead of {state['global_batch_size']}: later steps see other prompts"
+            )
+        if self.world_size > 1:
+            training.load_from_full_optimizer_state_dict(
+                self.model, self.optimizer, state["optimizer"], self.device
+            )
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.step = int(state["step"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        if self.is_rank_zero:
+            log.info(f"resumed from {self.resume_dir} at step {self.step}")
 
     def save_checkpoint(self, evaluated: EvalResult | None = None) -> None:
         """Write ``output_dir/step_{step}`` (rank 0 writes, every rank takes part).
@@ -418,6 +479,7 @@ class GRPORecipe:
             evaluated: evaluation results of this step, stored inside the folder.
         """
         state = self._full_model_state_dict()
+        optimizer_state = self._full_optimizer_state_dict()
         if self.is_rank_zero:
             extra = None
             if evaluated is not None:
@@ -432,7 +494,7 @@ class GRPORecipe:
                 step=self.step,
                 checkpointer=self.checkpointer,
                 model_state_dict=state,
-                recipe_state=self.recipe_state(),
+                recipe_state=self.recipe_state(optimizer_state),
                 extra_files=extra,
                 keep_last_n=self.cfg.get("keep_last_n_checkpoints"),
             )

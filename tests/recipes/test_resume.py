@@ -1,0 +1,111 @@
+"""Exact resume after SIGKILL, crash-safe saves, and SIGTERM (preemption) handling."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.recipes._helpers import metrics, quickstart_overrides, recipe_env, run_tune, tune_cmd
+
+pytestmark = pytest.mark.slow
+
+WEIGHTS = "model-00001-of-00001.safetensors"
+TIMING = ("time/", "tokens_per_second")
+
+
+def _launch(nproc: int) -> list[str]:
+    return ["run"] + (["--nproc_per_node", str(nproc)] if nproc > 1 else []) + [
+        "grpo_full_finetune_distributed"]
+
+
+def _args(base, out, *extra):
+    # ppo_epochs=2 and an LR schedule make optimizer and scheduler state matter
+    return quickstart_overrides(
+        base, out, "num_steps=4", "global_batch_size=8", "batch_size=null", "group_size=4",
+        "ppo_epochs=2", "lr_scheduler._component_=torchtune.training.lr_schedulers."
+        "get_cosine_schedule_with_warmup", "lr_scheduler.num_warmup_steps=2", *extra)
+
+
+def _expect_killed(args, cwd, nproc):
+    proc = subprocess.run(tune_cmd(*_launch(nproc), *args), cwd=cwd, env=recipe_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0, "the run was supposed to be killed"
+
+
+def _same_weights(a, b):
+    wa, wb = load_file(str(a)), load_file(str(b))
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        assert wa[key].equal(wb[key]), key
+
+
+def _same_metrics(rows_a, rows_b, steps):
+    a = {int(r["step"]): r for r in rows_a}
+    b = {int(r["step"]): r for r in rows_b}
+    for step in steps:
+        keys = {k for k in a[step] if not k.startswith(TIMING)}
+        assert keys == {k for k in b[step] if not k.startswith(TIMING)}
+        for key in keys:
+            assert a[step][key] == b[step][key], (step, key)
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_resume_after_sigkill_is_bitwise_exact(base_model, tmp_path, nproc):
+    full = tmp_path / "full"
+    run_tune([*_launch(nproc), *_args(base_model, full, "save_every_n_steps=2")], cwd=tmp_path)
+
+    out = tmp_path / "killed"
+    _expect_killed(_args(base_model, out, "save_every_n_steps=2",
+                         "metric_logger._component_=crash_helpers.KillAfterStepLogger",
+                         "metric_logger.kill_at_step=3"), tmp_path, nproc)
+    assert (out / "step_2" / "CHECKPOINT_COMPLETE").is_file()
+    assert not (out / "step_4").exists()
+    run_tune([*_launch(nproc), *_args(base_model, out, "save_every_n_steps=2",
+                                      "resume_from_checkpoint=true")], cwd=tmp_path)
+    _same_weights(full / "step_4" / WEIGHTS, out / "step_4" / WEIGHTS)
+    _same_metrics(metrics(full), metrics(out), steps=[3, 4])
+
+
+def test_crash_during_save_keeps_previous_checkpoint(base_model, tmp_path):
+    reference = tmp_path / "reference"
+    run_tune([*_launch(1), *_args(base_model, reference)], cwd=tmp_path, threads=2)
+
+    out = tmp_path / "crashed"
+    _expect_killed(_args(base_model, out, "save_every_n_steps=1",
+                         "checkpointer._component_=crash_helpers.CrashingCheckpointer",
+                         "checkpointer.crash_at_step=3"), tmp_path, 1)
+    assert (out / "step_2" / "CHECKPOINT_COMPLETE").is_file()
+    assert not (out / "step_3").exists() and (out / ".step_3.partial").exists()
+    from torchtune_grpo.checkpointing import latest_step_checkpoint
+
+    assert latest_step_checkpoint(out).name == "step_2"
+    run_tune([*_launch(1), *_args(base_model, out, "save_every_n_steps=1",
+                                  "resume_from_checkpoint=true")], cwd=tmp_path, threads=2)
+    _same_weights(reference / "step_4" / WEIGHTS, out / "step_4" / WEIGHTS)
+    assert not list(out.glob(".step_*"))
+
+
+def test_sigterm_saves_at_step_boundary_and_exits_cleanly(base_model, tmp_path):
+    out = tmp_path / "run"
+    args = quickstart_overrides(base_model, out, "num_steps=500")
+    proc = subprocess.Popen(tune_cmd(*_launch(1), *args), cwd=tmp_path, env=recipe_env(2),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        logs = list((out / "logs").glob("log_*.txt")) if (out / "logs").exists() else []
+        if logs and "Step 1 |" in logs[0].read_text():
+            break
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output[-3000:]
+    from torchtune_grpo.checkpointing import list_step_checkpoints
+
+    saved = list_step_checkpoints(out)
+    assert len(saved) == 1 and 1 <= saved[0][0] < 500
+    assert len(metrics(out)) == saved[0][0]
+    assert "resume_from_checkpoint=true" in output

@@ -1,0 +1,76 @@
+"""Step checkpoints appear only once complete; pruning; resume resolution."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchtune_grpo.checkpointing import (
+    COMPLETE_MARKER,
+    latest_step_checkpoint,
+    list_step_checkpoints,
+    load_recipe_state,
+    resolve_resume,
+    save_step_checkpoint,
+)
+
+
+class FakeCheckpointer:
+    """Writes like torchtune's checkpointers: into <_output_dir>/epoch_<N>/."""
+
+    def __init__(self, output_dir: Path, fail_at: int | None = None):
+        self._output_dir = output_dir
+        self.fail_at = fail_at
+
+    def save_checkpoint(self, state_dict, epoch):
+        folder = Path(self._output_dir) / f"epoch_{epoch}"
+        folder.mkdir(parents=True)
+        torch.save(state_dict["model"], folder / "model.pt")
+        (folder / "config.json").write_text("{}")
+        (folder / "eval_results.json").write_text("stale")  # as copied from a resumed step
+        if epoch == self.fail_at:
+            raise RuntimeError("disk full")
+
+
+def _save(out, step, ckpt, keep=None):
+    return save_step_checkpoint(output_dir=out, step=step, checkpointer=ckpt,
+                                model_state_dict={"w": torch.full((2,), float(step))},
+                                recipe_state={"step": step, "seed": 0}, keep_last_n=keep,
+                                extra_files={"eval_results.json": "fresh"} if step == 2 else None)
+
+
+def test_save_is_complete_and_prunes(tmp_path):
+    ckpt = FakeCheckpointer(tmp_path)
+    for step in (1, 2, 3):
+        _save(tmp_path, step, ckpt, keep=2)
+    assert [s for s, _ in list_step_checkpoints(tmp_path)] == [2, 3]
+    folder = latest_step_checkpoint(tmp_path)
+    assert folder.name == "step_3" and (folder / COMPLETE_MARKER).is_file()
+    assert not (folder / "eval_results.json").exists()  # never inherited
+    assert (tmp_path / "step_2" / "eval_results.json").read_text() == "fresh"
+    assert load_recipe_state(folder)["step"] == 3
+    assert ckpt._output_dir == tmp_path  # restored after the save
+
+
+def test_failed_save_leaves_previous_checkpoint(tmp_path):
+    ckpt = FakeCheckpointer(tmp_path, fail_at=2)
+    _save(tmp_path, 1, ckpt)
+    with pytest.raises(RuntimeError, match="disk full"):
+        _save(tmp_path, 2, ckpt)
+    assert latest_step_checkpoint(tmp_path).name == "step_1"
+    assert not (tmp_path / "step_2").exists()
+    # a folder without the completion marker is never picked up
+    (tmp_path / "step_9").mkdir()
+    assert latest_step_checkpoint(tmp_path).name == "step_1"
+
+
+def test_resolve_resume(tmp_path):
+    assert resolve_resume(False, tmp_path) is None
+    assert resolve_resume(True, tmp_path) is None  # nothing yet: fresh start
+    _save(tmp_path, 1, FakeCheckpointer(tmp_path))
+    assert resolve_resume(True, tmp_path).name == "step_1"
+    assert resolve_resume(str(tmp_path / "step_1"), tmp_path).name == "step_1"
+    with pytest.raises(FileNotFoundError, match="not a complete step checkpoint"):
+        resolve_resume(str(tmp_path / "nope"), tmp_path)
