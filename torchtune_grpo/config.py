@@ -152,6 +152,11 @@ RECIPE_KEYS: dict[str, Key] = {
     "top_k": Key("int|null", None, "Top-k sampling; null samples from the full vocabulary.",
                  _optional_positive),
     "ppo_epochs": Key("int", 1, "Optimizer steps taken on each rollout batch.", _at_least(1)),
+    "gradient_accumulation_steps": Key(
+        "int", 1,
+        "Roll out and score each step's prompts in this many sequential chunks (bounds "
+        "generation memory); the update still uses the whole batch, so the result is the same.",
+        _at_least(1)),
     "num_steps": Key("int", REQUIRED, "GRPO steps (rollout + update) to run.", _at_least(1)),
     "save_every_n_steps": Key("int|null", None,
                               "Write ``output_dir/step_{N}`` every N steps (and at the end).",
@@ -333,6 +338,12 @@ def _batch_errors(cfg: DictConfig, world_size: int) -> list[str]:
             f"{world_size} ranks: use a multiple of {world_size}"
         )
         return errors
+    accum = int(cfg.get("gradient_accumulation_steps", 1) or 1)
+    if per_rank_batch_size(cfg, world_size) % accum:
+        errors.append(
+            f"config key 'gradient_accumulation_steps' ({accum}) must divide the per-rank "
+            f"batch of {per_rank_batch_size(cfg, world_size)} prompts"
+        )
     rows = per_rank_batch_size(cfg, world_size) * int(cfg.group_size)
     fbs = cfg.get("forward_batch_size")
     if fbs is not None and rows % fbs:

@@ -47,7 +47,13 @@ from torchtune_grpo.rlhf.forward import response_logprobs
 from torchtune_grpo.rlhf.generation import decode_completions, generate_trajectory, mix_seeds
 from torchtune_grpo.rlhf.loss import summarize_loss_stats
 from torchtune_grpo.rlhf.rewards import build_reward_set
-from torchtune_grpo.rlhf.trajectory import Trajectory, attention_mask, position_ids
+from torchtune_grpo.rlhf.rewards import RewardOutput
+from torchtune_grpo.rlhf.trajectory import (
+    Trajectory,
+    attention_mask,
+    concat_trajectories,
+    position_ids,
+)
 
 log = utils.get_logger("INFO")
 
@@ -55,6 +61,39 @@ def _world_size_from_env() -> int:
     import os
 
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def split_batch(batch: dict[str, Any], chunks: int) -> list[dict[str, Any]]:
+    """Split a collated prompt batch into ``chunks`` equal consecutive parts.
+
+    Prompt padding is recomputed per part (a part's prompts are left-padded to its own
+    longest prompt); lists and per-prompt tensors are sliced alike.
+    """
+    if chunks == 1:
+        return [batch]
+    size = len(batch["answers"]) // chunks
+    parts = []
+    for i in range(chunks):
+        sl = slice(i * size, (i + 1) * size)
+        lengths = batch["prompt_lengths"][sl]
+        width = int(lengths.max())
+        parts.append({
+            **{k: v[sl] for k, v in batch.items() if k not in ("tokens",)},
+            "tokens": batch["tokens"][sl, batch["tokens"].shape[1] - width :],
+        })
+    return parts
+
+
+def concat_reward_outputs(outputs: list[RewardOutput]) -> RewardOutput:
+    """Concatenate the scores of consecutive chunks of one batch."""
+    if len(outputs) == 1:
+        return outputs[0]
+    return RewardOutput(
+        total=torch.cat([o.total for o in outputs]),
+        components={k: torch.cat([o.components[k] for o in outputs]) for k in outputs[0].components},
+        success=torch.cat([o.success for o in outputs]),
+        errors={k: sum(o.errors.get(k, 0) for o in outputs) for k in outputs[0].errors},
+    )
 
 
 class GRPORecipe:
@@ -80,6 +119,7 @@ class GRPORecipe:
         self.temperature = float(cfg.get("temperature", 1.0))
         self.top_k = cfg.get("top_k")
         self.ppo_epochs = int(cfg.get("ppo_epochs", 1))
+        self.grad_accum_steps = int(cfg.get("gradient_accumulation_steps", 1))
         self.num_steps = int(cfg.num_steps)
         self.save_every = cfg.get("save_every_n_steps")
         self.clip_grad_norm = cfg.get("clip_grad_norm")
@@ -357,17 +397,25 @@ class GRPORecipe:
     def _train_loop(self, progress) -> None:
         while self.step < self.num_steps:
             batch = self.batches.batch(self.step)
-            times = {}
-            t0 = time.perf_counter()
-            traj = self.rollout(batch)
-            times["generation"] = time.perf_counter() - t0
+            times = {"generation": 0.0, "scoring": 0.0}
+            trajs, scores = [], []
+            # gradient accumulation: roll out and score the batch in sequential chunks; the
+            # update below still sees the whole batch, so the result equals one chunk of B
+            for chunk in split_batch(batch, self.grad_accum_steps):
+                t0 = time.perf_counter()
+                trajs.append(self.rollout(chunk))
+                times["generation"] += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                scores.append(self.score(trajs[-1], chunk)[1])
+                times["scoring"] += time.perf_counter() - t0
+            traj = concat_trajectories(trajs)
+            rewards_out = concat_reward_outputs(scores)
 
             t0 = time.perf_counter()
-            _, rewards_out = self.score(traj, batch)
             rewards_out.total = rewards_out.total.to(self.device)
             adv_out = group_advantages(rewards_out.total, self.group_size,
                                        scale=self.adv_scale, eps=self.adv_eps)
-            times["scoring"] = time.perf_counter() - t0
+            times["scoring"] += time.perf_counter() - t0
 
             t0 = time.perf_counter()
             ref = self.reference_logprobs(traj) if self.ref_model is not None else None
