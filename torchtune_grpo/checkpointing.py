@@ -66,10 +66,11 @@ def save_step_checkpoint(
     output_dir: str | Path,
     step: int,
     checkpointer: Any,
-    model_state_dict: dict[str, torch.Tensor],
+    checkpoint: dict[str, Any],
     recipe_state: dict[str, Any],
     extra_files: dict[str, str] | None = None,
     keep_last_n: int | None = None,
+    adapter_only: bool = False,
 ) -> Path:
     """Write ``output_dir/step_{step}`` atomically (call on rank 0 only).
 
@@ -78,11 +79,13 @@ def save_step_checkpoint(
         step: the optimizer step just completed.
         checkpointer: a torchtune checkpointer (``FullModelHFCheckpointer`` and co.); its
             ``save_checkpoint`` converts and writes the model in the input's format.
-        model_state_dict: the full (gathered) torchtune-format model state dict.
+        checkpoint: what the torchtune checkpointer writes: ``{"model": full state dict}``,
+            plus ``"adapter"`` and ``"adapter_config"`` for LoRA.
         recipe_state: tensors and plain values for exact resume; saved as
             ``recipe_state.pt``, loadable with ``torch.load(weights_only=True)``.
         extra_files: ``name -> text`` written next to the model (evaluation results).
         keep_last_n: delete older complete checkpoints beyond this many (never this one).
+        adapter_only: write only the LoRA adapters (``save_adapter_weights_only``).
 
     Returns:
         The final folder.
@@ -99,7 +102,7 @@ def save_step_checkpoint(
     original_output = checkpointer._output_dir
     checkpointer._output_dir = staging
     try:
-        checkpointer.save_checkpoint({"model": model_state_dict}, epoch=step)
+        checkpointer.save_checkpoint(dict(checkpoint), epoch=step, adapter_only=adapter_only)
     finally:
         checkpointer._output_dir = original_output
     written = staging / f"epoch_{step}"

@@ -194,6 +194,9 @@ RECIPE_KEYS: dict[str, Key] = {
                                            "Recompute activations in the backward pass."),
     "fsdp_cpu_offload": Key("bool", False, "Keep FSDP parameters and optimizer state on CPU."),
     "fsdp_reshard_after_forward": Key("bool", True, "FSDP2 ``reshard_after_forward``."),
+    "save_adapter_weights_only": Key(
+        "bool", False,
+        "LoRA: save only the adapters (PEFT format), not the merged weights as well."),
     "logprob_chunk_size": Key("int", 1024, "Tokens per chunk of the output projection.",
                               _at_least(1)),
     "shuffle": Key("bool", True, "Shuffle the prompt dataset each epoch."),

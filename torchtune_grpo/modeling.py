@@ -15,6 +15,12 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 from torchtune import config, modules, training
+from torchtune.modules.peft import (
+    DoRALinear,
+    LoRALinear,
+    get_adapter_params,
+    set_trainable_params,
+)
 
 from torchtune_grpo.rlhf.forward import install_output_modes
 from torchtune_grpo.rlhf.generation import (
@@ -26,10 +32,21 @@ from torchtune_grpo.rlhf.generation import (
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _check_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-    """Raise a ValueError naming the first parameter whose name or shape does not match."""
+def is_lora_config(cfg_model: DictConfig) -> bool:
+    """Whether the ``model`` config builds LoRA/DoRA adapters (instantiated on meta: free)."""
+    with torch.device("meta"):
+        model = config.instantiate(cfg_model)
+    return bool(get_adapter_params(model))
+
+
+def _check_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor],
+                      adapter_names: set[str] = frozenset()) -> None:
+    """Raise a ValueError naming the first parameter whose name or shape does not match.
+
+    Adapter parameters (``adapter_names``) may be absent: a base checkpoint has none.
+    """
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    missing = sorted(set(expected) - set(state_dict))
+    missing = sorted(set(expected) - set(state_dict) - set(adapter_names))
     unexpected = sorted(set(state_dict) - set(expected))
     if missing or unexpected:
         raise ValueError(
@@ -38,6 +55,8 @@ def _check_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> 
             + (f"unexpected {unexpected[:5]}" if unexpected else "")
         )
     for name, shape in expected.items():
+        if name not in state_dict:  # an adapter the base checkpoint does not have
+            continue
         got = tuple(state_dict[name].shape)
         if got != shape:
             raise ValueError(
@@ -57,8 +76,13 @@ def build_model(
     activation_checkpointing: bool = False,
     fsdp_cpu_offload: bool = False,
     reshard_after_forward: bool = True,
+    adapter_state_dict: dict[str, torch.Tensor] | None = None,
 ) -> nn.Module:
     """Instantiate ``cfg_model``, load ``state_dict`` and prepare it for GRPO.
+
+    For a LoRA/DoRA model (torchtune's ``lora_*`` builders) ``state_dict`` holds the base
+    weights, the adapters start from their initialisation (or ``adapter_state_dict`` when
+    resuming) and only the adapters train.
 
     Args:
         cfg_model: the ``model`` config node.
@@ -70,12 +94,16 @@ def build_model(
         activation_checkpointing: wrap transformer layers (trainable models only).
         fsdp_cpu_offload: keep FSDP shards on CPU.
         reshard_after_forward: FSDP2 ``reshard_after_forward``.
+        adapter_state_dict: LoRA adapter weights to resume from.
     """
     checkpointing = trainable and activation_checkpointing
     if world_size > 1:
         with training.set_default_dtype(dtype), torch.device("meta"):
             model = config.instantiate(cfg_model)
-        _check_state_dict(model, state_dict)
+        adapters = {n for n, _ in get_adapter_params(model).items()}
+        _check_state_dict(model, state_dict, adapters)
+        if adapters:
+            set_trainable_params(model, get_adapter_params(model))
         if checkpointing:
             training.set_activation_checkpointing(
                 model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
@@ -88,16 +116,28 @@ def build_model(
         )
         with training.set_default_dtype(dtype), device:
             for module in model.modules():
+                if isinstance(module, (LoRALinear, DoRALinear)):
+                    module.to_empty(device="cpu" if fsdp_cpu_offload else device)
+                    module.initialize_parameters()
                 if hasattr(module, "rope_init"):
                     module.rope_init()
         training.load_from_full_model_state_dict(
-            model, state_dict, device, strict=True, cpu_offload=fsdp_cpu_offload
+            model, state_dict, device, strict=not adapters, cpu_offload=fsdp_cpu_offload
         )
+        if adapter_state_dict:
+            training.load_from_full_model_state_dict(
+                model, adapter_state_dict, device, strict=False, cpu_offload=fsdp_cpu_offload
+            )
     else:
         with training.set_default_dtype(dtype), device:
             model = config.instantiate(cfg_model)
-        _check_state_dict(model, state_dict)
-        model.load_state_dict(state_dict, strict=True)
+        adapters = {n for n, _ in get_adapter_params(model).items()}
+        _check_state_dict(model, state_dict, adapters)
+        model.load_state_dict(state_dict, strict=not adapters)
+        if adapter_state_dict:
+            model.load_state_dict(adapter_state_dict, strict=False)
+        if adapters:
+            set_trainable_params(model, get_adapter_params(model))
         if checkpointing:
             training.set_activation_checkpointing(
                 model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}

@@ -19,6 +19,7 @@ Single process (no torchrun) runs the same code with no process group and no FSD
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import time
@@ -29,6 +30,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torchtune import config, training, utils
+from torchtune.modules.peft import (
+    disable_adapter,
+    get_adapter_state_dict,
+    get_lora_module_names,
+    get_merged_lora_ckpt,
+)
 
 from torchtune_grpo import distributed as D
 from torchtune_grpo.batching import StepBatches
@@ -42,7 +49,7 @@ from torchtune_grpo.config import per_rank_batch_size, validate_config
 from torchtune_grpo.datasets import collate_prompts
 from torchtune_grpo.evaluation import EvalResult, EvalSettings, evaluate
 from torchtune_grpo.rlhf.advantages import group_advantages
-from torchtune_grpo.modeling import DTYPES, build_model, token_rules
+from torchtune_grpo.modeling import DTYPES, build_model, is_lora_config, token_rules
 from torchtune_grpo.rlhf.forward import response_logprobs
 from torchtune_grpo.rlhf.generation import decode_completions, generate_trajectory, mix_seeds
 from torchtune_grpo.rlhf.loss import summarize_loss_stats
@@ -131,6 +138,7 @@ class GRPORecipe:
         self.step = 0
         self.skipped_steps = 0
         self._stop_requested = False
+        self._adapter_state = None
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -164,8 +172,15 @@ class GRPORecipe:
 
         self.resume_dir = resolve_resume(cfg.get("resume_from_checkpoint", False),
                                          cfg.output_dir)
+        self.is_lora = is_lora_config(cfg.model)
         base_checkpointer = config.instantiate(cfg.checkpointer)
-        if self.resume_dir is None:
+        adapter_state = None
+        if self.resume_dir is not None and self.is_lora:
+            # a LoRA step folder holds merged weights: rebuild base + adapters instead
+            self.checkpointer = base_checkpointer
+            state_dict = base_state = self.checkpointer.load_checkpoint()[training.MODEL_KEY]
+            adapter_state = load_recipe_state(self.resume_dir)["adapter"]
+        elif self.resume_dir is None:
             self.checkpointer = base_checkpointer
             state_dict = self.checkpointer.load_checkpoint()[training.MODEL_KEY]
             base_state = state_dict
@@ -178,14 +193,15 @@ class GRPORecipe:
             state_dict = self.checkpointer.load_checkpoint()[training.MODEL_KEY]
             base_state = (base_checkpointer.load_checkpoint()[training.MODEL_KEY]
                           if self.loss_fn.needs_reference else None)
-        self.model = self._build_model(state_dict, trainable=True)
+        self.model = self._build_model(state_dict, trainable=True, adapter_state=adapter_state)
         self.ref_model = (
-            self._build_model(base_state, trainable=False) if self.loss_fn.needs_reference
-            else None
+            self._build_model(base_state, trainable=False)
+            if self.loss_fn.needs_reference and not self.is_lora else None
         )
-        del state_dict, base_state
+        del state_dict, base_state, adapter_state
 
-        self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = config.instantiate(cfg.optimizer, trainable)
         self.lr_scheduler = None
         if cfg.get("lr_scheduler") is not None:
             self.lr_scheduler = config.instantiate(
@@ -204,11 +220,12 @@ class GRPORecipe:
         self.allowed_tokens, self.logit_bias = self.rules.allowed, self.rules.logit_bias
         self.stop_tokens, self.pad_id = self.rules.stop_tokens, self.rules.pad_id
 
-    def _build_model(self, state_dict: dict[str, torch.Tensor], *, trainable: bool) -> nn.Module:
+    def _build_model(self, state_dict: dict[str, torch.Tensor], *, trainable: bool,
+                     adapter_state: dict[str, torch.Tensor] | None = None) -> nn.Module:
         cfg = self.cfg
         return build_model(
             cfg.model, state_dict, device=self.device, dtype=self.dtype,
-            world_size=self.world_size, trainable=trainable,
+            world_size=self.world_size, trainable=trainable, adapter_state_dict=adapter_state,
             activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
             fsdp_cpu_offload=cfg.get("fsdp_cpu_offload", False),
             reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True),
@@ -270,17 +287,24 @@ class GRPORecipe:
 
     @torch.no_grad()
     def reference_logprobs(self, traj: Trajectory) -> torch.Tensor:
-        """Step 5: ``[N, T]`` log-probs of the responses under the frozen reference model."""
+        """Step 5: ``[N, T]`` log-probs of the responses under the frozen reference model.
+
+        With LoRA the reference is the policy itself with its adapters disabled: no second
+        copy of the weights exists.
+        """
         mask, pos = self._forward_inputs(traj)
+        model = self.model if self.is_lora else self.ref_model
+        context = disable_adapter(self.model) if self.is_lora else contextlib.nullcontext()
         out = []
-        for i in range(0, traj.num_sequences, self.forward_batch_size):
-            sl = slice(i, i + self.forward_batch_size)
-            lp, _ = response_logprobs(
-                self.ref_model, traj.tokens[sl], prompt_len=traj.prompt_len, mask=mask[sl],
-                input_pos=pos[sl], temperature=self.temperature, logit_bias=self.logit_bias,
-                chunk_size=self.chunk_size,
-            )
-            out.append(lp)
+        with context:
+            for i in range(0, traj.num_sequences, self.forward_batch_size):
+                sl = slice(i, i + self.forward_batch_size)
+                lp, _ = response_logprobs(
+                    model, traj.tokens[sl], prompt_len=traj.prompt_len, mask=mask[sl],
+                    input_pos=pos[sl], temperature=self.temperature,
+                    logit_bias=self.logit_bias, chunk_size=self.chunk_size,
+                )
+                out.append(lp)
         return torch.cat(out)
 
     def update(self, traj: Trajectory, advantages: torch.Tensor,
@@ -336,7 +360,8 @@ class GRPORecipe:
 
     def _grad_norm(self) -> float:
         max_norm = float(self.clip_grad_norm) if self.clip_grad_norm else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=max_norm)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         return float(norm)
@@ -418,7 +443,7 @@ class GRPORecipe:
             times["scoring"] += time.perf_counter() - t0
 
             t0 = time.perf_counter()
-            ref = self.reference_logprobs(traj) if self.ref_model is not None else None
+            ref = self.reference_logprobs(traj) if self.loss_fn.needs_reference else None
             times["reference"] = time.perf_counter() - t0
 
             t0 = time.perf_counter()
@@ -471,6 +496,29 @@ class GRPORecipe:
             return training.gather_cpu_state_dict(self.model, self.is_rank_zero, self.device)
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
+    def _lora_checkpoint(self, state: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Adapters (PEFT format via the checkpointer) plus, unless
+        ``save_adapter_weights_only``, the merged weights that ``transformers`` loads."""
+        m = self.cfg.model
+        adapter = get_adapter_state_dict(state)
+        checkpoint: dict[str, Any] = {
+            training.ADAPTER_KEY: adapter,
+            training.ADAPTER_CONFIG: {
+                "r": m.lora_rank,
+                "lora_alpha": m.lora_alpha,
+                "target_modules": get_lora_module_names(
+                    list(m.lora_attn_modules), m.get("apply_lora_to_mlp", False),
+                    m.get("apply_lora_to_output", False),
+                ),
+                "peft_type": "LORA",
+            },
+        }
+        if not self.cfg.get("save_adapter_weights_only", False):
+            checkpoint[training.MODEL_KEY] = get_merged_lora_ckpt(
+                dict(state), rank=m.lora_rank, alpha=m.lora_alpha
+            )
+        return checkpoint
+
     def _full_optimizer_state_dict(self) -> dict[str, Any]:
         if self.world_size > 1:  # gathered on rank 0 (a collective: every rank calls it)
             return training.get_full_optimizer_state_dict(
@@ -493,6 +541,7 @@ class GRPORecipe:
             "optimizer": optimizer_state,
             "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
             "skipped_steps": self.skipped_steps,
+            "adapter": self._adapter_state,
             "config": OmegaConf.to_container(self.cfg, resolve=True),
         }
 
@@ -528,7 +577,12 @@ class GRPORecipe:
         """
         state = self._full_model_state_dict()
         optimizer_state = self._full_optimizer_state_dict()
+        self._adapter_state = None
         if self.is_rank_zero:
+            checkpoint = {training.MODEL_KEY: state}
+            if self.is_lora:
+                checkpoint = self._lora_checkpoint(state)
+                self._adapter_state = checkpoint[training.ADAPTER_KEY]
             extra = None
             if evaluated is not None:
                 extra = evaluated.files(
@@ -541,7 +595,8 @@ class GRPORecipe:
                 output_dir=self.cfg.output_dir,
                 step=self.step,
                 checkpointer=self.checkpointer,
-                model_state_dict=state,
+                checkpoint=checkpoint,
+                adapter_only=self.is_lora and bool(self.cfg.get("save_adapter_weights_only")),
                 recipe_state=self.recipe_state(optimizer_state),
                 extra_files=extra,
                 keep_last_n=self.cfg.get("keep_last_n_checkpoints"),

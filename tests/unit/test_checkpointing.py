@@ -24,7 +24,7 @@ class FakeCheckpointer:
         self._output_dir = output_dir
         self.fail_at = fail_at
 
-    def save_checkpoint(self, state_dict, epoch):
+    def save_checkpoint(self, state_dict, epoch, adapter_only=False):
         folder = Path(self._output_dir) / f"epoch_{epoch}"
         folder.mkdir(parents=True)
         torch.save(state_dict["model"], folder / "model.pt")
@@ -36,7 +36,7 @@ class FakeCheckpointer:
 
 def _save(out, step, ckpt, keep=None):
     return save_step_checkpoint(output_dir=out, step=step, checkpointer=ckpt,
-                                model_state_dict={"w": torch.full((2,), float(step))},
+                                checkpoint={"model": {"w": torch.full((2,), float(step))}},
                                 recipe_state={"step": step, "seed": 0}, keep_last_n=keep,
                                 extra_files={"eval_results.json": "fresh"} if step == 2 else None)
 

@@ -21,6 +21,14 @@ from torchtune_grpo.datasets.gsm8k import (
     gsm8k_dataset,
     split_gsm8k_solution,
 )
+from torchtune_grpo.datasets.math import (
+    MATH_SUBJECTS,
+    MATH_TEMPLATE,
+    deepscaler_dataset,
+    format_boxed_completion,
+    math_dataset,
+    math_gold_answer,
+)
 
 __all__ = [
     "ADDITION_TEMPLATE",
@@ -29,13 +37,19 @@ __all__ = [
     "GSM8K_TEMPLATE",
     "INVALID_ROW_POLICIES",
     "LOCAL_FORMATS",
+    "MATH_SUBJECTS",
+    "MATH_TEMPLATE",
     "PromptDataset",
     "PromptTemplate",
     "collate_prompts",
+    "deepscaler_dataset",
     "extract_gsm8k_answer",
+    "format_boxed_completion",
     "format_reference_completion",
     "gsm8k_dataset",
     "load_rows",
+    "math_dataset",
+    "math_gold_answer",
     "resolve_template",
     "split_gsm8k_solution",
     "tokenize_prompt",

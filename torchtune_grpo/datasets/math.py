@@ -1,0 +1,302 @@
+"""Competition math as GRPO prompt datasets: MATH (Hendrycks et al.) and DeepScaleR-format data.
+
+Both formats hold a ``problem`` and a gold answer, either as an ``answer`` field (MATH-500,
+DeepScaleR, the rllm JSON files) or as the last ``\\boxed{...}`` of a worked ``solution`` (the
+original MATH release). The answer field wins when a row has both. Gold answers are LaTeX
+(``"\\frac{14}{3}"``, ``"(3, -1)"``, ``"\\text{Evelyn}"``) and are meant to be graded with
+:class:`~torchtune_grpo.rlhf.math_grading.MathEquivalence`.
+
+The default prompt, :data:`MATH_TEMPLATE`, asks for step-by-step reasoning with the final answer
+in ``\\boxed{}``; :func:`format_boxed_completion` writes a gold completion in that format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from torchtune_grpo.datasets._loading import load_rows
+from torchtune_grpo.datasets._prompt import (
+    INVALID_ROW_POLICIES,
+    PromptDataset,
+    PromptTemplate,
+    resolve_template,
+)
+from torchtune_grpo.rlhf.math_grading import extract_boxed
+
+__all__ = [
+    "MATH_SUBJECTS",
+    "MATH_TEMPLATE",
+    "deepscaler_dataset",
+    "format_boxed_completion",
+    "math_dataset",
+    "math_gold_answer",
+]
+
+#: Subject configurations of ``EleutherAI/hendrycks_math``; ``name=None`` loads all of them.
+MATH_SUBJECTS = (
+    "algebra",
+    "counting_and_probability",
+    "geometry",
+    "intermediate_algebra",
+    "number_theory",
+    "prealgebra",
+    "precalculus",
+)
+_HENDRYCKS_MATH = "EleutherAI/hendrycks_math"
+
+#: Chat prompt for competition math: reason step by step, final answer in ``\boxed{}`` (the
+#: instruction Qwen2.5-Math and DeepSeek-R1 were trained with). No pre-filled tag, so the
+#: completion is the whole assistant turn; grade it with ``MathEquivalence``.
+MATH_TEMPLATE = PromptTemplate(
+    system="You are a helpful assistant that solves competition math problems.",
+    user="{question}\n\nPlease reason step by step, and put your final answer within \\boxed{{}}.",
+    assistant_prefix="",
+    chat=True,
+    think_tag=None,
+    answer_tag=None,
+)
+
+
+def format_boxed_completion(reasoning: str, answer: str) -> str:
+    """A gold completion in the format :data:`MATH_TEMPLATE` asks for.
+
+    Args:
+        reasoning: the worked solution (may be empty).
+        answer: the final answer (LaTeX, without ``\\boxed``).
+
+    Returns:
+        ``reasoning``, a blank line, then ``The final answer is $\\boxed{answer}$.``.
+    """
+    reasoning = reasoning.strip()
+    head = reasoning + "\n\n" if reasoning else ""
+    return head + f"The final answer is $\\boxed{{{answer.strip()}}}$."
+
+
+def math_gold_answer(row: Mapping[str, Any]) -> str | None:
+    """The gold answer of a MATH/DeepScaleR row.
+
+    Args:
+        row: a row with ``answer`` and/or ``solution``.
+
+    Returns:
+        The stripped ``answer`` when it is a non-empty string (or an integer), else the content
+        of the last ``\\boxed{...}`` of ``solution``; ``None`` when neither gives an answer.
+    """
+    answer = row.get("answer")
+    if isinstance(answer, int) and not isinstance(answer, bool):
+        return str(answer)
+    if isinstance(answer, str) and answer.strip():
+        return answer.strip()
+    solution = row.get("solution")
+    if isinstance(solution, str):
+        boxed = extract_boxed(solution)
+        if boxed:
+            return boxed
+    return None
+
+
+def _row_problem(row: Mapping[str, Any]) -> tuple[str, str] | None:
+    """``(field, what is wrong)`` for an invalid row, or ``None`` for a valid one."""
+    problem = row.get("problem")
+    if problem is None:
+        return "problem", "is missing"
+    if not isinstance(problem, str):
+        return "problem", f"is a {type(problem).__name__}, not a string"
+    if not problem.strip():
+        return "problem", "is empty"
+    answer = row.get("answer")
+    if answer is not None:
+        if isinstance(answer, bool) or not isinstance(answer, str | int):
+            return "answer", f"is a {type(answer).__name__}, not a string"
+        if isinstance(answer, int) or answer.strip():
+            return None
+    solution = row.get("solution")
+    if solution is None:
+        if answer is not None:
+            return "answer", "is empty and there is no 'solution' to take a \\boxed{} answer from"
+        return "answer", "is missing and there is no 'solution' either"
+    if not isinstance(solution, str):
+        return "solution", f"is a {type(solution).__name__}, not a string"
+    if not extract_boxed(solution):
+        return "solution", "has no \\boxed{...} final answer (and there is no 'answer' field)"
+    return None
+
+
+def _samples(
+    parts: Iterable[tuple[str, Any]],
+    *,
+    where: str,
+    invalid_rows: str,
+) -> tuple[list[tuple[str, str, int]], int]:
+    """``(question, gold, index)`` triples of rows from several parts, and the skipped count.
+
+    ``parts`` are ``(label, rows)``; ``index`` counts rows across parts, and error messages name
+    the part label and the row's index within it.
+    """
+    samples: list[tuple[str, str, int]] = []
+    skipped = 0
+    offset = 0
+    for label, rows in parts:
+        count = 0
+        for local, row in enumerate(rows):
+            count += 1
+            problem = _row_problem(row)
+            if problem is not None:
+                if invalid_rows == "skip":
+                    skipped += 1
+                    continue
+                key, what = problem
+                part = f"{label} " if label else ""
+                raise ValueError(
+                    f"{where}: {part}row {local} field {key!r} {what}. Fix the data, or set "
+                    "invalid_rows=skip to drop such rows."
+                )
+            samples.append((row["problem"], math_gold_answer(row), offset + local))
+        offset += count
+    return samples, skipped
+
+
+def _check_policy(fn: str, invalid_rows: str) -> None:
+    if invalid_rows not in INVALID_ROW_POLICIES:
+        raise ValueError(
+            f"{fn}: invalid_rows must be one of {INVALID_ROW_POLICIES}, got {invalid_rows!r}"
+        )
+
+
+def math_dataset(
+    tokenizer: Any,
+    *,
+    source: str = _HENDRYCKS_MATH,
+    name: str | Sequence[str] | None = None,
+    split: str = "train",
+    data_files: Any = None,
+    template: PromptTemplate | Mapping[str, Any] | str | None = None,
+    max_prompt_tokens: int | None = None,
+    invalid_rows: str = "error",
+    **load_kwargs: Any,
+) -> PromptDataset:
+    """MATH problems with their gold answers.
+
+    Each row needs a ``problem`` string and a gold answer: the ``answer`` field when present
+    and non-empty, else the last ``\\boxed{...}`` of ``solution`` (see
+    :func:`math_gold_answer`). Use it in a config as::
+
+        dataset:
+          _component_: torchtune_grpo.datasets.math_dataset
+          split: train                       # all seven subjects of EleutherAI/hendrycks_math
+        dataset:
+          _component_: torchtune_grpo.datasets.math_dataset
+          source: HuggingFaceH4/MATH-500
+          split: test
+
+    Args:
+        tokenizer: a torchtune model tokenizer.
+        source: Hub dataset id, a local file/folder (``.json`` with a top-level list or JSON
+            lines, ``.jsonl``, ``.parquet``), or a format name with ``data_files`` (see
+            :func:`~torchtune_grpo.datasets.load_rows`).
+        name: Hub configuration: one subject (``"algebra"``) or a list of them, concatenated
+            in the given order. ``None``: every subject in :data:`MATH_SUBJECTS` for
+            ``EleutherAI/hendrycks_math``, no configuration for other sources.
+        split: split expression, slicing allowed (``"train[:200]"``); applied per subject.
+        data_files: local file(s).
+        template: prompt template; default :data:`MATH_TEMPLATE`.
+        max_prompt_tokens: the longest prompt allowed, or ``None``.
+        invalid_rows: ``"error"``: raise on the first invalid row (missing, empty or non-string
+            ``problem``, no answer) or too-long prompt; ``"skip"``: drop such rows and count
+            them in ``dataset.skipped_rows``.
+        **load_kwargs: passed to ``datasets.load_dataset``.
+
+    Returns:
+        A :class:`~torchtune_grpo.datasets.PromptDataset` of ``{"tokens", "answer", "question",
+        "index"}`` items (``index``: the row's position, counted across subjects).
+
+    Raises:
+        ValueError: on an invalid row (naming the subject, the row index and the field) or
+            too-long prompt with ``invalid_rows="error"``, an unknown ``invalid_rows``, an
+            empty ``name`` list, or no usable row.
+        FileNotFoundError: when a local source does not exist.
+    """
+    _check_policy("math_dataset", invalid_rows)
+    template = resolve_template(template, default=MATH_TEMPLATE)
+    if name is None and source == _HENDRYCKS_MATH and data_files is None:
+        names: list[str | None] = list(MATH_SUBJECTS)
+    elif name is None or isinstance(name, str):
+        names = [name]
+    else:
+        names = list(name)
+        if not names or not all(isinstance(n, str) and n for n in names):
+            raise ValueError(
+                f"math_dataset: name must be a subject, a non-empty list of subjects or null, "
+                f"got {name!r}"
+            )
+    where = f"math_dataset ({source}, split {split!r})"
+    parts = (
+        (
+            n if len(names) > 1 else "",
+            load_rows(source, data_files=data_files, split=split, name=n, **load_kwargs),
+        )
+        for n in names
+    )
+    samples, skipped = _samples(parts, where=where, invalid_rows=invalid_rows)
+    label = f"{source}/{'+'.join(names)}" if names != [None] else source
+    return PromptDataset(
+        samples,
+        tokenizer,
+        template,
+        max_prompt_tokens=max_prompt_tokens,
+        invalid_rows=invalid_rows,
+        skipped_rows=skipped,
+        name=f"math_dataset ({label}, split {split!r})",
+    )
+
+
+def deepscaler_dataset(
+    tokenizer: Any,
+    *,
+    source: str = "agentica-org/DeepScaleR-Preview-Dataset",
+    split: str = "train",
+    data_files: Any = None,
+    template: PromptTemplate | Mapping[str, Any] | str | None = None,
+    max_prompt_tokens: int | None = None,
+    invalid_rows: str = "error",
+    **load_kwargs: Any,
+) -> PromptDataset:
+    """Problems in the DeepScaleR format (``problem``, ``answer``, ``solution``).
+
+    The DeepScaleR-Preview dataset (about 40k problems from AIME, AMC, Omni-MATH and STILL) and
+    files in its format, such as rllm's ``aime.json``. The gold answer is ``answer``, or the
+    last ``\\boxed{...}`` of ``solution`` when ``answer`` is missing or empty.
+
+    Args:
+        tokenizer: a torchtune model tokenizer.
+        source: Hub dataset id, a local file/folder, or a format name with ``data_files``.
+        split: split expression, slicing allowed.
+        data_files: local file(s).
+        template: prompt template; default :data:`MATH_TEMPLATE`.
+        max_prompt_tokens: the longest prompt allowed, or ``None``.
+        invalid_rows: ``"error"`` or ``"skip"`` (see :func:`math_dataset`).
+        **load_kwargs: passed to ``datasets.load_dataset``.
+
+    Returns:
+        A :class:`~torchtune_grpo.datasets.PromptDataset`.
+
+    Raises:
+        ValueError: on an invalid row or too-long prompt with ``invalid_rows="error"`` (naming
+            the row index and the field), an unknown ``invalid_rows``, or no usable row.
+        FileNotFoundError: when a local source does not exist.
+    """
+    _check_policy("deepscaler_dataset", invalid_rows)
+    template = resolve_template(template, default=MATH_TEMPLATE)
+    where = f"deepscaler_dataset ({source}, split {split!r})"
+    rows = load_rows(source, data_files=data_files, split=split, **load_kwargs)
+    samples, skipped = _samples([("", rows)], where=where, invalid_rows=invalid_rows)
+    return PromptDataset(
+        samples,
+        tokenizer,
+        template,
+        max_prompt_tokens=max_prompt_tokens,
+        invalid_rows=invalid_rows,
+        skipped_rows=skipped,
+        name=where,
+    )
