@@ -91,7 +91,7 @@ def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[[], Any]:
             parser.error(f"unsupported flags {flags}: use --config and key=value overrides")
         try:
             sys.exit(recipe_main(load_config(args.config, overrides)))
-        except ConfigError as e:  # a user mistake: the message says it all, no traceback
+        except (ConfigError, FileNotFoundError) as e:  # a user mistake: no traceback needed
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
 
@@ -197,6 +197,14 @@ RECIPE_KEYS: dict[str, Key] = {
     "save_adapter_weights_only": Key(
         "bool", False,
         "LoRA: save only the adapters (PEFT format), not the merged weights as well."),
+    "max_consecutive_skipped_steps": Key(
+        "int", 5,
+        "Stop (after saving a checkpoint) when this many optimizer steps in a row had a "
+        "non-finite loss or gradient.", _at_least(1)),
+    "distributed_timeout_s": Key(
+        "float", 600.0,
+        "Collective timeout: a rank waiting longer on a dead peer raises instead of hanging.",
+        _positive),
     "logprob_chunk_size": Key("int", 1024, "Tokens per chunk of the output projection.",
                               _at_least(1)),
     "shuffle": Key("bool", True, "Shuffle the prompt dataset each epoch."),
@@ -256,18 +264,53 @@ def import_component(path: str, where: str) -> Any:
     return getattr(module, attr)
 
 
-def _check_components(node: Any, where: str, errors: list[str]) -> None:
+#: Keys of a config entry consumed by the recipe, not passed to the component.
+_ENTRY_KEYS = {"_component_", "weight", "name", "success", "success_threshold", "on_error"}
+
+
+def _component_params(obj: Any) -> tuple[set[str], bool] | None:
+    """Parameter names of a component and whether it takes ``**kwargs`` (None: unknown)."""
+    import inspect
+
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return None
+    names = {p.name for p in sig.parameters.values()
+             if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values())
+    return names, takes_kwargs
+
+
+def _check_components(node: Any, where: str, errors: list[str],
+                      params_out: dict[str, set[str]] | None = None) -> None:
     if isinstance(node, (dict, DictConfig)):
         if "_component_" in node:
             try:
-                import_component(node["_component_"], where)
+                obj = import_component(node["_component_"], where)
             except ValueError as e:
                 errors.append(str(e))
+                obj = None
+            info = _component_params(obj) if obj is not None else None
+            if info is not None:
+                names, takes_kwargs = info
+                if params_out is not None:
+                    params_out[where] = names
+                if not takes_kwargs:
+                    for key in node:
+                        if key in _ENTRY_KEYS or key in names:
+                            continue
+                        close = difflib.get_close_matches(str(key), sorted(names), n=1)
+                        hint = f" Did you mean {where}.{close[0]}?" if close else ""
+                        errors.append(
+                            f"config key {where}.{key}: {node['_component_']} takes no "
+                            f"argument {key!r}.{hint}"
+                        )
         for key, value in node.items():
-            _check_components(value, f"{where}.{key}", errors)
+            _check_components(value, f"{where}.{key}" if where else str(key), errors, params_out)
     elif isinstance(node, (list, ListConfig)):
         for i, value in enumerate(node):
-            _check_components(value, f"{where}[{i}]", errors)
+            _check_components(value, f"{where}[{i}]", errors, params_out)
 
 
 class ConfigError(ValueError):
@@ -291,9 +334,19 @@ def validate_config(cfg: DictConfig, *, world_size: int = 1,
     """
     known = {**(schema if schema is not None else RECIPE_KEYS), **(extra_keys or {})}
     errors: list[str] = []
+    raw = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else cfg
+    component_params: dict[str, set[str]] = {}
+    component_errors: list[str] = []
+    _check_components(raw, "", component_errors, component_params)
+    # candidates for a misplaced key: top-level keys and every component's arguments
+    nested = {f"{where}.{name}": name for where, names in component_params.items()
+              for name in names if "." not in where and "[" not in where}
     for key in cfg:
         if key not in known:
             close = difflib.get_close_matches(str(key), list(known), n=1)
+            if not close:
+                match = difflib.get_close_matches(str(key), list(nested.values()), n=1)
+                close = [k for k, v in nested.items() if match and v == match[0]][:1]
             hint = f" Did you mean {close[0]!r}?" if close else ""
             errors.append(f"unknown config key {key!r}.{hint}")
     for key, spec in known.items():
@@ -309,8 +362,7 @@ def validate_config(cfg: DictConfig, *, world_size: int = 1,
             problem = spec.check(value)
             if problem:
                 errors.append(f"config key {key!r} {problem} (got {value!r})")
-    raw = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else cfg
-    _check_components(raw, "cfg", errors)
+    errors.extend(component_errors)
     rewards = cfg.get("rewards")
     if isinstance(rewards, (list, ListConfig)) and len(rewards) == 0:
         errors.append("config key 'rewards' must list at least one reward component")
@@ -355,3 +407,42 @@ def _batch_errors(cfg: DictConfig, world_size: int) -> list[str]:
             f"({rows}) per rank"
         )
     return errors
+
+
+#: Keys of the ``tokenizer`` and ``checkpointer`` nodes that name files or folders.
+_PATH_KEYS = {
+    "tokenizer": ("path", "merges_file", "special_tokens_path"),
+    "checkpointer": ("checkpoint_dir",),
+}
+
+
+def check_input_files(cfg: DictConfig) -> None:
+    """Check that the tokenizer and checkpoint files a config names exist (before loading).
+
+    Raises:
+        FileNotFoundError: naming the config key and the missing path.
+    """
+    missing = []
+    for node_name, keys in _PATH_KEYS.items():
+        node = cfg.get(node_name)
+        if node is None:
+            continue
+        for key in keys:
+            value = node.get(key)
+            if value is not None and not Path(str(value)).expanduser().exists():
+                missing.append(f"{node_name}.{key}: {value} does not exist")
+    ckpt = cfg.get("checkpointer")
+    if ckpt is not None and ckpt.get("checkpoint_dir") and Path(ckpt.checkpoint_dir).exists():
+        files = ckpt.get("checkpoint_files")
+        if isinstance(files, (list, ListConfig)):
+            for name in files:
+                if not (Path(ckpt.checkpoint_dir) / str(name)).exists():
+                    missing.append(
+                        f"checkpointer.checkpoint_files: {Path(ckpt.checkpoint_dir) / str(name)} "
+                        "does not exist"
+                    )
+    if missing:
+        raise FileNotFoundError(
+            "input files not found (download the model, or fix the paths):\n  - "
+            + "\n  - ".join(missing)
+        )

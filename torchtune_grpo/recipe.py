@@ -45,7 +45,7 @@ from torchtune_grpo.checkpointing import (
     save_step_checkpoint,
     weight_files,
 )
-from torchtune_grpo.config import per_rank_batch_size, validate_config
+from torchtune_grpo.config import check_input_files, per_rank_batch_size, validate_config
 from torchtune_grpo.datasets import collate_prompts
 from torchtune_grpo.evaluation import EvalResult, EvalSettings, evaluate
 from torchtune_grpo.rlhf.advantages import group_advantages
@@ -115,7 +115,8 @@ class GRPORecipe:
         self.cfg = cfg
         self.device = utils.get_device(cfg.get("device", "cuda"))
         self.dtype = DTYPES[cfg.get("dtype", "bf16")]
-        self.world_size, self.rank = D.init_distributed(self.device)
+        self.world_size, self.rank = D.init_distributed(
+            self.device, timeout_s=float(cfg.get("distributed_timeout_s", 600.0)))
         self.is_rank_zero = self.rank == 0
         self.seed = training.set_seed(cfg.get("seed", 0))
         self.batch_size = per_rank_batch_size(cfg, self.world_size)
@@ -137,6 +138,8 @@ class GRPORecipe:
         self.adv_eps = float(adv_cfg.get("eps", 1e-6))
         self.step = 0
         self.skipped_steps = 0
+        self.consecutive_skips = 0
+        self.max_consecutive_skips = int(cfg.get("max_consecutive_skipped_steps", 5))
         self._stop_requested = False
         self._adapter_state = None
 
@@ -144,10 +147,12 @@ class GRPORecipe:
     def setup(self) -> None:
         """Build data, rewards and loss first (cheap, validating), then the models."""
         cfg = self.cfg
+        check_input_files(cfg)  # the base model is read even when resuming
         self.tokenizer = config.instantiate(cfg.tokenizer)
         self.dataset = config.instantiate(cfg.dataset, tokenizer=self.tokenizer)
         self.rewards = build_reward_set(cfg.rewards)
         self.loss_fn = config.instantiate(cfg.loss)
+        self._check_context_length()
         self.batches = StepBatches(
             self.dataset, batch_size=self.batch_size, world_size=self.world_size,
             rank=self.rank, seed=self.seed, shuffle=bool(cfg.get("shuffle", True)),
@@ -219,6 +224,22 @@ class GRPORecipe:
         self.rules = token_rules(self.tokenizer, self.model, self.device)
         self.allowed_tokens, self.logit_bias = self.rules.allowed, self.rules.logit_bias
         self.stop_tokens, self.pad_id = self.rules.stop_tokens, self.rules.pad_id
+
+    def _check_context_length(self) -> None:
+        """Longest prompt + ``max_generated_tokens`` must fit the model (checked on meta)."""
+        with torch.device("meta"):
+            max_seq_len = getattr(config.instantiate(self.cfg.model), "max_seq_len", None)
+        lengths = getattr(self.dataset, "prompt_lengths", None)
+        if max_seq_len is None or not lengths:
+            return
+        need = max(lengths) + self.max_generated_tokens
+        if need > max_seq_len:
+            raise ValueError(
+                f"config key 'max_generated_tokens' ({self.max_generated_tokens}) plus the "
+                f"longest prompt ({max(lengths)} tokens) is {need}, above the model's "
+                f"max_seq_len of {max_seq_len}: lower max_generated_tokens or set "
+                "dataset.max_prompt_tokens"
+            )
 
     def _build_model(self, state_dict: dict[str, torch.Tensor], *, trainable: bool,
                      adapter_state: dict[str, torch.Tensor] | None = None) -> nn.Module:
@@ -345,17 +366,20 @@ class GRPORecipe:
             grad_norm = self._grad_norm()
             if math.isfinite(grad_norm):
                 self.optimizer.step()
+                self.consecutive_skips = 0
             else:
                 skipped += 1
                 self.skipped_steps += 1
-                log.warning(f"step {self.step + 1}: non-finite gradient norm, update skipped")
+                self.consecutive_skips += 1
+                log.warning(f"step {self.step + 1}: non-finite loss or gradient, update skipped "
+                            f"({self.consecutive_skips} in a row)")
             self.optimizer.zero_grad(set_to_none=True)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             grad_norms.append(grad_norm)
         metrics = summarize_loss_stats(stats, all_reduce=lambda t, op: D.all_reduce(t, op))
         metrics["grad_norm"] = float(sum(grad_norms) / len(grad_norms))
-        metrics["skipped_steps"] = float(skipped)
+        metrics["skipped_steps"] = float(self.skipped_steps)
         return metrics
 
     def _grad_norm(self) -> float:
@@ -387,6 +411,10 @@ class GRPORecipe:
         }
         for name, values in rewards_out.components.items():
             metrics[f"reward/{name}"] = self._global_mean(values.float())
+        for name, count in rewards_out.errors.items():
+            errors = D.all_reduce(torch.tensor([float(count)], device=self.device), "sum")
+            metrics[f"reward/{name}/errors"] = float(errors)
+        metrics["data/skipped_rows"] = float(getattr(self.dataset, "skipped_rows", 0))
         metrics.update(loss_metrics)
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         generated = torch.tensor([float(traj.response_mask.sum())], device=self.device)
@@ -461,11 +489,12 @@ class GRPORecipe:
                 f"success {metrics['success_rate']:.2f}"
             )
             preempted = not D.all_ranks_true(not self._stop_requested, self.device)
+            diverged = self.consecutive_skips >= self.max_consecutive_skips
             last = self.step == self.num_steps
             evaluated = None
             if self.eval_every and (self.step % self.eval_every == 0 or last):
                 evaluated = self.run_eval()
-            if last or preempted or evaluated is not None or (
+            if last or preempted or diverged or evaluated is not None or (
                 self.save_every and self.step % self.save_every == 0
             ):
                 self.save_checkpoint(evaluated)
@@ -473,6 +502,13 @@ class GRPORecipe:
                 log.warning(f"stopped after step {self.step} on request; resume with "
                             "resume_from_checkpoint=true")
                 break
+            if diverged:
+                raise RuntimeError(
+                    f"{self.consecutive_skips} consecutive steps had a non-finite loss or "
+                    f"gradient (max_consecutive_skipped_steps={self.max_consecutive_skips}); "
+                    f"saved step_{self.step} and stopped. Lower the learning rate, check the "
+                    "rewards, or resume from an earlier checkpoint."
+                )
 
     def run_eval(self) -> EvalResult:
         """Evaluate the current policy on ``eval_dataset``; log ``eval/...`` metrics."""
