@@ -83,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     val.add_argument("--world-size", type=int, default=1)
     val.add_argument("overrides", nargs="*")
     val.set_defaults(func=_validate)
+    plot = sub.add_parser("plot", help="plot a run's metrics into a PNG")
+    plot.add_argument("output_dir")
+    plot.add_argument("--out", default=None)
+    plot.set_defaults(func=lambda a: print(f"wrote {__import__('torchtune_grpo.plot').plot.plot_run(a.output_dir, a.out)}") or 0)
     prep = sub.add_parser("prepare-quickstart", help="write the quickstart's tiny model",
                           add_help=False)
     prep.set_defaults(func=None)

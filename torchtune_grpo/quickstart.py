@@ -1,18 +1,29 @@
 """The CPU quickstart: a task, a tiny model and its starting weights, made locally.
 
-The task is two-number addition written as text (``"37+45="`` -> ``"82"``): every prompt needs
-its own answer (no constant output scores), answers are checked exactly by the same numeric
-reward GSM8K uses, and problems split into disjoint train and held-out sets.
+The task (:mod:`torchtune_grpo.datasets.addition`) is adding 1111 to a four-digit number
+written as text (``"3812+1111="`` -> ``"4923"``): every prompt needs its own answer, answers
+are checked by the same numeric reward GSM8K uses, and problems split into disjoint train,
+held-out and warm-up sets.
 
 A randomly initialised model never answers correctly, so its groups would have no reward
-variance and GRPO would have nothing to learn from. ``prepare`` therefore gives the tiny
-model a short supervised warm-up on a *separate* slice of problems (a few seconds on two
-cores) that leaves it well short of mastery: it answers some problems and misses most, which
-is the regime GRPO is for (an SFT-then-RL pipeline in miniature).
+variance and GRPO would have nothing to learn from. ``prepare`` therefore gives the tiny model
+a short supervised warm-up on the separate ``warmup`` split, on *noisy demonstrations*: only
+a fraction (``correct_fraction``, default 0.3) of them show the right sum; the others show the
+typical wrong answer, the first operand echoed back (``"3812+1111="`` -> ``"3812"``). The
+warmed-up model has the right behaviour in its distribution but not as its mode: sampling
+answers correctly some of the time (groups have reward variance) while greedy decoding
+mostly echoes (low starting held-out success). GRPO, rewarded only by correctness, has to
+find and amplify the right behaviour, and held-out greedy success shows whether it did
+(an SFT-then-RL pipeline in miniature, with deliberately poor SFT data).
 
-Command::
+Commands::
 
-    tune-grpo prepare-quickstart [--output-dir DIR] [--warmup-steps N] [--seed S]
+    tune-grpo prepare-quickstart [--output-dir DIR] [--seed S] [--warmup-steps N]
+                                 [--correct-fraction F]
+    tune-grpo prepare-quickstart --evaluate CHECKPOINT_DIR [CHECKPOINT_DIR ...]
+
+The second form prints the held-out greedy success of saved checkpoints (for example
+``<output_dir>/step_<N>`` of a run) and writes nothing.
 """
 
 from __future__ import annotations
@@ -28,42 +39,125 @@ from torchtune_grpo.datasets.addition import addition_problems
 from torchtune_grpo.tiny import TINY_MODEL_DIMS, tiny_llama, tiny_tokenizer, write_hf_checkpoint
 
 #: Where the shipped ``grpo/quickstart_cpu`` config looks for the model.
-DEFAULT_QUICKSTART_DIR = "/tmp/torchtune_grpo/quickstart/base"
+DEFAULT_QUICKSTART_DIR = "/tmp/tune_grpo_quickstart/base"
+#: Builder arguments of the quickstart model (must match ``model`` in ``grpo/quickstart_cpu``).
+QUICKSTART_MODEL_DIMS = dict(TINY_MODEL_DIMS)
+#: Warm-up defaults: optimizer steps, batch size, learning rate, share of correct demonstrations.
+WARMUP_STEPS = 500
+WARMUP_BATCH_SIZE = 64
+WARMUP_LR = 3e-3
+CORRECT_FRACTION = 0.3
+
+
 def _encode_prompt(tokenizer, question: str) -> list[int]:
     return tokenizer.encode(question, add_bos=True, add_eos=False)
 
 
+def echo_answer(question: str) -> str:
+    """The wrong demonstration for ``question``: its first operand (``"3812+1111="`` -> ``"3812"``)."""
+    return question.split("+", 1)[0]
+
+
+# ------------------------------------------------------------------------------ evaluation
 @torch.no_grad()
-def greedy_accuracy(model, tokenizer, problems: list[tuple[str, str]], max_new: int = 4) -> float:
-    """Exact-match accuracy of greedy decoding (no KV cache; for small problem sets)."""
+def greedy_completions(model, tokenizer, questions: list[str], max_new: int = 5,
+                       batch_size: int = 512) -> list[str]:
+    """Greedy completions of plain-text ``questions`` (batched, no KV cache; small models only).
+
+    Questions are batched by prompt length, so no padding is needed. A completion ends before
+    the first stop token or after ``max_new`` tokens.
+    """
+    was_training = model.training
     model.eval()
-    correct = 0
-    for question, answer in problems:
-        ids = _encode_prompt(tokenizer, question)
-        for _ in range(max_new):
-            logits = model(torch.tensor([ids]))[0, -1, : tokenizer.vocab_size]
-            nxt = int(logits.argmax())
-            if nxt in tokenizer.stop_tokens:
-                break
-            ids.append(nxt)
-        text = tokenizer.decode(ids[len(_encode_prompt(tokenizer, question)) :])
-        correct += int(text.strip() == answer)
-    model.train()
-    return correct / max(len(problems), 1)
+    vocab = tokenizer.vocab_size
+    stops = set(tokenizer.stop_tokens)
+    prompts = [_encode_prompt(tokenizer, q) for q in questions]
+    by_length: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_length.setdefault(len(p), []).append(i)
+    out = [""] * len(questions)
+    for length, rows in by_length.items():
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start : start + batch_size]
+            ids = torch.tensor([prompts[i] for i in chunk])
+            for _ in range(max_new):
+                nxt = model(ids)[:, -1, :vocab].argmax(-1)
+                ids = torch.cat([ids, nxt[:, None]], dim=1)
+            for i, row in zip(chunk, ids[:, length:].tolist(), strict=True):
+                cut = next((k for k, t in enumerate(row) if t in stops), len(row))
+                out[i] = tokenizer.decode(row[:cut])
+    model.train(was_training)
+    return out
 
 
-def supervised_warmup(model, tokenizer, problems, *, steps: int, batch_size: int = 64,
-                      lr: float = 3e-3, seed: int = 0) -> None:
-    """Teacher-forced cross-entropy on the answer tokens (and the end-of-turn token)."""
+def greedy_accuracy(model, tokenizer, problems: list[tuple[str, str]], max_new: int = 5) -> float:
+    """Greedy success on ``(question, answer)`` problems, scored like training.
+
+    A completion succeeds when :class:`~torchtune_grpo.rlhf.rewards.NumericCorrectness`
+    (``answer_tag=None``, the quickstart's reward) gives it 1.
+    """
+    from torchtune_grpo.rlhf.rewards import NumericCorrectness
+
+    if not problems:
+        return 0.0
+    completions = greedy_completions(model, tokenizer, [q for q, _ in problems], max_new)
+    scores = NumericCorrectness(answer_tag=None)(completions, [a for _, a in problems])
+    return sum(scores) / len(scores)
+
+
+def load_quickstart_model(checkpoint_dir: str | Path, dims: dict | None = None):
+    """Load a quickstart model (HF safetensors, e.g. ``<output_dir>/step_<N>``) and its tokenizer.
+
+    Returns:
+        ``(model, tokenizer)``: the torchtune model in eval mode and the tiny tokenizer.
+    """
+    from safetensors.torch import load_file
+    from torchtune.models.convert_weights import hf_to_tune
+
+    checkpoint_dir = Path(checkpoint_dir)
+    dims = dims or QUICKSTART_MODEL_DIMS
+    files = sorted(checkpoint_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {checkpoint_dir}")
+    hf_state: dict[str, torch.Tensor] = {}
+    for f in files:
+        hf_state.update(load_file(str(f)))
+    state = hf_to_tune(hf_state, num_heads=dims["num_heads"], num_kv_heads=dims["num_kv_heads"],
+                       dim=dims["embed_dim"])
+    model = tiny_llama(**dims)
+    model.load_state_dict(state, strict=False)  # the output projection is tied
+    model.eval()
+    return model, tiny_tokenizer(checkpoint_dir)
+
+
+def heldout_success(checkpoint_dir: str | Path) -> float:
+    """Greedy success of a saved quickstart checkpoint on the held-out ``test`` split."""
+    model, tokenizer = load_quickstart_model(checkpoint_dir)
+    return greedy_accuracy(model, tokenizer, addition_problems("test"))
+
+
+# ------------------------------------------------------------------------------ warm-up
+def supervised_warmup(model, tokenizer, problems, *, steps: int,
+                      batch_size: int = WARMUP_BATCH_SIZE, lr: float = WARMUP_LR,
+                      correct_fraction: float = CORRECT_FRACTION, seed: int = 0) -> None:
+    """Teacher-forced cross-entropy on noisy demonstrations of ``problems``.
+
+    Each sampled problem is shown with its right answer with probability
+    ``correct_fraction`` and with :func:`echo_answer` otherwise; the loss covers the answer
+    tokens and the end-of-turn token.
+    """
+    if not 0.0 <= correct_fraction <= 1.0:
+        raise ValueError(f"correct_fraction must be in [0, 1], got {correct_fraction}")
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     eot = tokenizer.eot_id
     for _ in range(steps):
-        batch = [problems[rng.randrange(len(problems))] for _ in range(batch_size)]
         seqs, masks = [], []
-        for question, answer in batch:
+        for _ in range(batch_size):
+            question, answer = problems[rng.randrange(len(problems))]
+            shown = answer if rng.random() < correct_fraction else echo_answer(question)
             prompt = _encode_prompt(tokenizer, question)
-            target = tokenizer.encode(answer, add_bos=False, add_eos=False) + [eot]
+            target = tokenizer.encode(shown, add_bos=False, add_eos=False) + [eot]
             seqs.append(prompt + target)
             masks.append([0] * len(prompt) + [1] * len(target))
         width = max(map(len, seqs))
@@ -77,15 +171,19 @@ def supervised_warmup(model, tokenizer, problems, *, steps: int, batch_size: int
         optimizer.step()
 
 
-def prepare_quickstart(output_dir: str | Path = DEFAULT_QUICKSTART_DIR, *, warmup_steps: int = 150,
-                       seed: int = 0) -> Path:
+def prepare_quickstart(output_dir: str | Path = DEFAULT_QUICKSTART_DIR, *,
+                       warmup_steps: int = WARMUP_STEPS, seed: int = 0,
+                       correct_fraction: float = CORRECT_FRACTION) -> Path:
     """Write the quickstart's starting model (HF safetensors) and tokenizer into ``output_dir``.
+
+    Deterministic for a given ``seed`` (and thread count).
 
     Args:
         output_dir: folder the ``grpo/quickstart_cpu`` config reads (``checkpointer`` and
             ``tokenizer`` paths).
         warmup_steps: supervised warm-up steps on the ``warmup`` split (0: random weights).
         seed: seed of the initial weights and the warm-up.
+        correct_fraction: share of warm-up demonstrations that show the right answer.
 
     Returns:
         ``output_dir``.
@@ -93,11 +191,11 @@ def prepare_quickstart(output_dir: str | Path = DEFAULT_QUICKSTART_DIR, *, warmu
     torch.manual_seed(seed)
     output_dir = Path(output_dir)
     tokenizer = tiny_tokenizer(output_dir)
-    model = tiny_llama()
+    model = tiny_llama(**QUICKSTART_MODEL_DIMS)
     if warmup_steps:
         supervised_warmup(model, tokenizer, addition_problems("warmup"), steps=warmup_steps,
-                          seed=seed)
-    return write_hf_checkpoint(model, output_dir, TINY_MODEL_DIMS)
+                          correct_fraction=correct_fraction, seed=seed)
+    return write_hf_checkpoint(model, output_dir, QUICKSTART_MODEL_DIMS)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -105,11 +203,20 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="tune-grpo prepare-quickstart",
                                      description=prepare_quickstart.__doc__)
     parser.add_argument("--output-dir", default=DEFAULT_QUICKSTART_DIR)
-    parser.add_argument("--warmup-steps", type=int, default=150)
+    parser.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS)
+    parser.add_argument("--correct-fraction", type=float, default=CORRECT_FRACTION)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--evaluate", nargs="+", metavar="CHECKPOINT_DIR",
+                        help="print the held-out greedy success of these checkpoints and exit")
     args = parser.parse_args(argv)
-    path = prepare_quickstart(args.output_dir, warmup_steps=args.warmup_steps, seed=args.seed)
+    if args.evaluate:
+        for directory in args.evaluate:
+            print(f"{directory}: held-out greedy success {heldout_success(directory):.3f}")
+        return
+    path = prepare_quickstart(args.output_dir, warmup_steps=args.warmup_steps, seed=args.seed,
+                              correct_fraction=args.correct_fraction)
     print(f"quickstart model and tokenizer written to {path}")
+    print(f"held-out greedy success of this starting model: {heldout_success(path):.3f}")
 
 
 if __name__ == "__main__":

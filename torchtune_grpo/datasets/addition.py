@@ -1,59 +1,79 @@
-"""The quickstart task: two-number addition as text (``"37+45="`` -> ``"82"``).
+"""The quickstart task: add 1111 to a four-digit number (``"3812+1111="`` -> ``"4923"``).
 
-Problems are generated, not downloaded. All ``(a, b)`` pairs with operands in
-``0 .. max_operand`` are shuffled once with a fixed seed and cut into three disjoint splits:
-``test`` (held out for evaluation), ``warmup`` (only for the quickstart's supervised warm-up)
-and ``train`` (GRPO prompts). The prompt is the plain text ``"a+b="`` after the BOS token; the
-completion is the number, ended by a stop token.
+Problems are generated, not downloaded. The first operand is every four-digit number whose
+digits are 1-8, so adding 1111 never carries: each answer digit is the digit above it plus
+one. That is a task a 0.1M-parameter model learns within a minute of CPU, while every problem
+still needs its own answer (no constant output scores more than one problem in 4096, and
+echoing the first operand, the typical mistake, never scores).
+
+The 4096 problems are shuffled once with a fixed seed (:data:`SPLIT_SEED`, independent of a
+run's seed) and cut into three disjoint splits: ``test`` (held out for evaluation),
+``warmup`` (only for the quickstart's supervised warm-up, see :mod:`torchtune_grpo.quickstart`)
+and ``train`` (GRPO prompts). The prompt is the plain text ``"3812+1111="`` after the BOS
+token; the completion is the sum, ended by a stop token, and is scored by
+:class:`~torchtune_grpo.rlhf.rewards.NumericCorrectness` with ``answer_tag: null``.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 from typing import Any
 
 from torchtune_grpo.datasets._prompt import PromptDataset, PromptTemplate
 
-#: Operands are drawn from ``0 .. MAX_OPERAND``.
-MAX_OPERAND = 99
-#: Sizes of the held-out and warm-up splits; ``train`` takes the rest.
-SPLIT_SIZES = {"test": 200, "warmup": 2000}
+#: The second operand of every problem.
+ADDEND = 1111
+#: Digits of the first operand (1-8, so that adding 1111 never carries).
+OPERAND_DIGITS = "12345678"
+#: Number of digits of the first operand.
+NUM_DIGITS = 4
+#: Sizes of the held-out and warm-up splits; ``train`` takes the rest (2796 problems).
+SPLIT_SIZES = {"test": 300, "warmup": 1000}
 #: Seed that fixes which problems fall in which split (independent of a run's seed).
 SPLIT_SEED = 1234
 #: Plain-text prompt: the question as is, no chat headers.
 ADDITION_TEMPLATE = PromptTemplate(user="{question}", chat=False)
 
 
-def addition_problems(split: str, *, max_operand: int = MAX_OPERAND) -> list[tuple[str, str]]:
-    """Problems of one split as ``(question, answer)`` pairs, e.g. ``("37+45=", "82")``.
+def addition_operands(split: str) -> list[int]:
+    """First operands of one split, in the split's fixed order.
 
     Args:
         split: ``"train"``, ``"test"`` or ``"warmup"`` (see the module docstring).
-        max_operand: operands range over ``0 .. max_operand``.
+
+    Raises:
+        ValueError: on an unknown split.
     """
-    pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
-    random.Random(SPLIT_SEED).shuffle(pairs)
+    numbers = [int("".join(d)) for d in itertools.product(OPERAND_DIGITS, repeat=NUM_DIGITS)]
+    random.Random(SPLIT_SEED).shuffle(numbers)
     n_test, n_warm = SPLIT_SIZES["test"], SPLIT_SIZES["warmup"]
-    if len(pairs) <= n_test + n_warm:
-        raise ValueError(
-            f"max_operand={max_operand} gives {len(pairs)} problems, too few for the "
-            f"{n_test} held-out and {n_warm} warm-up problems; use max_operand >= 50"
-        )
     ranges = {
-        "test": pairs[:n_test],
-        "warmup": pairs[n_test : n_test + n_warm],
-        "train": pairs[n_test + n_warm :],
+        "test": numbers[:n_test],
+        "warmup": numbers[n_test : n_test + n_warm],
+        "train": numbers[n_test + n_warm :],
     }
     if split not in ranges:
         raise ValueError(f"split must be one of {sorted(ranges)}, got {split!r}")
-    return [(f"{a}+{b}=", str(a + b)) for a, b in ranges[split]]
+    return ranges[split]
+
+
+def addition_problems(split: str) -> list[tuple[str, str]]:
+    """Problems of one split as ``(question, answer)`` pairs, e.g. ``("3812+1111=", "4923")``.
+
+    Args:
+        split: ``"train"``, ``"test"`` or ``"warmup"`` (see the module docstring).
+
+    Raises:
+        ValueError: on an unknown split.
+    """
+    return [(f"{a}+{ADDEND}=", str(a + ADDEND)) for a in addition_operands(split)]
 
 
 def addition_dataset(
     tokenizer: Any,
     *,
     split: str = "train",
-    max_operand: int = MAX_OPERAND,
     limit: int | None = None,
 ) -> PromptDataset:
     """The quickstart task as a :class:`PromptDataset`.
@@ -61,9 +81,8 @@ def addition_dataset(
     Args:
         tokenizer: a torchtune tokenizer.
         split: ``"train"``, ``"test"`` or ``"warmup"``.
-        max_operand: operands range over ``0 .. max_operand``.
         limit: keep only the first ``limit`` problems of the split.
     """
-    problems = addition_problems(split, max_operand=max_operand)[:limit]
+    problems = addition_problems(split)[:limit]
     samples = [(q, a, i) for i, (q, a) in enumerate(problems)]
     return PromptDataset(samples, tokenizer, ADDITION_TEMPLATE, name=f"addition[{split}]")

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 from torch import nn

@@ -17,14 +17,21 @@ Guarantees the recipe relies on:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
+from torchtune.modules import MultiHeadAttention
 from torchtune.modules.common_utils import delete_kv_caches
 
 from torchtune_grpo.rlhf.forward import last_position_logits
-from torchtune_grpo.rlhf.trajectory import Trajectory, concat_trajectories, position_ids
+from torchtune_grpo.rlhf.trajectory import (
+    Trajectory,
+    attention_mask,
+    concat_trajectories,
+    position_ids,
+)
 
 
 # ---------------------------------------------------------------------------- vocabulary
@@ -195,6 +202,173 @@ def sample_next_token(
     return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 
+# ---------------------------------------------------------------------------- KV cache
+def attention_modules(model: nn.Module) -> list[MultiHeadAttention]:
+    """The self-attention modules of ``model``, in layer order (FSDP-wrapped or not)."""
+    found = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    if not found:
+        raise ValueError(
+            f"{type(model).__name__} has no torchtune MultiHeadAttention module; the generation "
+            "engine needs a torchtune decoder-only model"
+        )
+    return found
+
+
+class KVCacheStorage:
+    """Key/value storage for every attention layer, allocated once and reused.
+
+    One pair of ``[rows, kv_heads, max_len, head_dim]`` tensors per layer (``torch.empty``:
+    nothing is zeroed, every position is written before it is read). A rollout allocates one
+    storage for its micro-batch size and every micro-batch reuses it.
+
+    Args:
+        model: the torchtune decoder the storage is for.
+        rows: the most sequences decoded at once.
+        max_len: the most positions per sequence (``P + max_generated_tokens``).
+        dtype: cache dtype.
+        device: cache device.
+    """
+
+    def __init__(self, model: nn.Module, *, rows: int, max_len: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        self.rows, self.max_len, self.dtype = rows, max_len, dtype
+        self.device = torch.device(device)
+        self.layers: list[tuple[MultiHeadAttention, torch.Tensor, torch.Tensor]] = []
+        for attn in attention_modules(model):
+            shape = (rows, attn.num_kv_heads, max_len, attn.head_dim)
+            k = torch.empty(shape, dtype=dtype, device=self.device)
+            v = torch.empty(shape, dtype=dtype, device=self.device)
+            self.layers.append((attn, k, v))
+
+    def fits(self, rows: int, length: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether ``rows`` sequences of ``length`` positions fit (same dtype and device)."""
+        return (rows <= self.rows and length <= self.max_len and dtype == self.dtype
+                and torch.device(device) == self.device)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the storage."""
+        return sum(k.nbytes + v.nbytes for _, k, v in self.layers)
+
+
+class _SpanKVCache(nn.Module):
+    """Stands in for torchtune's ``KVCache`` on one attention module during a rollout.
+
+    torchtune's ``MultiHeadAttention`` calls ``kv_cache.update(k, v)`` and attends over what it
+    returns. torchtune's own cache returns the whole ``max_seq_len`` buffer, so every decode
+    step attends over (and masks) every future position too. This one returns the filled span
+    only: at decode step ``t`` the attention is ``[n, heads, 1, P + t + 1]``.
+
+    Three phases:
+
+    * **prefill** (:meth:`start_prefill`): the ``u`` distinct prompts are run once; their
+      keys/values are written into the ``n`` rows that share them (``expand_index [n]``) and
+      the prompts attend over their own keys, so a group's ``G`` samples share one prefill.
+    * **span decode** (default): one position per step, attention over ``[:length]``.
+    * **static decode** (``static=True``, for ``torch.compile``): the write position is a
+      tensor and attention spans the whole buffer, so every step has the same shapes.
+    """
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, rows: int,
+                 write_pos: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.k_cache = k  # plain attributes: not buffers, never in a state dict
+        self.v_cache = v
+        self.rows = rows
+        self.length = 0
+        self.write_pos = write_pos  # [1] long; set: static decode
+        self.expand_index: torch.Tensor | None = None
+        self.prefilling = False
+
+    @property
+    def batch_size(self) -> int:
+        return self.rows
+
+    @property
+    def size(self) -> int:
+        return self.length
+
+    def start_prefill(self, expand_index: torch.Tensor | None) -> None:
+        self.prefilling, self.expand_index, self.length = True, expand_index, 0
+
+    def update(self, k_val: torch.Tensor, v_val: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``[b, kv_heads, s, head_dim]`` keys/values; return those to attend over."""
+        s = k_val.shape[2]
+        if self.prefilling:
+            self.prefilling = False
+            rows = self.rows
+            if self.expand_index is not None:
+                self.k_cache[:rows, :, :s] = k_val.index_select(0, self.expand_index)
+                self.v_cache[:rows, :, :s] = v_val.index_select(0, self.expand_index)
+            else:
+                self.k_cache[:rows, :, :s] = k_val
+                self.v_cache[:rows, :, :s] = v_val
+            self.length = s
+            return k_val, v_val
+        b = k_val.shape[0]
+        if self.write_pos is not None:
+            self.k_cache[:b].index_copy_(2, self.write_pos, k_val)
+            self.v_cache[:b].index_copy_(2, self.write_pos, v_val)
+            return self.k_cache[:b], self.v_cache[:b]
+        end = self.length + s
+        self.k_cache[:b, :, self.length : end] = k_val
+        self.v_cache[:b, :, self.length : end] = v_val
+        self.length = end
+        return self.k_cache[:b, :, :end], self.v_cache[:b, :, :end]
+
+
+@contextlib.contextmanager
+def _attached(storage: KVCacheStorage, rows: int,
+              write_pos: torch.Tensor | None) -> Iterator[list[_SpanKVCache]]:
+    """Install span caches over ``storage`` on every attention module; restore on exit."""
+    saved = [(attn, attn.kv_cache, attn.cache_enabled) for attn, _, _ in storage.layers]
+    caches = []
+    try:
+        for attn, k, v in storage.layers:
+            if write_pos is not None:  # static decode reads every position: no garbage (NaN)
+                k.zero_()
+                v.zero_()
+            cache = _SpanKVCache(k, v, rows, write_pos)
+            attn.kv_cache = cache
+            attn.cache_enabled = True
+            caches.append(cache)
+        yield caches
+    finally:
+        for attn, kv_cache, enabled in saved:
+            attn.kv_cache = kv_cache
+            attn.cache_enabled = enabled
+
+
+def _distinct_rows(prompt_tokens: torch.Tensor, prompt_mask: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows holding the distinct prompts, and which of them each row repeats.
+
+    Returns:
+        ``(first [u], inverse [n])``: ``prompt_tokens[first[inverse]]`` equals
+        ``prompt_tokens`` on every real token (padding ids are ignored).
+    """
+    n = prompt_tokens.shape[0]
+    key = torch.where(prompt_mask, prompt_tokens, torch.full_like(prompt_tokens, -1))
+    _, inverse = torch.unique(key, dim=0, return_inverse=True)
+    u = int(inverse.max()) + 1
+    first = torch.full((u,), n, dtype=torch.long, device=key.device)
+    first.scatter_reduce_(0, inverse, torch.arange(n, device=key.device), "amin")
+    order = first.argsort()  # keep the rows' order: unique id = rank of its first row
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(u, device=key.device)
+    return first[order], rank[inverse]
+
+
+def _compiled(model: nn.Module) -> Callable[..., torch.Tensor]:
+    """``torch.compile`` of ``model``'s forward, built once per model instance."""
+    fn = model.__dict__.get("_grpo_compiled_decode")
+    if fn is None:
+        fn = torch.compile(model, dynamic=False, fullgraph=False)
+        model.__dict__["_grpo_compiled_decode"] = fn
+    return fn
+
+
 # ---------------------------------------------------------------------------- rollout
 def _always_local(local_done: bool) -> bool:
     return local_done
@@ -215,8 +389,15 @@ def generate_micro_batch(
     seeds: torch.Tensor | None = None,
     all_done: Callable[[bool], bool] = _always_local,
     cache_dtype: torch.dtype | None = None,
+    kv_storage: KVCacheStorage | None = None,
+    compile_decode: bool = False,
 ) -> Trajectory:
     """Generate one completion for each row of a micro-batch, with a KV cache.
+
+    The model is always called through its own ``forward`` (so FSDP2's hooks gather and free
+    each layer's weights); only the attention's key/value cache is replaced
+    (:class:`_SpanKVCache`): distinct prompts are prefilled once and copied into the rows that
+    share them, and each decode step attends over the filled positions only.
 
     Args:
         model: a torchtune decoder (FSDP-sharded or not).
@@ -232,6 +413,10 @@ def generate_micro_batch(
         all_done: given whether this rank's rows have all stopped, says whether every rank's
             have (a collective in distributed runs; identity otherwise).
         cache_dtype: dtype of the KV cache (default: the model's parameter dtype).
+        kv_storage: preallocated cache storage (see :class:`KVCacheStorage`); allocated here
+            when None or too small.
+        compile_decode: run decode steps through ``torch.compile(model)`` with static shapes
+            (attention over the whole cache; single device only; off by default).
 
     Returns:
         A :class:`Trajectory` with ``T`` = the number of decode steps taken.
@@ -240,48 +425,68 @@ def generate_micro_batch(
     device = prompt_tokens.device
     total_len = prompt_len + max_generated_tokens
     dtype = cache_dtype or next(model.parameters()).dtype
-    delete_kv_caches(model) if model.caches_are_setup() else None
-    with device:
-        model.setup_caches(batch_size=n, dtype=dtype, decoder_max_seq_len=total_len)
-    try:
-        valid = torch.ones(n, total_len, dtype=torch.bool, device=device)
-        valid[:, :prompt_len] = prompt_mask
-        positions = position_ids(valid)
-        columns = torch.arange(total_len, device=device)
-        rows = torch.arange(prompt_len, device=device)
-        prefill_mask = (columns[None, :] <= rows[:, None]).unsqueeze(0) & valid[:, None, :]
-        prefill_mask |= (columns[None, :] == rows[:, None]).unsqueeze(0)
-        with last_position_logits(model):
-            logits = model(prompt_tokens, mask=prefill_mask, input_pos=positions[:, :prompt_len])
-
-        out_tokens = torch.full((n, max_generated_tokens), pad_id, dtype=torch.long, device=device)
-        out_logprobs = torch.zeros(n, max_generated_tokens, dtype=torch.float32, device=device)
-        out_mask = torch.zeros(n, max_generated_tokens, dtype=torch.bool, device=device)
-        stopped = torch.zeros(n, dtype=torch.bool, device=device)
-        steps = 0
-        for t in range(max_generated_tokens):
-            token, logprob = sample_next_token(
-                logits[:, -1],
-                temperature=temperature,
-                top_k=top_k,
-                logit_bias=logit_bias,
-                seeds=seeds,
-                counter=t,
-            )
-            active = ~stopped
-            token = torch.where(active, token, torch.full_like(token, pad_id))
-            out_tokens[:, t] = token
-            out_logprobs[:, t] = torch.where(active, logprob, torch.zeros_like(logprob))
-            out_mask[:, t] = active
-            stopped |= active & torch.isin(token, stop_tokens)
-            steps = t + 1
-            if steps == max_generated_tokens or all_done(bool(stopped.all())):
-                break
-            cur = prompt_len + t
-            step_mask = (valid & (columns <= cur)).unsqueeze(1)
-            logits = model(token.unsqueeze(1), mask=step_mask, input_pos=positions[:, cur : cur + 1])
-    finally:
+    if kv_storage is None or not kv_storage.fits(n, total_len, dtype, device):
+        kv_storage = KVCacheStorage(model, rows=n, max_len=total_len, dtype=dtype, device=device)
+    if model.caches_are_setup():  # torchtune's own caches would double the memory
         delete_kv_caches(model)
+
+    # valid[:, j]: position j holds a real token (generated positions count as real: after a
+    # row stops, what it attends to no longer matters). Filled in place, never rebuilt.
+    valid = torch.ones(n, total_len, dtype=torch.bool, device=device)
+    valid[:, :prompt_len] = prompt_mask
+    positions = position_ids(valid)
+    first, inverse = _distinct_rows(prompt_tokens, prompt_mask)
+    shared = first.numel() < n
+    write_pos = torch.zeros(1, dtype=torch.long, device=device) if compile_decode else None
+    if compile_decode:
+        seen = torch.zeros(n, total_len, dtype=torch.bool, device=device)
+        seen[:, :prompt_len] = prompt_mask
+    step_fn = _compiled(model) if compile_decode else model
+
+    with _attached(kv_storage, n, write_pos) as caches:
+        for cache in caches:
+            cache.start_prefill(inverse if shared else None)
+        rows = first if shared else slice(None)
+        with last_position_logits(model):
+            logits = model(prompt_tokens[rows], mask=attention_mask(prompt_mask[rows]),
+                           input_pos=positions[rows, :prompt_len])
+            if shared:
+                logits = logits.index_select(0, inverse)
+
+            out_tokens = torch.full((n, max_generated_tokens), pad_id, dtype=torch.long,
+                                    device=device)
+            out_logprobs = torch.zeros(n, max_generated_tokens, dtype=torch.float32,
+                                       device=device)
+            out_mask = torch.zeros(n, max_generated_tokens, dtype=torch.bool, device=device)
+            stopped = torch.zeros(n, dtype=torch.bool, device=device)
+            steps = 0
+            for t in range(max_generated_tokens):
+                token, logprob = sample_next_token(
+                    logits[:, -1],
+                    temperature=temperature,
+                    top_k=top_k,
+                    logit_bias=logit_bias,
+                    seeds=seeds,
+                    counter=t,
+                )
+                active = ~stopped
+                token = token.masked_fill_(stopped, pad_id)
+                out_tokens[:, t] = token
+                out_logprobs[:, t] = logprob.masked_fill_(stopped, 0.0)
+                out_mask[:, t] = active
+                stopped |= active & torch.isin(token, stop_tokens)
+                steps = t + 1
+                if steps == max_generated_tokens or all_done(bool(stopped.all())):
+                    break
+                cur = prompt_len + t
+                if compile_decode:
+                    write_pos.fill_(cur)
+                    seen[:, cur] = True
+                    step_mask = seen.unsqueeze(1)
+                else:
+                    step_mask = valid[:, None, : cur + 1]
+                logits = step_fn(token.unsqueeze(1), mask=step_mask,
+                                 input_pos=positions[:, cur : cur + 1])
 
     return Trajectory(
         tokens=torch.cat([prompt_tokens, out_tokens[:, :steps]], dim=1),
@@ -305,6 +510,10 @@ def generate_trajectory(
 ) -> Trajectory:
     """Sample ``group_size`` completions for each prompt, ``forward_batch_size`` rows at a time.
 
+    The KV cache is allocated once, for ``forward_batch_size`` rows of ``P +
+    max_generated_tokens`` positions, and reused by every micro-batch; within a micro-batch each
+    distinct prompt is prefilled once and shared by its group's samples.
+
     Args:
         model: a torchtune decoder.
         prompt_tokens: ``[B, P]`` left-padded prompts.
@@ -326,6 +535,13 @@ def generate_trajectory(
     if prompt_seeds is not None:
         sample_index = torch.arange(group_size).repeat(prompt_tokens.shape[0])
         seeds = mix_seeds(prompt_seeds.cpu().repeat_interleave(group_size), sample_index)
+    if kwargs.get("kv_storage") is None:
+        dtype = kwargs.get("cache_dtype") or next(model.parameters()).dtype
+        kwargs["kv_storage"] = KVCacheStorage(
+            model, rows=min(forward_batch_size, tokens.shape[0]),
+            max_len=tokens.shape[1] + int(kwargs["max_generated_tokens"]), dtype=dtype,
+            device=tokens.device,
+        )
     parts = [
         generate_micro_batch(
             model, tokens[i : i + forward_batch_size], mask[i : i + forward_batch_size],

@@ -1,0 +1,318 @@
+"""Seconds and peak memory of one GRPO step, driven through the real ``GRPORecipe``.
+
+Shape (the "whole step" shape of the issue): a 2-layer, dim-128 Llama 3.2 decoder with the
+full Llama 3 vocabulary of 128,256 ids (tied embeddings, ~16.5M parameters, almost all of them
+in the embedding), 4 GSM8K prompts x 8 samples x 32 new tokens, ``kl_coeff: 0.01`` (so the
+reference model runs), fp32 on CPU, ``ppo_epochs: 1``, one micro-batch of 32 rows.
+
+Tokenizer: a Llama 3 tokenizer of 128,256 ids cannot be had offline, so the byte-level tiny
+tokenizer (269 ids, :mod:`torchtune_grpo.tiny`) is used with the 128,256-id model. The
+allowed-token mask then restricts sampling to those 269 ids; every logit and log-prob is still
+computed over all 128,256 ids, so the output-layer cost is that of the real vocabulary. Prompts
+are GSM8K questions from ``../shared/data/gsm8k/train.jsonl`` when present (byte-level, with the
+question as the chat user message, at most 200 tokens; the table prints their mean length), otherwise synthetic
+questions of similar length.
+
+Variants, each in a fresh subprocess (so each has its own peak RSS):
+
+* ``optimized``: the recipe as shipped.
+* ``baseline``: the same recipe and weights with two pieces swapped back to the designs of
+  torchtune's dev GRPO recipe: log-probs from the full ``[N, P + T, V]`` float32 logits of every
+  position (no chunking, no recomputation), and generation through torchtune's own KV cache
+  (``setup_caches`` per micro-batch, every decode step attending over the whole max-length
+  cache, every row prefilling its own copy of the prompt). Measured in the same run, so the
+  ratio between the two is this machine's, not an anchor.
+
+The step is split as the recipe times it: generation (rollout), scoring (decode + rewards +
+advantages), reference (log-probs of the frozen model) and update (forward + backward +
+optimizer step). The first step is a warm-up; the mean of the next ``--steps`` is reported.
+Peak memory is the process's peak resident set size (``ru_maxrss``) on CPU, or
+``torch.cuda.max_memory_allocated`` on CUDA.
+
+External anchors (not measured here): torchtune's dev GRPO recipe at this shape was reported
+at ~97 s/step and 12.7 GB peak memory; the table prints the optimized variant's ratios against
+those figures as well as against the same-run baseline.
+
+Usage::
+
+    python benchmarks/step.py                 # 1 warm-up + 2 timed steps per variant
+    python benchmarks/step.py --quick         # 1 warm-up + 1 timed step, 16 new tokens
+    python benchmarks/step.py --out step.json --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+ANCHOR_SECONDS = 97.0
+ANCHOR_PEAK_GB = 12.7
+DIMS = {"vocab_size": 128256, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+        "embed_dim": 128, "max_seq_len": 1024}
+
+
+def _synthetic_gsm8k(path: Path, rows: int = 64) -> Path:
+    """GSM8K-format rows whose questions are 150-250 bytes (byte-level tokens)."""
+    rng = random.Random(0)
+    words = ["apples", "boxes", "each", "costs", "dollars", "friends", "gave", "more", "than",
+             "half", "of", "his", "her", "sold"]
+    with path.open("w") as f:
+        for i in range(rows):
+            text = " ".join(rng.choice(words) for _ in range(rng.randint(25, 45)))
+            f.write(json.dumps({"question": f"{text} {i}?", "answer": f"so {i}\n#### {i}"}) + "\n")
+    return path
+
+
+def build_config(workdir: Path, device: str, new_tokens: int):
+    """The GRPO config of this benchmark (checkpoint written into ``workdir``)."""
+    from omegaconf import OmegaConf
+
+    data = GSM8K if GSM8K.exists() else _synthetic_gsm8k(workdir / "synthetic.jsonl")
+    return OmegaConf.create({
+        "output_dir": str(workdir / "run"), "model_dir": str(workdir / "model"), "seed": 0,
+        "device": device, "dtype": "fp32",
+        "model": {"_component_": "torchtune.models.llama3_2.llama3_2", **DIMS},
+        "tokenizer": {"_component_": "torchtune.models.llama3.llama3_tokenizer",
+                      "path": "${model_dir}/tokenizer.model",
+                      "special_tokens_path": "${model_dir}/tokenizer.json",
+                      "max_seq_len": 1024},
+        "checkpointer": {"_component_": "torchtune.training.FullModelHFCheckpointer",
+                         "checkpoint_dir": "${model_dir}",
+                         "checkpoint_files": ["model.safetensors"], "model_type": "LLAMA3_2",
+                         "output_dir": "${output_dir}"},
+        "dataset": {"_component_": "torchtune_grpo.datasets.gsm8k_dataset",
+                    "source": str(data), "split": "train", "max_prompt_tokens": 200,
+                    "invalid_rows": "skip", "template": {"user": "{question}"}},
+        "rewards": [{"_component_": "torchtune_grpo.rlhf.rewards.NumericCorrectness",
+                     "weight": 1.0, "success": True}],
+        "loss": {"_component_": "torchtune_grpo.rlhf.loss.GRPOLoss", "epsilon": 0.2,
+                 "aggregation": "sequence_mean", "kl_coeff": 0.01},
+        "optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-5, "weight_decay": 0.0},
+        "lr_scheduler": None, "metric_logger": None,
+        "batch_size": 4, "group_size": 8, "forward_batch_size": 32,
+        "max_generated_tokens": new_tokens, "temperature": 1.0, "top_k": None,
+        "ppo_epochs": 1, "num_steps": 100, "save_every_n_steps": None,
+        "clip_grad_norm": 1.0, "log_every_n_steps": 1, "progress_bar": False,
+    })
+
+
+# ---------------------------------------------------------------------------- baseline
+def install_baseline() -> None:
+    """Swap in full-logits log-probs and torchtune-cache generation (see module docstring)."""
+    import torch
+    from torchtune.modules.common_utils import delete_kv_caches
+
+    from torchtune_grpo.rlhf import forward as fwd
+    from torchtune_grpo.rlhf import generation as gen
+    from torchtune_grpo.rlhf.logprobs import naive_token_logprobs
+    from torchtune_grpo.rlhf.trajectory import Trajectory, position_ids
+
+    def full_logits_unembed(self, h):
+        mode = self.__dict__.get(fwd._MODE_ATTR)
+        if not isinstance(mode, fwd._ResponseLogProbs):
+            return fwd.__dict__["_original_unembed"](self, h)
+        logits = self.output(self.norm(h)).float()  # [N, P + T - 1, V], every position
+        t = mode.targets.shape[1]
+        return naive_token_logprobs(logits[:, mode.start : mode.start + t], mode.targets,
+                                    mode.temperature, mode.logit_bias, mode.return_entropy)
+
+    fwd.__dict__["_original_unembed"] = fwd._unembed
+    fwd._unembed = full_logits_unembed
+
+    @torch.no_grad()
+    def torchtune_cache_micro_batch(model, prompt_tokens, prompt_mask, *, max_generated_tokens,
+                                    temperature, top_k, stop_tokens, pad_id, logit_bias=None,
+                                    seeds=None, all_done=gen._always_local, cache_dtype=None,
+                                    **_unused):
+        n, p = prompt_tokens.shape
+        total = p + max_generated_tokens
+        model.setup_caches(batch_size=n, dtype=cache_dtype or torch.float32,
+                           decoder_max_seq_len=total)
+        try:
+            valid = torch.ones(n, total, dtype=torch.bool)
+            valid[:, :p] = prompt_mask
+            pos = position_ids(valid)
+            cols, rows = torch.arange(total), torch.arange(p)
+            mask = ((cols[None] <= rows[:, None])[None] & valid[:, None]) | (
+                cols[None] == rows[:, None])[None]
+            with fwd.last_position_logits(model):
+                logits = model(prompt_tokens, mask=mask, input_pos=pos[:, :p])
+            toks, lps, ms = [], [], []
+            stopped = torch.zeros(n, dtype=torch.bool)
+            for t in range(max_generated_tokens):
+                tok, lp = gen.sample_next_token(logits[:, -1], temperature=temperature,
+                                                top_k=top_k, logit_bias=logit_bias,
+                                                seeds=seeds, counter=t)
+                active = ~stopped
+                toks.append(tok.masked_fill(stopped, pad_id))
+                lps.append(lp.masked_fill(stopped, 0.0))
+                ms.append(active)
+                stopped |= active & torch.isin(tok, stop_tokens)
+                if t + 1 == max_generated_tokens or all_done(bool(stopped.all())):
+                    break
+                step_mask = (valid & (cols <= p + t)).unsqueeze(1)  # full-length, every step
+                logits = model(toks[-1][:, None], mask=step_mask, input_pos=pos[:, p + t : p + t + 1])
+        finally:
+            delete_kv_caches(model)
+        return Trajectory(tokens=torch.cat([prompt_tokens, torch.stack(toks, 1)], 1),
+                          prompt_mask=prompt_mask.clone(), response_mask=torch.stack(ms, 1),
+                          logprobs=torch.stack(lps, 1), stopped=stopped, pad_id=pad_id)
+
+    gen.generate_micro_batch = torchtune_cache_micro_batch
+
+
+# ---------------------------------------------------------------------------- worker
+def _peak_bytes(device) -> int:
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def worker(variant: str, workdir: Path, device: str, steps: int, new_tokens: int,
+           threads: int | None) -> dict:
+    """Run ``1 + steps`` GRPO steps of ``variant``; return timings and peak memory."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    if variant == "baseline":
+        install_baseline()
+    from torchtune_grpo.recipe import GRPORecipe
+    from torchtune_grpo.rlhf.advantages import group_advantages
+
+    cfg = build_config(workdir, device, new_tokens)
+    recipe = GRPORecipe(cfg)
+    recipe.setup()
+    params = sum(p.numel() for p in recipe.model.parameters())
+    rows = []
+    for step in range(1 + steps):
+        batch = recipe.batches.batch(recipe.step)
+        times = {}
+        t0 = time.perf_counter()
+        traj = recipe.rollout(batch)
+        times["generation"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        _, rewards = recipe.score(traj, batch)
+        adv = group_advantages(rewards.total.to(recipe.device), recipe.group_size,
+                               scale=recipe.adv_scale, eps=recipe.adv_eps)
+        times["scoring"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ref = recipe.reference_logprobs(traj)
+        times["reference"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        recipe.update(traj, adv.advantages.to(recipe.device), ref)
+        times["update"] = time.perf_counter() - t0
+        recipe.step += 1
+        times["total"] = sum(times.values())
+        times["prompt_len"] = traj.prompt_len
+        times["mean_prompt_tokens"] = float(traj.prompt_mask.sum(1).float().mean())
+        times["generated_tokens"] = int(traj.response_mask.sum())
+        if step > 0:
+            rows.append(times)
+    mean = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
+    return {"variant": variant, "params": params, "steps": rows, "mean": mean,
+            "peak_memory_bytes": _peak_bytes(recipe.device),
+            "memory_kind": "cuda_max_allocated" if recipe.device.type == "cuda" else "peak_rss"}
+
+
+def _run_variant(variant: str, workdir: Path, args) -> dict:
+    out = workdir / f"{variant}.json"
+    cmd = [sys.executable, __file__, "--worker", variant, "--workdir", str(workdir),
+           "--device", args.device, "--steps", str(args.steps),
+           "--new-tokens", str(args.new_tokens), "--worker-out", str(out)]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return json.loads(out.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="1 timed step, 16 new tokens")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps after a warm-up")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--variants", nargs="+", default=["optimized", "baseline"])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.new_tokens = 1, 16
+
+    if args.worker:
+        result = worker(args.worker, args.workdir, args.device, args.steps, args.new_tokens,
+                        args.threads)
+        args.worker_out.write_text(json.dumps(result))
+        return 0
+
+    import torch
+
+    from torchtune_grpo.tiny import tiny_llama, write_hf_checkpoint
+
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        torch.manual_seed(0)
+        write_hf_checkpoint(tiny_llama(**DIMS), workdir / "model", DIMS)
+        for variant in args.variants:
+            print(f"running {variant} ...", flush=True)
+            results[variant] = _run_variant(variant, workdir, args)
+
+    parts = ["generation", "scoring", "reference", "update", "total"]
+    first = next(iter(results.values()))
+    print(f"\nGRPO step: {first['params'] / 1e6:.1f}M params (vocab {DIMS['vocab_size']}), "
+          f"4 prompts x 8 samples x {args.new_tokens} new tokens, padded prompt length "
+          f"{first['mean']['prompt_len']:.0f} (mean {first['mean']['mean_prompt_tokens']:.0f} "
+          f"real tokens), kl_coeff 0.01, {args.device}, fp32, mean of {args.steps} step(s)")
+    print(f"{'variant':<10} " + " ".join(f"{p:>11}" for p in parts) + f" {'peak GB':>8}")
+    for name, r in results.items():
+        print(f"{name:<10} " + " ".join(f"{r['mean'][p]:>10.2f}s" for p in parts)
+              + f" {r['peak_memory_bytes'] / 1e9:>8.2f}")
+    summary = {}
+    if "optimized" in results:
+        opt = results["optimized"]
+        s, gb = opt["mean"]["total"], opt["peak_memory_bytes"] / 1e9
+        summary["vs_anchor"] = {"speedup": ANCHOR_SECONDS / s, "memory_fraction": gb / ANCHOR_PEAK_GB}
+        print(f"\nvs. external anchor (torchtune dev recipe, {ANCHOR_SECONDS:.0f} s/step, "
+              f"{ANCHOR_PEAK_GB} GB; not measured here): {ANCHOR_SECONDS / s:.1f}x faster, "
+              f"{gb / ANCHOR_PEAK_GB:.1%} of its peak memory")
+        if "baseline" in results:
+            base = results["baseline"]
+            bs, bgb = base["mean"]["total"], base["peak_memory_bytes"] / 1e9
+            summary["vs_baseline"] = {"speedup": bs / s, "memory_fraction": gb / bgb,
+                                      **{f"speedup/{p}": base["mean"][p] / max(opt["mean"][p],
+                                                                              1e-9)
+                                         for p in parts}}
+            print(f"vs. same-run baseline (full logits, torchtune KV cache): {bs / s:.2f}x "
+                  f"faster per step, {gb / bgb:.1%} of its peak memory; generation "
+                  f"{base['mean']['generation'] / opt['mean']['generation']:.2f}x, update "
+                  f"{base['mean']['update'] / opt['mean']['update']:.2f}x, reference "
+                  f"{base['mean']['reference'] / opt['mean']['reference']:.2f}x")
+    if args.out:
+        args.out.write_text(json.dumps({
+            "dims": DIMS, "new_tokens": args.new_tokens, "device": args.device,
+            "threads": args.threads or torch.get_num_threads(), "load_average": os.getloadavg(),
+            "anchor": {"seconds_per_step": ANCHOR_SECONDS, "peak_gb": ANCHOR_PEAK_GB},
+            "prompts": str(GSM8K) if GSM8K.exists() else "synthetic",
+            "results": results, "summary": summary,
+        }, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

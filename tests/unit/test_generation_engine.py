@@ -1,0 +1,226 @@
+"""The generation engine: span KV cache, shared prefill, early exit, exactness.
+
+The engine must give the same answers as the plain full forward (greedy = step-by-step argmax,
+generation log-probs = the training forward's), independently of how rows are batched, while
+allocating its cache once per rollout, prefilling each distinct prompt once and attending over
+the filled span only.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from torchtune_grpo.rlhf import generation as gen
+from torchtune_grpo.rlhf.forward import response_logprobs
+from torchtune_grpo.rlhf.generation import (
+    allowed_token_mask,
+    attention_modules,
+    generate_micro_batch,
+    generate_trajectory,
+    logit_bias_from_mask,
+    stop_token_ids,
+)
+from torchtune_grpo.rlhf.trajectory import attention_mask, position_ids
+from torchtune_grpo.tiny import tiny_llama
+
+PROMPTS = ["1+2=", "13+27=", "5+5=", "99+1=", "40+2=", "7+70=", "3+33=", "11+1="]
+
+
+def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, prompts))
+    tokens = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts])
+    return tokens, mask
+
+
+def _prompts(tokenizer, n: int) -> list[list[int]]:
+    return [tokenizer.encode(PROMPTS[i % len(PROMPTS)], add_bos=True, add_eos=False)
+            for i in range(n)]
+
+
+@pytest.fixture
+def setup(tokenizer):
+    torch.manual_seed(3)
+    model = tiny_llama().eval()
+    bias = logit_bias_from_mask(allowed_token_mask(tokenizer, 320))
+    stops = torch.tensor(stop_token_ids(tokenizer))
+    return model, bias, stops
+
+
+def _kwargs(tokenizer, bias, stops, **over):
+    kw = {"max_generated_tokens": 10, "temperature": 0.0, "top_k": None, "stop_tokens": stops,
+          "pad_id": tokenizer.pad_id, "logit_bias": bias}
+    kw.update(over)
+    return kw
+
+
+@pytest.mark.parametrize("forward_batch_size", [9, 6, 2])
+def test_greedy_equals_stepwise_argmax_with_padding_and_shared_prompts(
+    tokenizer, setup, forward_batch_size
+):
+    model, bias, stops = setup
+    prompts = _prompts(tokenizer, 3)  # lengths differ: left padding of different widths
+    tokens, mask = _left_pad(prompts, tokenizer.pad_id)
+    traj = generate_trajectory(model, tokens, mask, group_size=3,
+                               forward_batch_size=forward_batch_size,
+                               **_kwargs(tokenizer, bias, stops))
+    for row in range(9):
+        ids = list(prompts[row // 3])
+        expected = []
+        with torch.no_grad():
+            for _ in range(traj.response_len):
+                nxt = int((model(torch.tensor([ids]))[0, -1] + bias).argmax())
+                expected.append(nxt)
+                ids.append(nxt)
+                if nxt in stop_token_ids(tokenizer):
+                    break
+        n = int(traj.response_mask[row].sum())
+        assert n == min(len(expected), traj.response_len)
+        assert traj.response_tokens[row, :n].tolist() == expected[:n]
+
+
+@pytest.mark.parametrize("top_k", [None, 5])
+def test_generation_logprobs_equal_training_forward(tokenizer, setup, top_k):
+    model, bias, stops = setup
+    tokens, mask = _left_pad(_prompts(tokenizer, 4), tokenizer.pad_id)
+    traj = generate_trajectory(
+        model, tokens, mask, group_size=4, forward_batch_size=8, prompt_seeds=torch.arange(4),
+        **_kwargs(tokenizer, bias, stops, temperature=0.7, top_k=top_k, max_generated_tokens=16),
+    )
+    padding = traj.padding_mask
+    logprobs, _ = response_logprobs(
+        model, traj.tokens, prompt_len=traj.prompt_len, mask=attention_mask(padding),
+        input_pos=position_ids(padding), temperature=0.7, logit_bias=bias,
+    )
+    m = traj.response_mask
+    assert m.sum() > 16
+    assert (logprobs[m] - traj.logprobs[m]).abs().max() < 1e-4
+    assert (traj.logprobs[~m] == 0).all()
+
+
+def test_same_seeds_same_outputs_for_any_forward_batch_size(tokenizer, setup):
+    _, bias, stops = setup
+    torch.manual_seed(0)
+    model = tiny_llama(tie_word_embeddings=False).eval()  # near-uniform: varied samples
+    tokens, mask = _left_pad(_prompts(tokenizer, 4), tokenizer.pad_id)
+    kw = _kwargs(tokenizer, bias, stops, temperature=1.0, max_generated_tokens=8)
+    runs = [
+        generate_trajectory(model, tokens, mask, group_size=4, forward_batch_size=fbs,
+                            prompt_seeds=torch.tensor([11, 22, 33, 44]), **kw)
+        for fbs in (16, 4, 1)
+    ]
+    for other in runs[1:]:
+        n = min(runs[0].response_len, other.response_len)
+        assert torch.equal(runs[0].response_mask[:, :n], other.response_mask[:, :n])
+        assert not runs[0].response_mask[:, n:].any() and not other.response_mask[:, n:].any()
+        assert torch.equal(runs[0].response_tokens[:, :n], other.response_tokens[:, :n])
+        torch.testing.assert_close(runs[0].logprobs[:, :n], other.logprobs[:, :n],
+                                   atol=1e-5, rtol=0)
+    # samples of one group differ from each other (the seeds are per sample)
+    assert not torch.equal(runs[0].response_tokens[0], runs[0].response_tokens[1])
+
+
+def test_cache_allocated_once_per_rollout_and_removed_after(tokenizer, setup, monkeypatch):
+    model, bias, stops = setup
+    allocations = []
+    original = gen.KVCacheStorage.__init__
+
+    def counting(self, *args, **kwargs):
+        allocations.append(kwargs["rows"])
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(gen.KVCacheStorage, "__init__", counting)
+    tokens, mask = _left_pad(_prompts(tokenizer, 4), tokenizer.pad_id)
+    generate_trajectory(model, tokens, mask, group_size=2, forward_batch_size=2,
+                        **_kwargs(tokenizer, bias, stops))
+    assert allocations == [2]  # four micro-batches, one allocation
+    assert not model.caches_are_setup()
+    assert all(a.kv_cache is None and not a.cache_enabled for a in attention_modules(model))
+    # the model still runs a plain forward afterwards
+    model(tokens)
+
+
+def test_group_prefilled_once_and_decode_attends_over_filled_span(tokenizer, setup):
+    model, bias, stops = setup
+    prompts = _prompts(tokenizer, 2)
+    tokens, mask = _left_pad(prompts, tokenizer.pad_id)
+    embed_rows, spans = [], []
+    h1 = model.tok_embeddings.register_forward_hook(
+        lambda _m, inputs, _o: embed_rows.append(tuple(inputs[0].shape)))
+    attn = attention_modules(model)[0]
+    h2 = attn.register_forward_hook(lambda m, _i, _o: spans.append(m.kv_cache.size))
+    try:
+        traj = generate_trajectory(model, tokens, mask, group_size=4, forward_batch_size=8,
+                                   **_kwargs(tokenizer, bias, stops, max_generated_tokens=6))
+    finally:
+        h1.remove()
+        h2.remove()
+    p = tokens.shape[1]
+    assert embed_rows[0] == (2, p)  # 2 distinct prompts prefilled for 8 rows
+    assert all(shape == (8, 1) for shape in embed_rows[1:])
+    assert len(embed_rows) == traj.response_len  # no forward after the last sampled token
+    assert spans == [p + t for t in range(traj.response_len)]
+
+
+def test_early_exit_when_every_row_stopped(tokenizer, setup):
+    model, _, stops = setup
+    only_stop = torch.full((320,), float("-inf"))
+    only_stop[tokenizer.eot_id] = 0.0
+    calls = []
+    hook = model.tok_embeddings.register_forward_hook(lambda *_: calls.append(1))
+    tokens, mask = _left_pad(_prompts(tokenizer, 2), tokenizer.pad_id)
+    try:
+        traj = generate_micro_batch(model, tokens, mask, max_generated_tokens=20, temperature=1.0,
+                                    top_k=None, stop_tokens=stops, pad_id=tokenizer.pad_id,
+                                    logit_bias=only_stop, seeds=torch.arange(2))
+    finally:
+        hook.remove()
+    assert traj.response_len == 1 and traj.stopped.all()
+    assert len(calls) == 1  # the prefill only
+
+
+def test_lockstep_keeps_decoding_until_all_ranks_done(tokenizer, setup):
+    model, _, stops = setup
+    only_stop = torch.full((320,), float("-inf"))
+    only_stop[tokenizer.eot_id] = 0.0
+    votes = []
+
+    def all_done(local: bool) -> bool:  # another rank finishes at step 5
+        votes.append(local)
+        return local and len(votes) >= 5
+
+    tokens, mask = _left_pad(_prompts(tokenizer, 2), tokenizer.pad_id)
+    traj = generate_micro_batch(model, tokens, mask, max_generated_tokens=20, temperature=0.0,
+                                top_k=None, stop_tokens=stops, pad_id=tokenizer.pad_id,
+                                logit_bias=only_stop, all_done=all_done)
+    assert traj.response_len == 5
+    assert traj.response_mask[:, 0].all() and not traj.response_mask[:, 1:].any()
+    assert (traj.response_tokens[:, 1:] == tokenizer.pad_id).all()
+
+
+def test_existing_torchtune_caches_are_replaced(tokenizer, setup):
+    model, bias, stops = setup
+    model.setup_caches(batch_size=1, dtype=torch.float32, decoder_max_seq_len=64)
+    tokens, mask = _left_pad(_prompts(tokenizer, 2), tokenizer.pad_id)
+    traj = generate_trajectory(model, tokens, mask, group_size=2, forward_batch_size=4,
+                               **_kwargs(tokenizer, bias, stops))
+    assert traj.num_sequences == 4
+    assert not model.caches_are_setup()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="torch.compile on CPU needs a C++ compiler")
+def test_compiled_decode_matches_eager(tokenizer, setup):
+    model, bias, stops = setup
+    tokens, mask = _left_pad(_prompts(tokenizer, 2), tokenizer.pad_id)
+    kw = _kwargs(tokenizer, bias, stops, temperature=1.0, max_generated_tokens=8)
+    eager = generate_trajectory(model, tokens, mask, group_size=2, forward_batch_size=4,
+                                prompt_seeds=torch.arange(2), **kw)
+    compiled = generate_trajectory(model, tokens, mask, group_size=2, forward_batch_size=4,
+                                   prompt_seeds=torch.arange(2), compile_decode=True, **kw)
+    assert torch.equal(eager.tokens, compiled.tokens)
+    torch.testing.assert_close(eager.logprobs, compiled.logprobs, atol=1e-5, rtol=0)
