@@ -350,6 +350,7 @@ class GRPORecipe:
                     self.model, traj.tokens[idx], prompt_len=traj.prompt_len, mask=mask[idx],
                     input_pos=pos[idx], temperature=self.temperature,
                     logit_bias=self.logit_bias, chunk_size=self.chunk_size, return_entropy=True,
+                    entropy_grad=self.loss_fn.needs_entropy,
                 )
                 loss, mb_stats = self.loss_fn(
                     logprobs,

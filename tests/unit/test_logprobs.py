@@ -199,3 +199,21 @@ def test_validation_targets() -> None:
         naive_token_logprobs(head(hidden), targets.float())
     with pytest.raises(ValueError, match="temperature"):
         naive_token_logprobs(head(hidden), targets, temperature=-1.0)
+
+
+def test_metric_only_entropy_matches_and_carries_no_gradient():
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 5, 8, requires_grad=True)
+    proj = torch.nn.Linear(8, 30, bias=False)
+    targets = torch.randint(0, 30, (2, 5))
+    bias = torch.zeros(30)
+    bias[25:] = float("-inf")
+    lp1, ent1 = chunked_token_logprobs(hidden, proj, targets, logit_bias=bias, chunk_size=3,
+                                       return_entropy=True, entropy_grad=True)
+    lp2, ent2 = chunked_token_logprobs(hidden, proj, targets, logit_bias=bias, chunk_size=3,
+                                       return_entropy=True, entropy_grad=False)
+    torch.testing.assert_close(ent2, ent1.detach())
+    assert not ent2.requires_grad
+    g1 = torch.autograd.grad(lp1.sum(), hidden)[0]
+    g2 = torch.autograd.grad(lp2.sum(), hidden)[0]
+    torch.testing.assert_close(g1, g2)

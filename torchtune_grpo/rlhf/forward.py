@@ -43,6 +43,7 @@ class _ResponseLogProbs:
     logit_bias: torch.Tensor | None
     chunk_size: int
     return_entropy: bool
+    entropy_grad: bool = True
 
 
 def _decoder(model: nn.Module) -> nn.Module:
@@ -75,6 +76,7 @@ def _unembed(self: nn.Module, h: torch.Tensor):
         logit_bias=mode.logit_bias,
         chunk_size=mode.chunk_size,
         return_entropy=mode.return_entropy,
+        entropy_grad=mode.entropy_grad,
     )
 
 
@@ -116,6 +118,7 @@ def response_logprobs(
     logit_bias: torch.Tensor | None = None,
     chunk_size: int = 1024,
     return_entropy: bool = False,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs of the response part of ``tokens`` under ``model``.
 
@@ -130,6 +133,8 @@ def response_logprobs(
         logit_bias: ``[V]`` additive bias (``-inf`` forbids a token id), as at sampling time.
         chunk_size: tokens per chunk of the output projection.
         return_entropy: also return the per-token entropy ``[N, T]``.
+        entropy_grad: the entropy takes part in the loss (False: a metric only, computed once
+            without a graph).
 
     Returns:
         ``(logprobs [N, T] float32, entropy [N, T] or None)``.
@@ -142,6 +147,7 @@ def response_logprobs(
         logit_bias=logit_bias,
         chunk_size=chunk_size,
         return_entropy=return_entropy,
+        entropy_grad=entropy_grad,
     )
     assert num_response > 0, "response_logprobs needs at least one response token"
     with _mode(model, mode):

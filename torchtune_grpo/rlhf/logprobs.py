@@ -135,6 +135,7 @@ def chunked_token_logprobs(
     chunk_size: int = 1024,
     checkpoint: bool = True,
     return_entropy: bool = False,
+    entropy_grad: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs computed chunk by chunk from the final hidden states.
 
@@ -159,6 +160,9 @@ def chunked_token_logprobs(
         chunk_size (int): positions per chunk (``> 0``).
         checkpoint (bool): recompute each chunk's logits in the backward pass.
         return_entropy (bool): also return the entropy of the tempered, biased distribution.
+        entropy_grad (bool): the entropy is differentiated (an entropy bonus). ``False``
+            (entropy as a metric only) computes it once per chunk without a graph and skips
+            it when the checkpoint recomputes the chunk in the backward pass.
 
     Returns:
         tuple[Tensor, Tensor | None]: ``[N, T]`` float32 log-probs and, if ``return_entropy``,
@@ -187,16 +191,34 @@ def chunked_token_logprobs(
         # checkpoint() needs tensor outputs; an empty placeholder stands in for "no entropy".
         return logp, ent if ent is not None else logp.new_empty(0)
 
+    def chunk_fn_metric_entropy(h: Tensor, y: Tensor, first: list[bool]) -> tuple[Tensor, Tensor]:
+        # entropy only as a metric: computed once, without a graph, and skipped when the
+        # checkpoint recomputes the chunk in the backward pass (it saves no tensors, so the
+        # recomputation stays consistent).
+        logits = project(h)
+        logp, _ = _logprobs_from_logits(logits, y, temperature, logit_bias, False)
+        if first[0]:
+            first[0] = False
+            with torch.no_grad():
+                _, ent = _logprobs_from_logits(logits.detach(), y, temperature, logit_bias, True)
+            return logp, ent
+        return logp, logp.new_zeros(logp.shape).detach()
+
     use_checkpoint = checkpoint and torch.is_grad_enabled()
     logps: list[Tensor] = []
     ents: list[Tensor] = []
     for start in range(0, n * t, chunk_size):
         h = flat_hidden[start : start + chunk_size]
         y = flat_targets[start : start + chunk_size]
-        if use_checkpoint:
+        if use_checkpoint and return_entropy and not entropy_grad:
+            logp, ent = _checkpoint(chunk_fn_metric_entropy, h, y, [True], use_reentrant=False)
+            ent = ent.detach()
+        elif use_checkpoint:
             logp, ent = _checkpoint(chunk_fn, h, y, use_reentrant=False)
         else:
             logp, ent = chunk_fn(h, y)
+            if return_entropy and not entropy_grad:
+                ent = ent.detach()
         logps.append(logp)
         ents.append(ent)
 
