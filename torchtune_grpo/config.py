@@ -3,6 +3,9 @@
 * ``--config grpo/<name>`` (or ``<name>``, with or without ``.yaml``) resolves to a YAML shipped
   in the package when no file of that name exists on disk; a real path always wins.
 * ``key=value`` overrides work as in torchtune.
+* A config may start from another with ``inherit: grpo/<name>`` (or a path): the named config
+  is loaded first and this file's keys are merged over it (a node with a different
+  ``_component_`` replaces the inherited node whole).
 * :func:`validate_config` checks the whole config **before any model is loaded**: unknown keys
   (with the closest known key suggested), missing keys, types, impossible values and every
   ``_component_`` path, so a typo costs seconds, not a model load.
@@ -65,10 +68,7 @@ def load_config(config: str | Path, overrides: list[str] | None = None) -> DictC
     """Load a config (path or shipped name) and apply ``key=value`` overrides."""
     from torchtune.config._utils import _merge_yaml_and_cli_args
 
-    path = resolve_config_path(config)
-    yaml_cfg = OmegaConf.load(path)
-    if not isinstance(yaml_cfg, DictConfig):
-        raise ValueError(f"config {path} must be a mapping of keys to values")
+    yaml_cfg = _load_with_inheritance(resolve_config_path(config), seen=())
     for item in overrides or []:
         if "=" not in item and not item.startswith("~"):
             raise ValueError(
@@ -76,6 +76,31 @@ def load_config(config: str | Path, overrides: list[str] | None = None) -> DictC
             )
     namespace = argparse.Namespace(**OmegaConf.to_container(yaml_cfg, resolve=False))
     return _merge_yaml_and_cli_args(namespace, list(overrides or []))
+
+
+#: Top-level key naming a config this one starts from (merged first, this file on top).
+INHERIT_KEY = "inherit"
+
+
+def _load_with_inheritance(path: Path, seen: tuple[Path, ...]) -> DictConfig:
+    """Load ``path``; when it has ``inherit: NAME``, merge it over that config."""
+    if path.resolve() in seen:
+        raise ValueError(f"config {path}: circular '{INHERIT_KEY}' chain")
+    cfg = OmegaConf.load(path)
+    if not isinstance(cfg, DictConfig):
+        raise ValueError(f"config {path} must be a mapping of keys to values")
+    parent = cfg.pop(INHERIT_KEY, None)
+    if parent is None:
+        return cfg
+    base = _load_with_inheritance(resolve_config_path(str(parent)), (*seen, path.resolve()))
+    # a node given with a new _component_ replaces the inherited node instead of merging into it
+    for key in list(cfg.keys()):
+        node = cfg[key]
+        if (isinstance(node, DictConfig) and "_component_" in node and key in base
+                and isinstance(base[key], DictConfig)
+                and base[key].get("_component_") != node["_component_"]):
+            base.pop(key)
+    return OmegaConf.merge(base, cfg)
 
 
 def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[[], Any]:

@@ -71,3 +71,16 @@ def test_single_device_recipe_via_tune_run(base_model, tmp_path):
                                     "gradient_accumulation_steps=2")], cwd=tmp_path, threads=2)
     assert [r["step"] for r in metrics(out)] == [1, 2]
     assert (out / "step_2" / "CHECKPOINT_COMPLETE").is_file()
+
+
+@pytest.mark.parametrize("variant", ["dapo", "dr_grpo", "gspo", "cispo", "kl"])
+def test_loss_variant_configs_train(base_model, tmp_path, variant):
+    cfg = load_config(f"grpo/quickstart_cpu_{variant}", [
+        f"model_dir={base_model}", f"output_dir={tmp_path}", "num_steps=2", "batch_size=4",
+        "progress_bar=false", "eval_every_n_steps=null", "eval_at_start=false"])
+    recipe = GRPORecipe(cfg)
+    recipe.setup()
+    recipe.train()
+    recipe.cleanup()
+    assert (recipe.ref_model is not None) == (variant == "kl")
+    assert recipe.step == 2 and (tmp_path / "step_2" / "CHECKPOINT_COMPLETE").is_file()

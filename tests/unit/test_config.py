@@ -90,3 +90,31 @@ def test_real_configs_instantiate_what_needs_no_download(name):
                                       num_training_steps=cfg.num_steps)
     assert scheduler is not None
     assert cfg.checkpointer.checkpoint_dir == cfg.model_dir
+
+
+def test_every_shipped_config_validates():
+    from torchtune_grpo.config import EVAL_KEYS
+
+    for name in list_shipped_configs():
+        if "eval" in name:
+            validate_config(load_config(name, ["checkpoint_dir=/x"]), schema=EVAL_KEYS)
+        else:
+            validate_config(load_config(name))
+
+
+def test_inherit_merges_over_the_base(tmp_path):
+    cfg = load_config("grpo/quickstart_cpu_dr_grpo")
+    base = load_config("grpo/quickstart_cpu")
+    assert cfg.loss.aggregation == "constant" and cfg.advantages.scale == "none"
+    assert cfg.model == base.model and cfg.group_size == base.group_size
+    assert cfg.loss.max_generated_tokens == base.max_generated_tokens
+    child = tmp_path / "child.yaml"
+    child.write_text("inherit: grpo/quickstart_cpu\noptimizer:\n  _component_: torch.optim.SGD\n"
+                     "  lr: 0.1\n")
+    cfg = load_config(str(child), ["group_size=4"])
+    assert dict(cfg.optimizer) == {"_component_": "torch.optim.SGD", "lr": 0.1}
+    assert cfg.group_size == 4
+    loop = tmp_path / "loop.yaml"
+    loop.write_text(f"inherit: {loop}\n")
+    with pytest.raises(ValueError, match="circular"):
+        load_config(str(loop))
