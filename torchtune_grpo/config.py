@@ -217,6 +217,14 @@ RECIPE_KEYS: dict[str, Key] = {
     "log_peak_memory_stats": Key("bool", True, "Log ``peak_memory_gb`` where measurable."),
     "enable_activation_checkpointing": Key("bool", False,
                                            "Recompute activations in the backward pass."),
+    "enable_activation_offloading": Key(
+        "bool", False,
+        "Move checkpointed activations to CPU during the update (CUDA only, needs "
+        "enable_activation_checkpointing): less GPU memory for some PCIe traffic."),
+    "compile": Key(
+        "bool", False,
+        "torch.compile each transformer layer of the policy (torchtune's compile_model): faster "
+        "steps after a compile delay at start and on new shapes."),
     "fsdp_cpu_offload": Key("bool", False, "Keep FSDP parameters and optimizer state on CPU."),
     "fsdp_reshard_after_forward": Key("bool", True, "FSDP2 ``reshard_after_forward``."),
     "save_adapter_weights_only": Key(
@@ -407,6 +415,13 @@ def per_rank_batch_size(cfg: DictConfig, world_size: int) -> int:
 
 def _batch_errors(cfg: DictConfig, world_size: int) -> list[str]:
     errors = []
+    if cfg.get("enable_activation_offloading") and (
+        not cfg.get("enable_activation_checkpointing") or cfg.get("device", "cuda") != "cuda"
+    ):
+        errors.append(
+            "config key 'enable_activation_offloading' needs device: cuda and "
+            "enable_activation_checkpointing: true"
+        )
     if cfg.get("eval_every_n_steps") and cfg.get("eval_dataset") is None:
         errors.append("config key 'eval_every_n_steps' is set but 'eval_dataset' is not")
     global_batch = cfg.get("global_batch_size")

@@ -199,6 +199,11 @@ class GRPORecipe:
             base_state = (base_checkpointer.load_checkpoint()[training.MODEL_KEY]
                           if self.loss_fn.needs_reference else None)
         self.model = self._build_model(state_dict, trainable=True, adapter_state=adapter_state)
+        if cfg.get("compile", False):
+            training.compile_model(self.model, verbose=self.is_rank_zero)
+        self.activation_offloading = training.get_act_offloading_ctx_manager(
+            self.model, bool(cfg.get("enable_activation_offloading", False))
+        )
         self.ref_model = (
             self._build_model(base_state, trainable=False)
             if self.loss_fn.needs_reference and not self.is_lora else None
@@ -346,12 +351,13 @@ class GRPORecipe:
             order = torch.randperm(traj.num_sequences, generator=gen)
             for i in range(0, traj.num_sequences, self.forward_batch_size):
                 idx = order[i : i + self.forward_batch_size].to(self.device)
-                logprobs, entropy = response_logprobs(
-                    self.model, traj.tokens[idx], prompt_len=traj.prompt_len, mask=mask[idx],
-                    input_pos=pos[idx], temperature=self.temperature,
-                    logit_bias=self.logit_bias, chunk_size=self.chunk_size, return_entropy=True,
-                    entropy_grad=self.loss_fn.needs_entropy,
-                )
+                with self.activation_offloading:
+                    logprobs, entropy = response_logprobs(
+                        self.model, traj.tokens[idx], prompt_len=traj.prompt_len,
+                        mask=mask[idx], input_pos=pos[idx], temperature=self.temperature,
+                        logit_bias=self.logit_bias, chunk_size=self.chunk_size,
+                        return_entropy=True, entropy_grad=self.loss_fn.needs_entropy,
+                    )
                 loss, mb_stats = self.loss_fn(
                     logprobs,
                     traj.logprobs[idx],

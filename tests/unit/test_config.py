@@ -118,3 +118,11 @@ def test_inherit_merges_over_the_base(tmp_path):
     loop.write_text(f"inherit: {loop}\n")
     with pytest.raises(ValueError, match="circular"):
         load_config(str(loop))
+
+
+def test_activation_offloading_needs_cuda_and_checkpointing():
+    cfg = load_config("grpo/quickstart_cpu", ["enable_activation_offloading=true"])
+    with pytest.raises(ConfigError, match="enable_activation_offloading"):
+        validate_config(cfg)
+    cfg = load_config("grpo/qwen2_5_3B_full", ["enable_activation_offloading=true"])
+    validate_config(cfg)
