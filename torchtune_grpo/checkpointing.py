@@ -131,9 +131,11 @@ def save_step_checkpoint(
 def weight_files(folder: str | Path) -> list[str]:
     """Names of the weight files of an HF folder (``*.safetensors``, else ``*.bin``)."""
     folder = Path(folder)
-    files = sorted(p.name for p in folder.glob("*.safetensors")) or sorted(
-        p.name for p in folder.glob("*.bin")
-    )
+
+    def model_files(pattern: str) -> list[str]:  # LoRA adapters sit beside the model weights
+        return sorted(p.name for p in folder.glob(pattern) if not p.name.startswith("adapter"))
+
+    files = model_files("*.safetensors") or model_files("*.bin")
     if not files:
         raise FileNotFoundError(f"no *.safetensors or *.bin weight file in {folder}")
     return files

@@ -401,6 +401,8 @@ def validate_config(cfg: DictConfig, *, world_size: int = 1,
         errors.append("config key 'rewards' must list at least one reward component")
     if not errors and schema is None:
         errors.extend(_batch_errors(cfg, world_size))
+    if not errors and schema is EVAL_KEYS:
+        errors.extend(_eval_errors(cfg))
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
 
@@ -411,6 +413,17 @@ def per_rank_batch_size(cfg: DictConfig, world_size: int) -> int:
     if global_batch is None:
         return int(cfg.batch_size)
     return int(global_batch) // world_size
+
+
+def _eval_errors(cfg: DictConfig) -> list[str]:
+    errors = []
+    n = int(cfg.get("num_samples", 1))
+    bad = [k for k in cfg.get("k", [1]) if not 1 <= int(k) <= n]
+    if bad:
+        errors.append(f"config key 'k': values {bad} must lie in 1..num_samples={n}")
+    if n > 1 and float(cfg.get("temperature", 0.0)) <= 0:
+        errors.append("config key 'num_samples' > 1 needs 'temperature' > 0 (greedy repeats)")
+    return errors
 
 
 def _batch_errors(cfg: DictConfig, world_size: int) -> list[str]:

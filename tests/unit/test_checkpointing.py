@@ -74,3 +74,11 @@ def test_resolve_resume(tmp_path):
     assert resolve_resume(str(tmp_path / "step_1"), tmp_path).name == "step_1"
     with pytest.raises(FileNotFoundError, match="not a complete step checkpoint"):
         resolve_resume(str(tmp_path / "nope"), tmp_path)
+
+
+def test_weight_files_skip_lora_adapters(tmp_path):
+    from torchtune_grpo.checkpointing import weight_files
+
+    for name in ("model-00001-of-00001.safetensors", "adapter_model.safetensors"):
+        (tmp_path / name).write_bytes(b"")
+    assert weight_files(tmp_path) == ["model-00001-of-00001.safetensors"]

@@ -126,3 +126,14 @@ def test_activation_offloading_needs_cuda_and_checkpointing():
         validate_config(cfg)
     cfg = load_config("grpo/qwen2_5_3B_full", ["enable_activation_offloading=true"])
     validate_config(cfg)
+
+
+def test_eval_configs_check_sampling():
+    from torchtune_grpo.config import EVAL_KEYS
+
+    with pytest.raises(ConfigError, match="num_samples=2"):
+        validate_config(load_config("grpo/eval_quickstart", [
+            "checkpoint_dir=/x", "num_samples=2", "temperature=1.0", "k=[4]"]), schema=EVAL_KEYS)
+    with pytest.raises(ConfigError, match="needs 'temperature' > 0"):
+        validate_config(load_config("grpo/eval_quickstart", [
+            "checkpoint_dir=/x", "num_samples=4"]), schema=EVAL_KEYS)
