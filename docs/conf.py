@@ -57,7 +57,7 @@ html_theme_options = {"description": "GRPO fine-tuning on top of torchtune", "fi
 # index.md holds the line OPTIONAL_TOPIC_PAGES, replaced at read time by those of these pages
 # that exist, so the build passes before and after each page appears (and a present page is
 # never left out of the navigation).
-OPTIONAL_TOPIC_PAGES = ("performance", "memory")
+OPTIONAL_TOPIC_PAGES = ("performance", "memory", "defaults")
 
 
 def _fill_optional_pages(app, docname: str, source: list[str]) -> None:
