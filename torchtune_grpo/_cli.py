@@ -6,6 +6,7 @@ Subcommands::
     tune-grpo cp grpo/quickstart_cpu my.yaml      # copy one to edit it
     tune-grpo validate --config grpo/NAME [key=value ...]   # check before launching
     tune-grpo prepare-quickstart [--output-dir DIR]          # tiny model for grpo/quickstart_cpu
+    tune-grpo estimate-memory --config grpo/NAME [key=value ...] [--world-size N]
 """
 
 from __future__ import annotations
@@ -67,6 +68,28 @@ def _validate(args) -> int:
     return 0
 
 
+def _estimate_memory(args) -> int:
+    from torchtune_grpo.config import ConfigError, load_config, validate_config
+    from torchtune_grpo.memory import estimate_memory, intended_world_size
+
+    try:
+        world_size = args.world_size or intended_world_size(args.config)
+        cfg = load_config(args.config, args.overrides)
+        validate_config(cfg, world_size=world_size)
+        estimate = estimate_memory(cfg, world_size, prompt_tokens=args.prompt_tokens,
+                                   name=args.config)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(e, file=sys.stderr)
+        return 1
+    if args.json:
+        import json
+
+        print(json.dumps(estimate.to_dict(), indent=1))
+    else:
+        print(estimate.table())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tune-grpo`` command."""
     parser = argparse.ArgumentParser(prog="tune-grpo", description=__doc__,
@@ -87,6 +110,16 @@ def main(argv: list[str] | None = None) -> int:
     plot.add_argument("output_dir")
     plot.add_argument("--out", default=None)
     plot.set_defaults(func=lambda a: print(f"wrote {__import__('torchtune_grpo.plot').plot.plot_run(a.output_dir, a.out)}") or 0)
+    est = sub.add_parser("estimate-memory",
+                         help="estimated peak memory per rank of a training config")
+    est.add_argument("--config", required=True)
+    est.add_argument("--world-size", type=int, default=None,
+                     help="ranks (default: --nproc_per_node in the config's header, else 1)")
+    est.add_argument("--prompt-tokens", type=int, default=None,
+                     help="assumed prompt length (default: dataset.max_prompt_tokens or 256)")
+    est.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    est.add_argument("overrides", nargs="*")
+    est.set_defaults(func=_estimate_memory)
     prep = sub.add_parser("prepare-quickstart", help="write the quickstart's tiny model",
                           add_help=False)
     prep.set_defaults(func=None)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from torchtune import config as tt_config
 
 from torchtune_grpo.config import (
@@ -84,8 +83,7 @@ def test_real_configs_instantiate_what_needs_no_download(name):
     rewards = build_reward_set(cfg.rewards)
     assert rewards.success_name in rewards.names
     params = [torch.nn.Parameter(torch.zeros(2))]
-    optimizer_cfg = OmegaConf.merge(cfg.optimizer, {"fused": False})
-    optimizer = tt_config.instantiate(optimizer_cfg, params)
+    optimizer = tt_config.instantiate(cfg.optimizer, params)
     scheduler = tt_config.instantiate(cfg.lr_scheduler, optimizer=optimizer,
                                       num_training_steps=cfg.num_steps)
     assert scheduler is not None
@@ -137,3 +135,19 @@ def test_eval_configs_check_sampling():
     with pytest.raises(ConfigError, match="needs 'temperature' > 0"):
         validate_config(load_config("grpo/eval_quickstart", [
             "checkpoint_dir=/x", "num_samples=4"]), schema=EVAL_KEYS)
+
+
+def test_bf16_updates_are_not_lost():
+    """The shipped bf16 optimizer moves weights by ~lr; plain AdamW leaves them unchanged."""
+    cfg = load_config("grpo/qwen2_5_3B_full")
+    params = [torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16)) for _ in range(2)]
+    shipped = tt_config.instantiate(cfg.optimizer, params[:1])
+    plain = torch.optim.AdamW(params[1:], lr=cfg.optimizer.lr, weight_decay=0.0)
+    for _ in range(50):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        shipped.step()
+        plain.step()
+    assert torch.equal(params[1], torch.ones_like(params[1]))  # every update rounded away
+    moved = (1 - params[0].float()).mean().item()
+    assert moved == pytest.approx(50 * cfg.optimizer.lr, rel=0.3)

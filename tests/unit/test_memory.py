@@ -1,0 +1,207 @@
+"""Memory estimator, the single-device configs with a memory budget, and the estimate vs. a
+measured peak."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torchtune import config as tt_config
+
+from torchtune_grpo.config import load_config, resolve_config_path, validate_config
+from torchtune_grpo.memory import (
+    DEFAULT_PROMPT_TOKENS,
+    GIB,
+    LOGIT_COPIES,
+    estimate_memory,
+    intended_world_size,
+    model_dims,
+    training_configs,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+BUDGET_CONFIGS = {
+    "grpo/qwen2_5_1_5B_full_single_device": 80,
+    "grpo/qwen2_5_3B_lora_single_device": 24,
+    "grpo/qwen2_5_0_5B_full_single_device": 24,
+}
+#: The estimate must leave this share of the device free (CUDA context, fragmentation).
+MARGIN = 0.75
+
+
+def _bench_module():
+    spec = importlib.util.spec_from_file_location("memory_estimate",
+                                                  ROOT / "benchmarks" / "memory_estimate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _quickstart(*overrides: str):
+    return load_config("grpo/quickstart_cpu", list(overrides))
+
+
+# ---------------------------------------------------------------------------- configs
+@pytest.mark.parametrize("name", sorted(BUDGET_CONFIGS))
+def test_budget_configs_validate_and_instantiate(name):
+    from torchtune_grpo.rlhf.rewards import build_reward_set
+
+    cfg = load_config(name)
+    validate_config(cfg)
+    with torch.device("meta"):
+        model = tt_config.instantiate(cfg.model)
+    assert sum(p.numel() for p in model.parameters()) > 4e8
+    loss = tt_config.instantiate(cfg.loss)
+    assert loss.needs_reference == (cfg.loss.kl_coeff != 0)
+    rewards = build_reward_set(cfg.rewards)
+    assert rewards.success_name in rewards.names
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    optimizer = tt_config.instantiate(cfg.optimizer, params)
+    scheduler = tt_config.instantiate(cfg.lr_scheduler, optimizer=optimizer,
+                                      num_training_steps=cfg.num_steps)
+    assert scheduler is not None
+    assert cfg.checkpointer.checkpoint_dir == cfg.model_dir
+    files = list(cfg.checkpointer.checkpoint_files)
+    assert files == (["model.safetensors"] if "3B" not in name else
+                     ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"])
+
+
+@pytest.mark.parametrize("name,budget_gb", sorted(BUDGET_CONFIGS.items()))
+def test_budget_configs_state_their_hardware_and_fit_it(name, budget_gb):
+    header = resolve_config_path(name).read_text().split("\n\n")[0]
+    assert re.search(rf"Hardware: 1 x {budget_gb} GB", header), header
+    assert f"grpo_full_finetune_single_device --config {name}" in header
+    assert intended_world_size(name) == 1
+    estimate = estimate_memory(load_config(name), 1, name=name)
+    assert estimate.peak_bytes < MARGIN * budget_gb * GIB, estimate.table()
+
+
+def test_lora_config_has_no_reference_copy_and_trains_adapters_only():
+    cfg = load_config("grpo/qwen2_5_3B_lora_single_device")
+    dims = model_dims(cfg.model)
+    assert dims.is_lora and dims.trainable_params < 0.02 * dims.num_params
+    estimate = estimate_memory(cfg)
+    assert cfg.loss.kl_coeff != 0 and estimate.settings["kl"]
+    assert estimate.components["reference_model"] == 0
+    assert "reference" in estimate.phases  # the adapters-disabled pass still runs
+    assert estimate.components["gradients"] == dims.trainable_params * 2
+
+
+def test_no_qwen3_builders_in_this_torchtune():
+    """Qwen3 configs ship once torchtune has its builders (0.6.1 has none)."""
+    from torchtune import models
+
+    has_qwen3 = (Path(models.__file__).parent / "qwen3").is_dir()
+    shipped = [n for n in training_configs() if "qwen3" in n]
+    assert has_qwen3 or not shipped
+
+
+# ---------------------------------------------------------------------------- estimator
+def test_dims_come_from_the_meta_model():
+    dims = model_dims(load_config("grpo/qwen2_5_3B_full").model)
+    assert (dims.num_layers, dims.num_heads, dims.num_kv_heads, dims.head_dim) == (36, 16, 2, 128)
+    assert (dims.embed_dim, dims.hidden_dim, dims.vocab_size) == (2048, 11008, 151936)
+    assert 3.0e9 < dims.num_params < 3.2e9 and not dims.is_lora
+
+
+def test_components_follow_dtype_optimizer_and_kl():
+    bf16 = estimate_memory(_quickstart("dtype=bf16", "loss.kl_coeff=0.1"))
+    fp32 = estimate_memory(_quickstart("dtype=fp32", "loss.kl_coeff=0.1"))
+    n = fp32.dims.num_params
+    assert fp32.components["weights"] == 4 * n == 2 * bf16.components["weights"]
+    assert fp32.components["gradients"] == 4 * n
+    # torch AdamW keeps exp_avg and exp_avg_sq in the parameter's dtype
+    assert fp32.components["optimizer_state"] == 8 * n
+    assert bf16.components["optimizer_state"] == 4 * n
+    assert fp32.components["reference_model"] == 4 * n
+    no_kl = estimate_memory(_quickstart("loss.kl_coeff=0.0"))
+    assert no_kl.components["reference_model"] == 0 and "reference" not in no_kl.phases
+    sgd = estimate_memory(_quickstart("optimizer._component_=torch.optim.SGD"))
+    assert sgd.components["optimizer_state"] == 0
+    cfg = _quickstart("optimizer._component_=torch.optim.SGD")
+    cfg.optimizer.momentum = 0.9
+    assert estimate_memory(cfg).components["optimizer_state"] == 4 * n
+
+
+def test_kv_cache_logits_and_prompt_length():
+    cfg = _quickstart("batch_size=4", "group_size=8", "forward_batch_size=8",
+                      "max_generated_tokens=20", "logprob_chunk_size=64")
+    est = estimate_memory(cfg, prompt_tokens=30)
+    d = est.dims
+    assert est.components["kv_cache"] == 8 * d.num_layers * 2 * d.num_kv_heads * d.head_dim * 50 * 4
+    assert est.components["logits"] == LOGIT_COPIES * 64 * d.vocab_size * 4
+    assert estimate_memory(cfg).settings["prompt_tokens"] == 16  # addition prompts are short
+    cfg.dataset._component_ = "torchtune_grpo.datasets.gsm8k_dataset"
+    assert estimate_memory(cfg).settings["prompt_tokens"] == DEFAULT_PROMPT_TOKENS
+    cfg.dataset.max_prompt_tokens = 100
+    assert estimate_memory(cfg).settings["prompt_tokens"] == 100
+
+
+def test_activation_checkpointing_and_micro_batches_cut_activations():
+    full = estimate_memory(load_config("grpo/qwen2_5_3B_full",
+                                       ["enable_activation_checkpointing=false"]), 8)
+    ac = estimate_memory(load_config("grpo/qwen2_5_3B_full"), 8)
+    assert ac.components["activations"] < full.components["activations"] / 5
+    half = estimate_memory(load_config("grpo/qwen2_5_3B_full", ["forward_batch_size=8"]), 8)
+    assert half.components["activations"] < 0.6 * ac.components["activations"]
+    assert half.components["kv_cache"] * 2 == ac.components["kv_cache"]
+
+
+def test_world_size_shards_state_and_offload_moves_it_to_the_host():
+    one = estimate_memory(load_config("grpo/qwen2_5_3B_full", ["batch_size=4"]), 1)
+    eight = estimate_memory(load_config("grpo/qwen2_5_3B_full"), 8)
+    for key in ("weights", "gradients", "optimizer_state", "reference_model"):
+        assert abs(eight.components[key] * 8 - one.components[key]) <= 8, key
+    assert eight.components["kv_cache"] == one.components["kv_cache"]  # per-rank rows
+    offload = estimate_memory(load_config("grpo/qwen2_5_3B_full", ["fsdp_cpu_offload=true"]), 8)
+    assert offload.components["weights"] == 0 and offload.components["optimizer_state"] == 0
+    assert offload.host_bytes > 3 * eight.components["weights"]
+    assert offload.peak_bytes < eight.peak_bytes
+
+
+def test_peak_is_the_largest_phase_and_the_table_shows_it():
+    est = estimate_memory(load_config("grpo/qwen2_5_3B_full"), 8, name="x")
+    assert est.peak_bytes == max(est.phases.values())
+    static = sum(est.components[k] for k in ("weights", "optimizer_state", "reference_model"))
+    assert est.phases["update"] >= static + est.components["gradients"] + est.components[
+        "activations"] + est.components["logits"]
+    table = est.table()
+    assert "PEAK" in table and "<- peak" in table and "kv_cache" in table
+    assert json.loads(json.dumps(est.to_dict()))["peak_gib"] == round(est.peak_gib, 3)
+
+
+def test_cli_prints_the_breakdown(capsys):
+    from torchtune_grpo._cli import main
+
+    assert main(["estimate-memory", "--config", "grpo/qwen2_5_3B_lora_single_device"]) == 0
+    out = capsys.readouterr().out
+    assert "LoRA" in out and "PEAK" in out
+    assert main(["estimate-memory", "--config", "grpo/qwen2_5_3B_full", "--world-size", "2",
+                 "batch_size=8", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["world_size"] == 2 and data["settings"]["rows"] == 128
+    assert main(["estimate-memory", "--config", "grpo/qwen2_5_3B_full", "forward_batch_size=7"]) == 1
+
+
+def test_benchmark_script_estimates_every_training_config(tmp_path, capsys):
+    out = tmp_path / "mem.json"
+    assert _bench_module().main(["--all", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert {r["config"] for r in rows} == set(training_configs())
+    assert all(r["peak_bytes"] > 0 for r in rows)
+    assert "| grpo/qwen2_5_3B_full | 8 |" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------- validation
+@pytest.mark.slow
+def test_estimate_matches_measured_cpu_peak_within_25_percent():
+    """Full fine-tuning and LoRA on a 29M-parameter model (weights ~116 MB in fp32)."""
+    bench = _bench_module()
+    names = [n for n in bench.VALIDATION_RUNS if "reference +" not in n]
+    rows = bench.validate(names, threads=2)
+    for row in rows:
+        assert 0.75 <= row["ratio"] <= 1.25, row
