@@ -44,8 +44,10 @@ def run_tune(args: list[str], cwd: Path, timeout: float = 600, threads: int = 1)
 
 
 def quickstart_overrides(base: Path, out: Path, *extra: str) -> list[str]:
+    """``--config grpo/quickstart_cpu`` for a test run: evaluation off unless ``extra`` turns
+    it back on (later overrides win)."""
     return ["--config", "grpo/quickstart_cpu", f"model_dir={base}", f"output_dir={out}",
-            "progress_bar=false", *extra]
+            "progress_bar=false", "eval_every_n_steps=null", "eval_at_start=false", *extra]
 
 
 def metrics(out: Path) -> list[dict[str, float]]:

@@ -36,7 +36,7 @@ def test_eval_recipe_on_quickstart_checkpoint(base_model, tmp_path):
 def test_periodic_eval_lands_in_step_checkpoints(base_model, tmp_path):
     out = tmp_path / "run"
     run_tune(["run", "grpo_full_finetune_distributed", *quickstart_overrides(
-        base_model, out, "num_steps=3", "eval_every_n_steps=2",
+        base_model, out, "num_steps=3", "eval_every_n_steps=2", "eval_at_start=true",
         "eval_dataset._component_=torchtune_grpo.datasets.addition_dataset",
         "eval_dataset.split=test", "eval_dataset.limit=16")], cwd=tmp_path, threads=2)
     for step in (2, 3):  # every 2 steps and at the end

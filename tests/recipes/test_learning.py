@@ -12,7 +12,7 @@ from tests.recipes._helpers import metrics, quickstart_overrides, run_tune
 
 pytestmark = pytest.mark.slow
 
-SHORT = ["num_steps=8", "eval_every_n_steps=8"]
+SHORT = ["num_steps=8", "eval_every_n_steps=8", "eval_at_start=true"]
 
 
 @pytest.fixture(scope="module")
