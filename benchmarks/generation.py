@@ -56,8 +56,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from torchtune_grpo.rlhf.generation import generate_trajectory
-from torchtune_grpo.tiny import tiny_llama, write_hf_checkpoint
+from torchtune_grpo.rlhf.generation import generate_trajectory  # noqa: E402
+from torchtune_grpo.tiny import tiny_llama, write_hf_checkpoint  # noqa: E402
 
 #: Model shapes: ``32m`` is the anchor shape (8 layers, dim 512, vocab 2048).
 SHAPES = {

@@ -10,8 +10,8 @@ tokenizer (269 ids, :mod:`torchtune_grpo.tiny`) is used with the 128,256-id mode
 allowed-token mask then restricts sampling to those 269 ids; every logit and log-prob is still
 computed over all 128,256 ids, so the output-layer cost is that of the real vocabulary. Prompts
 are GSM8K questions from ``../shared/data/gsm8k/train.jsonl`` when present (byte-level, with the
-question as the chat user message, at most 200 tokens; the table prints their mean length), otherwise synthetic
-questions of similar length.
+question as the chat user message, at most 200 tokens; the table prints their mean length),
+otherwise synthetic questions of similar length.
 
 Variants, each in a fresh subprocess (so each has its own peak RSS):
 
@@ -161,7 +161,8 @@ def install_baseline() -> None:
                 if t + 1 == max_generated_tokens or all_done(bool(stopped.all())):
                     break
                 step_mask = (valid & (cols <= p + t)).unsqueeze(1)  # full-length, every step
-                logits = model(toks[-1][:, None], mask=step_mask, input_pos=pos[:, p + t : p + t + 1])
+                logits = model(toks[-1][:, None], mask=step_mask,
+                               input_pos=pos[:, p + t : p + t + 1])
         finally:
             delete_kv_caches(model)
         return Trajectory(tokens=torch.cat([prompt_tokens, torch.stack(toks, 1)], 1),
@@ -287,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     if "optimized" in results:
         opt = results["optimized"]
         s, gb = opt["mean"]["total"], opt["peak_memory_bytes"] / 1e9
-        summary["vs_anchor"] = {"speedup": ANCHOR_SECONDS / s, "memory_fraction": gb / ANCHOR_PEAK_GB}
+        summary["vs_anchor"] = {"speedup": ANCHOR_SECONDS / s,
+                                "memory_fraction": gb / ANCHOR_PEAK_GB}
         print(f"\nvs. external anchor (torchtune dev recipe, {ANCHOR_SECONDS:.0f} s/step, "
               f"{ANCHOR_PEAK_GB} GB; not measured here): {ANCHOR_SECONDS / s:.1f}x faster, "
               f"{gb / ANCHOR_PEAK_GB:.1%} of its peak memory")

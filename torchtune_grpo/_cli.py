@@ -54,6 +54,13 @@ def _cp(args) -> int:
     return 0
 
 
+def _plot(args) -> int:
+    from torchtune_grpo.plot import plot_run
+
+    print(f"wrote {plot_run(args.output_dir, args.out)}")
+    return 0
+
+
 def _validate(args) -> int:
     from torchtune_grpo.config import EVAL_KEYS, ConfigError, load_config, validate_config
 
@@ -109,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     plot = sub.add_parser("plot", help="plot a run's metrics into a PNG")
     plot.add_argument("output_dir")
     plot.add_argument("--out", default=None)
-    plot.set_defaults(func=lambda a: print(f"wrote {__import__('torchtune_grpo.plot').plot.plot_run(a.output_dir, a.out)}") or 0)
+    plot.set_defaults(func=_plot)
     est = sub.add_parser("estimate-memory",
                          help="estimated peak memory per rank of a training config")
     est.add_argument("--config", required=True)

@@ -54,7 +54,7 @@ def _encode_prompt(tokenizer, question: str) -> list[int]:
 
 
 def echo_answer(question: str) -> str:
-    """The wrong demonstration for ``question``: its first operand (``"3812+1111="`` -> ``"3812"``)."""
+    """The wrong demonstration: the first operand (``"3812+1111="`` -> ``"3812"``)."""
     return question.split("+", 1)[0]
 
 

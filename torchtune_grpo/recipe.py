@@ -48,13 +48,12 @@ from torchtune_grpo.checkpointing import (
 from torchtune_grpo.config import check_input_files, per_rank_batch_size, validate_config
 from torchtune_grpo.datasets import collate_prompts
 from torchtune_grpo.evaluation import EvalResult, EvalSettings, evaluate
-from torchtune_grpo.rlhf.advantages import group_advantages
 from torchtune_grpo.modeling import DTYPES, build_model, is_lora_config, token_rules
+from torchtune_grpo.rlhf.advantages import group_advantages
 from torchtune_grpo.rlhf.forward import response_logprobs
 from torchtune_grpo.rlhf.generation import decode_completions, generate_trajectory, mix_seeds
 from torchtune_grpo.rlhf.loss import summarize_loss_stats
-from torchtune_grpo.rlhf.rewards import build_reward_set
-from torchtune_grpo.rlhf.rewards import RewardOutput
+from torchtune_grpo.rlhf.rewards import RewardOutput, build_reward_set
 from torchtune_grpo.rlhf.trajectory import (
     Trajectory,
     attention_mask,
@@ -97,7 +96,8 @@ def concat_reward_outputs(outputs: list[RewardOutput]) -> RewardOutput:
         return outputs[0]
     return RewardOutput(
         total=torch.cat([o.total for o in outputs]),
-        components={k: torch.cat([o.components[k] for o in outputs]) for k in outputs[0].components},
+        components={k: torch.cat([o.components[k] for o in outputs])
+                    for k in outputs[0].components},
         success=torch.cat([o.success for o in outputs]),
         errors={k: sum(o.errors.get(k, 0) for o in outputs) for k in outputs[0].errors},
     )

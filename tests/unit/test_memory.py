@@ -184,7 +184,8 @@ def test_cli_prints_the_breakdown(capsys):
                  "batch_size=8", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["world_size"] == 2 and data["settings"]["rows"] == 128
-    assert main(["estimate-memory", "--config", "grpo/qwen2_5_3B_full", "forward_batch_size=7"]) == 1
+    args = ["estimate-memory", "--config", "grpo/qwen2_5_3B_full", "forward_batch_size=7"]
+    assert main(args) == 1
 
 
 def test_benchmark_script_estimates_every_training_config(tmp_path, capsys):

@@ -930,8 +930,8 @@ def build_reward_set(cfg_list: ListConfig | Sequence[Mapping[str, Any]]) -> Rewa
     for i, entry in enumerate(entries):
         if entry.name in seen:
             raise ValueError(
-                f"rewards[{i}]: `name` {entry.name!r} is already used by rewards[{seen[entry.name]}]"
-                "; give one of them a distinct `name:`"
+                f"rewards[{i}]: `name` {entry.name!r} is already used by "
+                f"rewards[{seen[entry.name]}]; give one of them a distinct `name:`"
             )
         seen[entry.name] = i
     return RewardSet(entries, success_name=entries[success_index].name)
