@@ -211,6 +211,14 @@ RECIPE_KEYS: dict[str, Key] = {
     "metric_logger": Key("component|null", None, "torchtune metric logger."),
     "advantages": Key("dict|null", None,
                       "``scale`` (group/batch/none) and ``eps`` of the group advantages."),
+    "mask_truncated_completions": Key(
+        "bool", False,
+        "Completions that hit max_generated_tokens without a stop token add nothing to the "
+        "loss or its normaliser (DAPO's overlong filtering)."),
+    "exclude_zero_std_groups": Key(
+        "bool", False,
+        "Groups whose rewards are all equal (zero advantage) add nothing to the loss or its "
+        "normaliser; they are always counted in zero_std_group_fraction."),
     "clip_grad_norm": Key("float|null", None, "Clip the gradient norm (null: no clipping).",
                           _optional_positive),
     "log_every_n_steps": Key("int", 1, "Log metrics every N steps.", _at_least(1)),

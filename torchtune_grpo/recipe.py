@@ -49,7 +49,7 @@ from torchtune_grpo.config import check_input_files, per_rank_batch_size, valida
 from torchtune_grpo.datasets import collate_prompts
 from torchtune_grpo.evaluation import EvalResult, EvalSettings, evaluate
 from torchtune_grpo.modeling import DTYPES, build_model, is_lora_config, token_rules
-from torchtune_grpo.rlhf.advantages import group_advantages
+from torchtune_grpo.rlhf.advantages import group_advantages, loss_token_mask
 from torchtune_grpo.rlhf.forward import response_logprobs
 from torchtune_grpo.rlhf.generation import decode_completions, generate_trajectory, mix_seeds
 from torchtune_grpo.rlhf.loss import summarize_loss_stats
@@ -128,6 +128,8 @@ class GRPORecipe:
         self.top_k = cfg.get("top_k")
         self.ppo_epochs = int(cfg.get("ppo_epochs", 1))
         self.grad_accum_steps = int(cfg.get("gradient_accumulation_steps", 1))
+        self.mask_truncated = bool(cfg.get("mask_truncated_completions", False))
+        self.exclude_zero_std = bool(cfg.get("exclude_zero_std_groups", False))
         self.num_steps = int(cfg.num_steps)
         self.save_every = cfg.get("save_every_n_steps")
         self.clip_grad_norm = cfg.get("clip_grad_norm")
@@ -334,10 +336,18 @@ class GRPORecipe:
         return torch.cat(out)
 
     def update(self, traj: Trajectory, advantages: torch.Tensor,
-               ref_logprobs: torch.Tensor | None) -> dict[str, float]:
-        """Step 6: ``ppo_epochs`` optimizer steps on this rollout; returns loss metrics."""
+               ref_logprobs: torch.Tensor | None,
+               loss_mask: torch.Tensor | None = None) -> dict[str, float]:
+        """Step 6: ``ppo_epochs`` optimizer steps on this rollout; returns loss metrics.
+
+        Args:
+            traj: the rollout.
+            advantages: ``[N]``.
+            ref_logprobs: ``[N, T]`` reference log-probs, or None without a KL term.
+            loss_mask: ``[N, T]`` tokens that count (default: every response token).
+        """
         mask, pos = self._forward_inputs(traj)
-        response_mask = traj.response_mask
+        response_mask = traj.response_mask if loss_mask is None else loss_mask
         normalizer = self.loss_fn.normalizer_contribution(response_mask).to(
             self.device, torch.float32
         )
@@ -482,7 +492,12 @@ class GRPORecipe:
             times["reference"] = time.perf_counter() - t0
 
             t0 = time.perf_counter()
-            loss_metrics = self.update(traj, adv_out.advantages.to(self.device), ref)
+            loss_mask = loss_token_mask(
+                traj.response_mask, traj.stopped, adv_out.zero_std_groups.to(self.device),
+                mask_truncated_completions=self.mask_truncated,
+                exclude_zero_std_groups=self.exclude_zero_std,
+            )
+            loss_metrics = self.update(traj, adv_out.advantages.to(self.device), ref, loss_mask)
             times["update"] = time.perf_counter() - t0
             self.step += 1
 

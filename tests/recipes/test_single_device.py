@@ -84,3 +84,23 @@ def test_loss_variant_configs_train(base_model, tmp_path, variant):
     recipe.cleanup()
     assert (recipe.ref_model is not None) == (variant == "kl")
     assert recipe.step == 2 and (tmp_path / "step_2" / "CHECKPOINT_COMPLETE").is_file()
+
+
+def test_masking_truncated_completions_removes_them_from_the_loss(base_model, tmp_path):
+    # two tokens are rarely enough for "abcd" + stop: most completions are truncated
+    common = ["num_steps=1", "batch_size=4", "group_size=4", "temperature=1.5",
+              "max_generated_tokens=2", "optimizer._component_=torch.optim.SGD",
+              "optimizer.lr=0.5", "~optimizer.weight_decay"]
+    rewards = [{"_component_": "tests.recipes.components.length_reward", "success": True},
+               {"_component_": "torchtune_grpo.rlhf.rewards.OverlongPenalty",
+                "cache_tokens": 1}]
+    kept = train_in_process(base_model, tmp_path / "k", *common, rewards=rewards)
+    masked = train_in_process(base_model, tmp_path / "m", *common,
+                              "mask_truncated_completions=true", rewards=rewards)
+    assert kept.last_metrics["truncated_fraction"] > 0.5
+    assert kept.last_metrics["reward/overlong"] < 0.0  # truncated rows hit the soft penalty
+    # the same rollouts; the masked update ignores the truncated completions
+    assert masked.last_metrics["reward/mean"] == kept.last_metrics["reward/mean"]
+    assert masked.last_metrics["grad_norm"] != kept.last_metrics["grad_norm"]
+    for name in ("loss", "grad_norm"):
+        assert masked.last_metrics[name] == masked.last_metrics[name]  # not NaN

@@ -127,3 +127,17 @@ def test_properties(groups: int, group_size: int, data: st.DataObject) -> None:
             if nz.any():
                 std = adv[nz].std(dim=1)
                 assert torch.allclose(std, torch.ones_like(std), atol=1e-3)
+
+
+def test_loss_token_mask_drops_truncated_and_zero_std_groups():
+    from torchtune_grpo.rlhf.advantages import loss_token_mask
+
+    response = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    stopped = torch.tensor([True, False, True, False])
+    zero_std = torch.tensor([False, True])  # groups of 2: rows 2-3 had equal rewards
+    assert torch.equal(loss_token_mask(response, stopped, zero_std), response)
+    truncated = loss_token_mask(response, stopped, zero_std, mask_truncated_completions=True)
+    assert truncated.sum(dim=1).tolist() == [2, 0, 1, 0]
+    both = loss_token_mask(response, stopped, zero_std, mask_truncated_completions=True,
+                           exclude_zero_std_groups=True)
+    assert both.sum(dim=1).tolist() == [2, 0, 0, 0]

@@ -520,3 +520,17 @@ def test_reward_set_direct_construction():
         RewardSet([RewardEntry("a", FormatReward()), RewardEntry("a", FormatReward())])
     with pytest.raises(ValueError, match="at least one"):
         RewardSet([])
+
+
+def test_overlong_penalty_hand_values():
+    from torchtune_grpo.rlhf.rewards import OverlongPenalty
+
+    pen = OverlongPenalty(cache_tokens=4)
+    # L = 10: no penalty up to 6 tokens, then -(n - 6) / 4, -1 beyond 10
+    got = pen(["x"] * 5, ["1"] * 5, response_lengths=[3, 6, 7, 10, 11], max_generated_tokens=10)
+    assert got == [0.0, 0.0, -0.25, -1.0, -1.0]
+    assert OverlongPenalty(2, max_tokens=4)(["x"], ["1"], response_lengths=[3]) == [-0.5]
+    with pytest.raises(ValueError, match="response_lengths"):
+        pen(["x"], ["1"])
+    with pytest.raises(ValueError, match="cache_tokens"):
+        OverlongPenalty(0)

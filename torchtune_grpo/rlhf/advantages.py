@@ -123,3 +123,36 @@ def group_advantages(
 
     adv = torch.where(zero_std.unsqueeze(1), torch.zeros_like(adv), adv)
     return AdvantageOutput(advantages=adv.reshape(n), zero_std_groups=zero_std)
+
+
+def loss_token_mask(
+    response_mask: Tensor,
+    stopped: Tensor,
+    zero_std_groups: Tensor,
+    *,
+    mask_truncated_completions: bool = False,
+    exclude_zero_std_groups: bool = False,
+) -> Tensor:
+    """The response tokens that count in the loss (and in its normaliser).
+
+    Args:
+        response_mask: ``[N, T]`` bool, generated tokens.
+        stopped: ``[N]`` bool, the completion ended on a stop token.
+        zero_std_groups: ``[N // G]`` bool, groups whose rewards were all equal.
+        mask_truncated_completions: drop completions that hit ``max_generated_tokens``
+            without a stop token (DAPO's overlong filtering): their reward judges an unfinished
+            answer.
+        exclude_zero_std_groups: drop groups with equal rewards: their advantage is 0, so they
+            only dilute a token- or sequence-mean normaliser (and add KL/entropy terms).
+
+    Returns:
+        ``[N, T]`` bool.
+    """
+    mask = response_mask.bool()
+    if mask_truncated_completions:
+        mask = mask & stopped.bool().unsqueeze(1)
+    if exclude_zero_std_groups:
+        group_size = response_mask.shape[0] // zero_std_groups.shape[0]
+        keep = ~zero_std_groups.bool().repeat_interleave(group_size)
+        mask = mask & keep.unsqueeze(1)
+    return mask

@@ -46,6 +46,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 __all__ = [
     "FormatReward",
     "NumericCorrectness",
+    "OverlongPenalty",
     "RewardEntry",
     "RewardOutput",
     "RewardSet",
@@ -377,6 +378,56 @@ class NumericCorrectness:
 
 
 _SPECIAL_TOKEN_RE = re.compile(r"<\|[^<>|]{0,64}\|>")
+
+
+class OverlongPenalty:
+    """DAPO's soft overlong punishment, a length-only reward component.
+
+    With ``L = max_generated_tokens`` (from the recipe, or ``max_tokens``) and a buffer of
+    ``cache_tokens``: a completion of ``n`` generated tokens scores ``0`` when
+    ``n <= L - cache_tokens``, ``(L - cache_tokens - n) / cache_tokens`` (from 0 down to -1)
+    inside the buffer, and ``-1`` beyond ``L`` (not reachable when ``L`` is the generation
+    limit). Add it to ``rewards`` with a weight, next to a correctness component.
+
+    Args:
+        cache_tokens: length of the soft-penalty buffer (DAPO: 4096 of 20480).
+        max_tokens: ``L``; default: the ``max_generated_tokens`` the recipe passes.
+    """
+
+    name = "overlong"
+
+    def __init__(self, cache_tokens: int, max_tokens: int | None = None) -> None:
+        if isinstance(cache_tokens, bool) or not isinstance(cache_tokens, int) or cache_tokens < 1:
+            raise ValueError(f"OverlongPenalty: cache_tokens must be a positive integer, "
+                             f"got {cache_tokens!r}")
+        self.cache_tokens = cache_tokens
+        self.max_tokens = max_tokens
+
+    def __call__(self, completions: list[str], answers: list[str], *,
+                 response_lengths: Sequence[int] | None = None,
+                 max_generated_tokens: int | None = None, **kwargs: Any) -> list[float]:
+        """Score a batch from ``response_lengths`` (generated tokens, stop token included).
+
+        Raises:
+            ValueError: the recipe did not pass ``response_lengths`` or no ``L`` is known.
+        """
+        limit = self.max_tokens if self.max_tokens is not None else max_generated_tokens
+        if response_lengths is None or limit is None:
+            raise ValueError("OverlongPenalty needs response_lengths and max_generated_tokens "
+                             "(passed by the GRPO recipes) or max_tokens")
+        if self.cache_tokens > limit:
+            raise ValueError(f"OverlongPenalty: cache_tokens ({self.cache_tokens}) exceeds the "
+                             f"maximum length ({limit})")
+        start = limit - self.cache_tokens
+        scores = []
+        for n in response_lengths:
+            if n <= start:
+                scores.append(0.0)
+            elif n <= limit:
+                scores.append((start - n) / self.cache_tokens)
+            else:
+                scores.append(-1.0)
+        return scores
 
 
 class FormatReward:
