@@ -1,0 +1,1 @@
+"""GRPO building blocks: rollout generation, rewards, advantages, losses, log-probs."""
