@@ -36,3 +36,29 @@ def shared_data(relative: str) -> Path:
     if not path.exists():
         pytest.skip(f"{path} not present")
     return path
+
+
+def check_instantiates_offline(cfg, min_params: float) -> None:
+    """Build everything a training config needs that no download provides, and check it.
+
+    The model on the meta device (at least ``min_params`` parameters), the loss, the rewards,
+    the optimizer (on a dummy parameter) and the LR scheduler; the checkpointer reads
+    ``model_dir``.
+    """
+    from torchtune import config as tt_config
+
+    from torchtune_grpo.rlhf.rewards import build_reward_set
+
+    with torch.device("meta"):
+        model = tt_config.instantiate(cfg.model)
+    assert sum(p.numel() for p in model.parameters()) > min_params
+    loss = tt_config.instantiate(cfg.loss)
+    assert loss.needs_reference == (cfg.loss.kl_coeff != 0)
+    rewards = build_reward_set(cfg.rewards)
+    assert rewards.success_name in rewards.names
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    optimizer = tt_config.instantiate(cfg.optimizer, params)
+    scheduler = tt_config.instantiate(cfg.lr_scheduler, optimizer=optimizer,
+                                      num_training_steps=cfg.num_steps)
+    assert scheduler is not None
+    assert cfg.checkpointer.checkpoint_dir == cfg.model_dir

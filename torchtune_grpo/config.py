@@ -423,15 +423,29 @@ def per_rank_batch_size(cfg: DictConfig, world_size: int) -> int:
     return int(global_batch) // world_size
 
 
-def _eval_errors(cfg: DictConfig) -> list[str]:
-    errors = []
-    n = int(cfg.get("num_samples", 1))
-    bad = [k for k in cfg.get("k", [1]) if not 1 <= int(k) <= n]
+def sampling_problems(num_samples: int, temperature: float, k: list[int]) -> dict[str, str]:
+    """What is wrong with evaluation sampling settings, by key (empty when they are fine).
+
+    Shared by :func:`validate_config` (``grpo_eval`` configs) and
+    :class:`torchtune_grpo.evaluation.EvalSettings` (the training recipe's ``eval:`` block).
+    """
+    problems = {}
+    if num_samples < 1:
+        problems["num_samples"] = f"num_samples must be >= 1, got {num_samples}"
+    elif num_samples > 1 and temperature <= 0:
+        problems["num_samples"] = (
+            "num_samples > 1 needs 'temperature' > 0 (greedy decoding repeats itself)"
+        )
+    bad = [v for v in k if not 1 <= int(v) <= num_samples]
     if bad:
-        errors.append(f"config key 'k': values {bad} must lie in 1..num_samples={n}")
-    if n > 1 and float(cfg.get("temperature", 0.0)) <= 0:
-        errors.append("config key 'num_samples' > 1 needs 'temperature' > 0 (greedy repeats)")
-    return errors
+        problems["k"] = f"k values {bad} must lie in 1..num_samples={num_samples}"
+    return problems
+
+
+def _eval_errors(cfg: DictConfig) -> list[str]:
+    problems = sampling_problems(int(cfg.get("num_samples", 1)),
+                                 float(cfg.get("temperature", 0.0)), list(cfg.get("k", [1])))
+    return [f"config key {key!r}: {text}" for key, text in problems.items()]
 
 
 def _batch_errors(cfg: DictConfig, world_size: int) -> list[str]:

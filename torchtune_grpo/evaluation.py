@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtune_grpo import distributed as D
+from torchtune_grpo.config import sampling_problems
 from torchtune_grpo.datasets import collate_prompts
 from torchtune_grpo.rlhf.generation import decode_completions, generate_trajectory, mix_seeds
 
@@ -106,13 +107,9 @@ class EvalSettings:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.num_samples < 1:
-            raise ValueError(f"eval num_samples must be >= 1, got {self.num_samples}")
-        if self.temperature <= 0 and self.num_samples > 1:
-            raise ValueError("eval num_samples > 1 needs temperature > 0 (greedy repeats itself)")
-        bad = [k for k in self.k if not 1 <= k <= self.num_samples]
-        if bad:
-            raise ValueError(f"eval k values {bad} must lie in 1..num_samples={self.num_samples}")
+        problems = sampling_problems(self.num_samples, self.temperature, self.k)
+        if problems:
+            raise ValueError("eval " + "; ".join(problems.values()))
 
 
 @dataclass

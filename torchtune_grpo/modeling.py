@@ -32,10 +32,14 @@ from torchtune_grpo.rlhf.generation import (
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def is_lora_config(cfg_model: DictConfig) -> bool:
-    """Whether the ``model`` config builds LoRA/DoRA adapters (instantiated on meta: free)."""
+def meta_model(cfg_model: DictConfig) -> nn.Module:
+    """The ``model`` config instantiated on the meta device: its shape, no memory, no load."""
     with torch.device("meta"):
-        model = config.instantiate(cfg_model)
+        return config.instantiate(cfg_model)
+
+
+def has_adapters(model: nn.Module) -> bool:
+    """Whether ``model`` has LoRA/DoRA adapters (torchtune's ``lora_*`` builders)."""
     return bool(get_adapter_params(model))
 
 

@@ -48,7 +48,7 @@ from torchtune_grpo.checkpointing import (
 from torchtune_grpo.config import check_input_files, per_rank_batch_size, validate_config
 from torchtune_grpo.datasets import collate_prompts
 from torchtune_grpo.evaluation import EvalResult, EvalSettings, evaluate
-from torchtune_grpo.modeling import DTYPES, build_model, is_lora_config, token_rules
+from torchtune_grpo.modeling import DTYPES, build_model, has_adapters, meta_model, token_rules
 from torchtune_grpo.rlhf.advantages import group_advantages, loss_token_mask
 from torchtune_grpo.rlhf.forward import response_logprobs
 from torchtune_grpo.rlhf.generation import decode_completions, generate_trajectory, mix_seeds
@@ -154,7 +154,8 @@ class GRPORecipe:
         self.dataset = config.instantiate(cfg.dataset, tokenizer=self.tokenizer)
         self.rewards = build_reward_set(cfg.rewards)
         self.loss_fn = config.instantiate(cfg.loss)
-        self._check_context_length()
+        shape = meta_model(cfg.model)  # dims and adapters before any weight is loaded
+        self._check_context_length(getattr(shape, "max_seq_len", None))
         self.batches = StepBatches(
             self.dataset, batch_size=self.batch_size, world_size=self.world_size,
             rank=self.rank, seed=self.seed, shuffle=bool(cfg.get("shuffle", True)),
@@ -179,7 +180,8 @@ class GRPORecipe:
 
         self.resume_dir = resolve_resume(cfg.get("resume_from_checkpoint", False),
                                          cfg.output_dir)
-        self.is_lora = is_lora_config(cfg.model)
+        self.is_lora = has_adapters(shape)
+        del shape
         base_checkpointer = config.instantiate(cfg.checkpointer)
         adapter_state = None
         if self.resume_dir is not None and self.is_lora:
@@ -232,10 +234,8 @@ class GRPORecipe:
         self.allowed_tokens, self.logit_bias = self.rules.allowed, self.rules.logit_bias
         self.stop_tokens, self.pad_id = self.rules.stop_tokens, self.rules.pad_id
 
-    def _check_context_length(self) -> None:
-        """Longest prompt + ``max_generated_tokens`` must fit the model (checked on meta)."""
-        with torch.device("meta"):
-            max_seq_len = getattr(config.instantiate(self.cfg.model), "max_seq_len", None)
+    def _check_context_length(self, max_seq_len: int | None) -> None:
+        """Longest prompt + ``max_generated_tokens`` must fit the model's ``max_seq_len``."""
         lengths = getattr(self.dataset, "prompt_lengths", None)
         if max_seq_len is None or not lengths:
             return

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torchtune import config as tt_config
 
-from tests.conftest import shared_data
+from tests.conftest import check_instantiates_offline, shared_data
 from torchtune_grpo.config import EVAL_KEYS, load_config, validate_config
 from torchtune_grpo.datasets import (
     MATH_TEMPLATE,
@@ -197,24 +197,9 @@ TRAIN_CONFIGS = ["grpo/qwen2_5_3B_math_full", "grpo/qwen2_5_3B_deepscaler_full"]
 @pytest.mark.parametrize("name", TRAIN_CONFIGS)
 def test_math_train_configs_validate_and_instantiate(name):
     pytest.importorskip("math_verify")
-    from torchtune_grpo.rlhf.rewards import build_reward_set
-
     cfg = load_config(name)
     validate_config(cfg, world_size=8)
-    with torch.device("meta"):
-        model = tt_config.instantiate(cfg.model)
-    assert sum(p.numel() for p in model.parameters()) > 2.5e9
-    loss = tt_config.instantiate(cfg.loss)
-    assert loss.needs_reference == (cfg.loss.kl_coeff != 0)
-    rewards = build_reward_set(cfg.rewards)
-    assert rewards.success_name in rewards.names
-    params = [torch.nn.Parameter(torch.zeros(2))]
-    optimizer = tt_config.instantiate(cfg.optimizer, params)
-    scheduler = tt_config.instantiate(
-        cfg.lr_scheduler, optimizer=optimizer, num_training_steps=cfg.num_steps
-    )
-    assert scheduler is not None
-    assert cfg.checkpointer.checkpoint_dir == cfg.model_dir
+    check_instantiates_offline(cfg, min_params=2.5e9)
     assert cfg.eval_dataset._component_ == "torchtune_grpo.datasets.math_dataset"
 
 
