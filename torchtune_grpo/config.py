@@ -246,8 +246,11 @@ RECIPE_KEYS: dict[str, Key] = {
         "float", 600.0,
         "Collective timeout: a rank waiting longer on a dead peer raises instead of hanging.",
         _positive),
-    "logprob_chunk_size": Key("int", 1024, "Tokens per chunk of the output projection.",
-                              _at_least(1)),
+    "logprob_chunk_size": Key(
+        "int|null", None,
+        "Response positions per chunk of the output projection and log-softmax; peak memory "
+        "holds a few ``[chunk, V]`` float32 blocks. null: ``2**25 // V`` rounded down to a "
+        "multiple of 16 (256 for a 128k vocabulary).", _optional_positive),
     "shuffle": Key("bool", True, "Shuffle the prompt dataset each epoch."),
     "progress_bar": Key("bool", True, "Show a tqdm progress bar on rank 0."),
 }

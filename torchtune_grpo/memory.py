@@ -45,6 +45,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from torchtune_grpo.rlhf.logprobs import auto_chunk_size
+
 #: Prompt tokens assumed when the dataset sets no ``max_prompt_tokens`` (GSM8K prompts with a
 #: chat template are ~100-250 tokens).
 DEFAULT_PROMPT_TOKENS = 256
@@ -283,7 +285,8 @@ def estimate_memory(cfg: DictConfig, world_size: int = 1, *,
     p = prompt_tokens if prompt_tokens is not None else _prompt_tokens(cfg, DEFAULT_PROMPT_TOKENS)
     seq = p + t_gen
     vocab, d = dims.vocab_size, dims.embed_dim
-    chunk = int(cfg.get("logprob_chunk_size", 1024))
+    chunk = cfg.get("logprob_chunk_size")
+    chunk = auto_chunk_size(vocab) if chunk is None else int(chunk)
 
     # ---- static state
     shard = world_size if fsdp else 1

@@ -52,6 +52,7 @@ from torchtune_grpo.modeling import DTYPES, build_model, has_adapters, meta_mode
 from torchtune_grpo.rlhf.advantages import group_advantages, loss_token_mask
 from torchtune_grpo.rlhf.forward import response_logprobs
 from torchtune_grpo.rlhf.generation import decode_completions, generate_trajectory, mix_seeds
+from torchtune_grpo.rlhf.logprobs import auto_chunk_size
 from torchtune_grpo.rlhf.loss import summarize_loss_stats
 from torchtune_grpo.rlhf.rewards import RewardOutput, build_reward_set
 from torchtune_grpo.rlhf.trajectory import (
@@ -134,7 +135,7 @@ class GRPORecipe:
         self.save_every = cfg.get("save_every_n_steps")
         self.clip_grad_norm = cfg.get("clip_grad_norm")
         self.log_every = int(cfg.get("log_every_n_steps", 1))
-        self.chunk_size = int(cfg.get("logprob_chunk_size", 1024))
+        self.chunk_size = cfg.get("logprob_chunk_size")  # None: auto_chunk_size(V) in setup
         adv_cfg = cfg.get("advantages") or {}
         self.adv_scale = adv_cfg.get("scale", "group")
         self.adv_eps = float(adv_cfg.get("eps", 1e-6))
@@ -232,6 +233,8 @@ class GRPORecipe:
 
         self.rules = token_rules(self.tokenizer, self.model, self.device)
         self.allowed_tokens, self.logit_bias = self.rules.allowed, self.rules.logit_bias
+        self.chunk_size = (auto_chunk_size(self.logit_bias.numel()) if self.chunk_size is None
+                           else int(self.chunk_size))
         self.stop_tokens, self.pad_id = self.rules.stop_tokens, self.rules.pad_id
 
     def _check_context_length(self, max_seq_len: int | None) -> None:

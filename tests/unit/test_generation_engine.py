@@ -139,6 +139,7 @@ def test_cache_allocated_once_per_rollout_and_removed_after(tokenizer, setup, mo
     assert allocations == [2]  # four micro-batches, one allocation
     assert not model.caches_are_setup()
     assert all(a.kv_cache is None and not a.cache_enabled for a in attention_modules(model))
+    assert all("forward" not in a.__dict__ for a in attention_modules(model))  # own forward back
     # the model still runs a plain forward afterwards
     model(tokens)
 
@@ -224,3 +225,39 @@ def test_compiled_decode_matches_eager(tokenizer, setup):
                                    prompt_seeds=torch.arange(2), compile_decode=True, **kw)
     assert torch.equal(eager.tokens, compiled.tokens)
     torch.testing.assert_close(eager.logprobs, compiled.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (4, 1), (4, 4)])
+def test_grouped_query_attention_equals_torchtune_forward(num_heads, num_kv_heads):
+    """Same output as torchtune's forward (which copies k/v per query head), prefill and decode."""
+    torch.manual_seed(0)
+    model = tiny_llama(num_heads=num_heads, num_kv_heads=num_kv_heads).eval()
+    attn = attention_modules(model)[0]
+    b, p, d = 3, 5, 64
+    storage = gen.KVCacheStorage(model, rows=b, max_len=p + 2, dtype=torch.float32, device="cpu")
+    valid = torch.ones(b, p + 2, dtype=torch.bool)
+    valid[0, :2] = False  # a left-padded row
+    pos = position_ids(valid)
+    x = torch.randn(b, p, d)
+    step = torch.randn(b, 1, d)
+    outputs = {}
+    for name, fn in [("torchtune", lambda *a, **k: type(attn).forward(attn, *a, **k)),
+                     ("grouped", lambda *a, **k: gen.grouped_query_attention(attn, *a, **k))]:
+        with torch.no_grad(), gen._attached(storage, b, None) as caches:
+            caches[0].start_prefill(None)
+            pre = fn(x, x, mask=attention_mask(valid[:, :p]), input_pos=pos[:, :p])
+            dec = fn(step, step, mask=valid[:, None, : p + 1], input_pos=pos[:, p : p + 1])
+        outputs[name] = (pre, dec)
+    for ours, theirs in zip(outputs["grouped"], outputs["torchtune"]):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_attached_installs_grouped_forward_and_restores_an_instance_forward(setup):
+    model, _, _ = setup
+    attn = attention_modules(model)[0]
+    marker = attn.forward  # a bound method set on the instance by someone else
+    attn.forward = marker
+    storage = gen.KVCacheStorage(model, rows=1, max_len=4, dtype=torch.float32, device="cpu")
+    with gen._attached(storage, 1, None):
+        assert attn.__dict__["forward"] is not marker
+    assert attn.__dict__["forward"] is marker

@@ -217,3 +217,17 @@ def test_metric_only_entropy_matches_and_carries_no_gradient():
     g1 = torch.autograd.grad(lp1.sum(), hidden)[0]
     g2 = torch.autograd.grad(lp2.sum(), hidden)[0]
     torch.testing.assert_close(g1, g2)
+
+
+def test_auto_chunk_size_bounds_the_logits_block():
+    from torchtune_grpo.rlhf.logprobs import CHUNK_LOGITS_BUDGET, auto_chunk_size
+
+    assert auto_chunk_size(128256) == 256
+    assert auto_chunk_size(151936) == 208
+    assert auto_chunk_size(2048) == 16384
+    assert auto_chunk_size(10**9) == 16  # never below 16 positions
+    for vocab in (320, 32000, 128256, 151936, 262144):
+        chunk = auto_chunk_size(vocab)
+        assert chunk % 16 == 0 and chunk * vocab <= max(CHUNK_LOGITS_BUDGET, 16 * vocab)
+    with pytest.raises(ValueError, match="vocab_size"):
+        auto_chunk_size(0)

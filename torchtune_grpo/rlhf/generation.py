@@ -318,11 +318,85 @@ class _SpanKVCache(nn.Module):
         return self.k_cache[:b, :, :end], self.v_cache[:b, :, :end]
 
 
+def grouped_query_attention(
+    attn: MultiHeadAttention,
+    x: torch.Tensor,
+    y: torch.Tensor | None = None,
+    *,
+    mask: torch.Tensor | None = None,
+    input_pos: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """torchtune's ``MultiHeadAttention.forward`` for cached self-attention, without GQA copies.
+
+    torchtune expands the keys and values of its ``kv_heads`` to all ``heads`` before attending
+    (``expand(...).flatten(1, 2)``), which copies the whole cached span, ``heads / kv_heads``
+    times over, in every layer at every decode step. Here the ``g = heads / kv_heads`` query heads
+    that share a key/value head are stacked along the query axis instead, so the cache is read
+    in place: queries ``[b, kv_heads, g * s, head_dim]`` against keys ``[b, kv_heads, S,
+    head_dim]``. Projections, rotary embeddings, q/k norms and the output projection are the
+    module's own (LoRA and FSDP wrappers included); only the attention's data layout differs,
+    so outputs match torchtune's to float rounding.
+
+    Args:
+        attn (MultiHeadAttention): the module (its ``kv_cache`` must be enabled).
+        x (Tensor): ``[b, s, D]`` input.
+        y (Tensor | None): ``[b, s, D]`` key/value input (``x`` for self-attention).
+        mask (Tensor | None): ``[b, s, S]`` bool, True where query ``i`` may attend to ``j``.
+        input_pos (Tensor | None): ``[b, s]`` position ids.
+
+    Returns:
+        Tensor: ``[b, s, D]``, as torchtune's forward returns.
+    """
+    b, s, _ = x.shape
+    kv_heads, head_dim = attn.num_kv_heads, attn.head_dim
+    g = attn.num_heads // kv_heads
+    q = attn.q_proj(x).view(b, s, attn.num_heads, head_dim)
+    if attn.pos_embeddings is not None:
+        q = attn.pos_embeddings(q, input_pos=input_pos)
+    q = q.transpose(1, 2)  # [b, heads, s, hd]; head h reads key/value head h // g
+    if attn.q_norm is not None:
+        q = attn.q_norm(q)
+    k = attn.k_proj(y).view(b, s, kv_heads, head_dim)
+    v = attn.v_proj(y).view(b, s, kv_heads, head_dim)
+    if attn.pos_embeddings is not None:
+        k = attn.pos_embeddings(k, input_pos=input_pos)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)
+    if attn.k_norm is not None:
+        k = attn.k_norm(k)
+    k, v = attn.kv_cache.update(k, v)  # [b', kv_heads, S, hd]
+    q = q.reshape(b, kv_heads, g * s, head_dim)
+    if mask is not None:  # [b, s, S] -> [b, 1, g * s, S], the same row for each of the g heads
+        span = mask.shape[-1]
+        mask = mask[:, None, None].expand(b, 1, g, s, span).reshape(b, 1, g * s, span)
+    out = nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None and s > 1
+    )  # [b, kv_heads, g * s, hd]
+    out = out.view(b, kv_heads, g, s, head_dim).permute(0, 3, 1, 2, 4).reshape(b, s, -1)
+    return attn.output_proj(out)
+
+
+def _grouped_forward(attn: MultiHeadAttention) -> Callable[..., torch.Tensor]:
+    def forward(x, y=None, *, mask=None, input_pos=None):
+        if y is None or (mask is not None and not isinstance(mask, torch.Tensor)):
+            return type(attn).forward(attn, x, y, mask=mask, input_pos=input_pos)
+        return grouped_query_attention(attn, x, y, mask=mask, input_pos=input_pos)
+
+    return forward
+
+
+_NO_FORWARD = object()
+
+
 @contextlib.contextmanager
 def _attached(storage: KVCacheStorage, rows: int,
               write_pos: torch.Tensor | None) -> Iterator[list[_SpanKVCache]]:
-    """Install span caches over ``storage`` on every attention module; restore on exit."""
-    saved = [(attn, attn.kv_cache, attn.cache_enabled) for attn, _, _ in storage.layers]
+    """Install span caches over ``storage`` on every attention module; restore on exit.
+
+    Each module's ``forward`` is also replaced by :func:`grouped_query_attention` for the
+    rollout (an instance attribute, removed on exit).
+    """
+    saved = [(attn, attn.kv_cache, attn.cache_enabled, attn.__dict__.get("forward", _NO_FORWARD))
+             for attn, _, _ in storage.layers]
     caches = []
     try:
         for attn, k, v in storage.layers:
@@ -332,12 +406,17 @@ def _attached(storage: KVCacheStorage, rows: int,
             cache = _SpanKVCache(k, v, rows, write_pos)
             attn.kv_cache = cache
             attn.cache_enabled = True
+            attn.forward = _grouped_forward(attn)
             caches.append(cache)
         yield caches
     finally:
-        for attn, kv_cache, enabled in saved:
+        for attn, kv_cache, enabled, forward in saved:
             attn.kv_cache = kv_cache
             attn.cache_enabled = enabled
+            if forward is _NO_FORWARD:
+                attn.__dict__.pop("forward", None)
+            else:
+                attn.forward = forward
 
 
 def _distinct_rows(prompt_tokens: torch.Tensor, prompt_mask: torch.Tensor

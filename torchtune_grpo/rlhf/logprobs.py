@@ -18,7 +18,34 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-__all__ = ["chunked_token_logprobs", "naive_token_logprobs"]
+__all__ = ["auto_chunk_size", "chunked_token_logprobs", "naive_token_logprobs"]
+
+#: Float32 logits per chunk that :func:`auto_chunk_size` aims for (``2**25``: 128 MiB).
+CHUNK_LOGITS_BUDGET = 2**25
+
+
+def auto_chunk_size(vocab_size: int, budget: int = CHUNK_LOGITS_BUDGET) -> int:
+    """Positions per log-prob chunk so that one ``[chunk, V]`` float32 block holds ``budget``.
+
+    The chunk's logits, their log-softmax and the backward's gradient are each one such block,
+    so peak memory grows with ``chunk * V``, not with the number of positions. A fixed number of
+    positions would make a 150k vocabulary cost 75x what a 2k vocabulary costs.
+
+    Args:
+        vocab_size (int): ``V``, the output projection's width (``> 0``).
+        budget (int): float32 elements per chunk (``> 0``).
+
+    Returns:
+        int: ``budget // V`` rounded down to a multiple of 16 (at least 16): 256 for Llama 3's
+        128,256 ids, 208 for Qwen 2.5's 151,936, 16,384 for a 2,048-id vocabulary.
+
+    Raises:
+        ValueError: if ``vocab_size`` or ``budget`` is not a positive integer.
+    """
+    for name, value in (("vocab_size", vocab_size), ("budget", budget)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return max(16, budget // vocab_size // 16 * 16)
 
 
 def _check_common(temperature: float, logit_bias: Tensor | None) -> None:
