@@ -191,7 +191,8 @@ def run_vllm(directory: Path, prompts: torch.Tensor, w: Workload) -> float | str
         return f"skipped ({type(exc).__name__}: vllm not importable)"
     try:
         llm = LLM(model=str(directory), tokenizer=None, skip_tokenizer_init=True,
-                  dtype="float32", max_model_len=w.prompt_len + w.new_tokens)
+                  dtype="float32", max_model_len=w.prompt_len + w.new_tokens,
+                  gpu_memory_utilization=0.3, enforce_eager=True, seed=0)
         params = SamplingParams(temperature=1.0, max_tokens=w.new_tokens,
                                 min_tokens=w.new_tokens, ignore_eos=True, detokenize=False)
         inputs = [{"prompt_token_ids": p.tolist()} for p in prompts]
@@ -278,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+        # vLLM's CPU backend binds its own OpenMP threads: give it the same number of cores
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
+                              "0" if args.threads == 1 else f"0-{args.threads - 1}")
     w = Workload(batch=16, prompt_len=64, new_tokens=32) if args.quick else Workload(32, 64, 128)
     flops = matmul_flops_per_second()
     results = []

@@ -206,6 +206,12 @@ RECIPE_KEYS: dict[str, Key] = {
     "dataset": Key("component", REQUIRED, "Prompt dataset builder (takes ``tokenizer``)."),
     "rewards": Key("list", REQUIRED, "Reward components, each with a ``weight``."),
     "loss": Key("component", REQUIRED, "GRPO loss (``torchtune_grpo.rlhf.loss.GRPOLoss``)."),
+    "generator": Key(
+        "component|null", None,
+        "Rollout engine. null: ``torchtune_grpo.rlhf.generation.NativeGenerator`` (KV-cache "
+        "sampling on the policy itself); ``torchtune_grpo.rlhf.vllm_generation.VLLMGenerator``: "
+        "a colocated vLLM engine that receives the policy's weights after every update (one "
+        "process; ``pip install \"torchtune-grpo[vllm]\"``)."),
     "optimizer": Key("component", REQUIRED, "Optimizer (``params`` is filled in)."),
     "lr_scheduler": Key("component|null", None, "LR scheduler (``optimizer`` is filled in)."),
     "metric_logger": Key("component|null", None, "torchtune metric logger."),

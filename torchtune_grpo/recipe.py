@@ -51,7 +51,12 @@ from torchtune_grpo.evaluation import EvalResult, EvalSettings, evaluate
 from torchtune_grpo.modeling import DTYPES, build_model, has_adapters, meta_model, token_rules
 from torchtune_grpo.rlhf.advantages import group_advantages, loss_token_mask
 from torchtune_grpo.rlhf.forward import response_logprobs
-from torchtune_grpo.rlhf.generation import decode_completions, generate_trajectory, mix_seeds
+from torchtune_grpo.rlhf.generation import (
+    GenerationContext,
+    NativeGenerator,
+    decode_completions,
+    mix_seeds,
+)
 from torchtune_grpo.rlhf.logprobs import auto_chunk_size
 from torchtune_grpo.rlhf.loss import summarize_loss_stats
 from torchtune_grpo.rlhf.rewards import RewardOutput, build_reward_set
@@ -155,6 +160,8 @@ class GRPORecipe:
         self.dataset = config.instantiate(cfg.dataset, tokenizer=self.tokenizer)
         self.rewards = build_reward_set(cfg.rewards)
         self.loss_fn = config.instantiate(cfg.loss)
+        self.generator = (config.instantiate(cfg.generator) if cfg.get("generator") is not None
+                          else NativeGenerator())
         shape = meta_model(cfg.model)  # dims and adapters before any weight is loaded
         self._check_context_length(getattr(shape, "max_seq_len", None))
         self.batches = StepBatches(
@@ -236,6 +243,23 @@ class GRPORecipe:
         self.chunk_size = (auto_chunk_size(self.logit_bias.numel()) if self.chunk_size is None
                            else int(self.chunk_size))
         self.stop_tokens, self.pad_id = self.rules.stop_tokens, self.rules.pad_id
+        self.generator.setup(self._generation_context())
+        self.generator.sync_weights(self.model)  # a resumed or LoRA policy is not the base
+
+    def _generation_context(self) -> GenerationContext:
+        cfg = self.cfg
+        lengths = getattr(self.dataset, "prompt_lengths", None) or [0]
+        lora = None
+        if self.is_lora:
+            lora = {"rank": int(cfg.model.lora_rank), "alpha": float(cfg.model.lora_alpha)}
+        return GenerationContext(
+            model_dir=str(cfg.checkpointer.checkpoint_dir),
+            model_type=str(cfg.checkpointer.get("model_type", "")),
+            hf_config=dict(getattr(self.checkpointer, "_config", None) or {}),
+            device=self.device, dtype=self.dtype, world_size=self.world_size, rank=self.rank,
+            max_len=max(lengths) + self.max_generated_tokens,
+            allowed_tokens=self.allowed_tokens, lora=lora,
+        )
 
     def _check_context_length(self, max_seq_len: int | None) -> None:
         """Longest prompt + ``max_generated_tokens`` must fit the model's ``max_seq_len``."""
@@ -277,7 +301,7 @@ class GRPORecipe:
             tokens.shape[1] - lengths[:, None]
         )
         self.model.eval()
-        traj = generate_trajectory(
+        traj = self.generator.generate(
             self.model,
             tokens,
             prompt_mask,
@@ -295,6 +319,25 @@ class GRPORecipe:
         )
         self.model.train()
         return traj
+
+    @torch.no_grad()
+    def policy_logprobs(self, traj: Trajectory) -> torch.Tensor:
+        """``[N, T]`` log-probs of the rollout under the current policy (no graph).
+
+        Used as the "old" log-probs when the generator's own cannot be (see
+        ``needs_policy_logprobs`` of the generator, e.g. vLLM with ``top_k``).
+        """
+        mask, pos = self._forward_inputs(traj)
+        out = []
+        for i in range(0, traj.num_sequences, self.forward_batch_size):
+            sl = slice(i, i + self.forward_batch_size)
+            lp, _ = response_logprobs(
+                self.model, traj.tokens[sl], prompt_len=traj.prompt_len, mask=mask[sl],
+                input_pos=pos[sl], temperature=self.temperature, logit_bias=self.logit_bias,
+                chunk_size=self.chunk_size,
+            )
+            out.append(lp)
+        return torch.cat(out) * traj.response_mask
 
     def score(self, traj: Trajectory, batch: dict[str, Any]):
         """Step 3: decode completions and apply the reward components."""
@@ -340,7 +383,8 @@ class GRPORecipe:
 
     def update(self, traj: Trajectory, advantages: torch.Tensor,
                ref_logprobs: torch.Tensor | None,
-               loss_mask: torch.Tensor | None = None) -> dict[str, float]:
+               loss_mask: torch.Tensor | None = None,
+               old_logprobs: torch.Tensor | None = None) -> dict[str, float]:
         """Step 6: ``ppo_epochs`` optimizer steps on this rollout; returns loss metrics.
 
         Args:
@@ -348,7 +392,15 @@ class GRPORecipe:
             advantages: ``[N]``.
             ref_logprobs: ``[N, T]`` reference log-probs, or None without a KL term.
             loss_mask: ``[N, T]`` tokens that count (default: every response token).
+            old_logprobs: ``[N, T]`` log-probs of the sampling policy (default: the generator's,
+                ``traj.logprobs``).
+
+        Besides the loss metrics, ``generation/logprob_diff_max`` and ``_mean`` compare the
+        generator's log-probs with the policy's own in the first epoch (before any optimizer
+        step: the same weights), over response tokens: ~1e-6 for the native engine in fp32,
+        larger for another engine or precision, and large when its weights were not synced.
         """
+        old = traj.logprobs if old_logprobs is None else old_logprobs
         mask, pos = self._forward_inputs(traj)
         response_mask = traj.response_mask if loss_mask is None else loss_mask
         normalizer = self.loss_fn.normalizer_contribution(response_mask).to(
@@ -356,6 +408,7 @@ class GRPORecipe:
         )
         normalizer = D.all_reduce(normalizer.clone(), "sum")
         stats, grad_norms, skipped = [], [], 0
+        gap = torch.zeros(3, dtype=torch.float64, device=self.device)  # max, sum, count
         for epoch in range(self.ppo_epochs):
             # micro-batch order: a pure function of (seed, step, epoch, rank), like sampling
             gen = torch.Generator().manual_seed(
@@ -371,9 +424,15 @@ class GRPORecipe:
                         logit_bias=self.logit_bias, chunk_size=self.chunk_size,
                         return_entropy=True, entropy_grad=self.loss_fn.needs_entropy,
                     )
+                if epoch == 0:
+                    diff = (logprobs.detach() - traj.logprobs[idx]).abs()[traj.response_mask[idx]]
+                    if diff.numel():
+                        gap[0] = torch.maximum(gap[0], diff.max().double())
+                        gap[1] += diff.double().sum()
+                        gap[2] += diff.numel()
                 loss, mb_stats = self.loss_fn(
                     logprobs,
-                    traj.logprobs[idx],
+                    old[idx],
                     advantages[idx],
                     response_mask[idx],
                     normalizer=normalizer,
@@ -398,6 +457,10 @@ class GRPORecipe:
                 self.lr_scheduler.step()
             grad_norms.append(grad_norm)
         metrics = summarize_loss_stats(stats, all_reduce=lambda t, op: D.all_reduce(t, op))
+        gap_max = D.all_reduce(gap[:1].clone(), "max")
+        gap_sum = D.all_reduce(gap[1:].clone(), "sum")
+        metrics["generation/logprob_diff_max"] = float(gap_max[0])
+        metrics["generation/logprob_diff_mean"] = float(gap_sum[0] / gap_sum[1].clamp(min=1))
         metrics["grad_norm"] = float(sum(grad_norms) / len(grad_norms))
         metrics["skipped_steps"] = float(self.skipped_steps)
         return metrics
@@ -490,8 +553,11 @@ class GRPORecipe:
                                        scale=self.adv_scale, eps=self.adv_eps)
             times["scoring"] += time.perf_counter() - t0
 
+            self.generator.before_update()  # e.g. vLLM frees its KV cache for the update
             t0 = time.perf_counter()
             ref = self.reference_logprobs(traj) if self.loss_fn.needs_reference else None
+            old = (self.policy_logprobs(traj)
+                   if self.generator.needs_policy_logprobs(top_k=self.top_k) else None)
             times["reference"] = time.perf_counter() - t0
 
             t0 = time.perf_counter()
@@ -500,8 +566,12 @@ class GRPORecipe:
                 mask_truncated_completions=self.mask_truncated,
                 exclude_zero_std_groups=self.exclude_zero_std,
             )
-            loss_metrics = self.update(traj, adv_out.advantages.to(self.device), ref, loss_mask)
+            loss_metrics = self.update(traj, adv_out.advantages.to(self.device), ref, loss_mask,
+                                       old_logprobs=old)
             times["update"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            self.generator.sync_weights(self.model)  # no-op for the native engine
+            times["weight_sync"] = time.perf_counter() - t0
             self.step += 1
 
             metrics = self._step_metrics(traj, rewards_out, adv_out, loss_metrics, times)
@@ -666,7 +736,10 @@ class GRPORecipe:
         D.barrier()
 
     def cleanup(self) -> None:
-        """Close the metric logger and the process group."""
+        """Close the generator, the metric logger and the process group."""
+        generator = getattr(self, "generator", None)
+        if generator is not None:
+            generator.close()
         if self.metric_logger is not None:
             self.metric_logger.close()
         D.destroy()

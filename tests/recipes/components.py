@@ -1,4 +1,4 @@
-"""Reward components used by recipe tests (plugged in by `_component_` path)."""
+"""Components used by recipe tests (plugged in by `_component_` path)."""
 
 from __future__ import annotations
 
@@ -6,3 +6,20 @@ from __future__ import annotations
 def length_reward(completions: list[str], answers: list[str], **kwargs) -> list[float]:
     """Reward = number of characters: varies within every group of a random policy."""
     return [float(len(c)) for c in completions]
+
+
+def _vllm_generator_without_sync():
+    from torchtune_grpo.rlhf.vllm_generation import VLLMGenerator
+
+    class VLLMGeneratorWithoutSync(VLLMGenerator):
+        """A vLLM generator that never receives the policy's weights (a deliberate bug)."""
+
+        def sync_weights(self, model) -> None:
+            pass
+
+    return VLLMGeneratorWithoutSync
+
+
+def VLLMGeneratorWithoutSync(**kwargs):  # noqa: N802 - used as a `_component_` class name
+    """Build the never-syncing vLLM generator (vLLM imported only when a test asks for it)."""
+    return _vllm_generator_without_sync()(**kwargs)

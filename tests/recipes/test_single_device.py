@@ -41,6 +41,9 @@ def test_gradient_accumulation_gives_the_same_update(base_model, tmp_path, aggre
               "optimizer._component_=torch.optim.SGD", "optimizer.lr=0.5",
               "~optimizer.weight_decay", "clip_grad_norm=null"]
     one = train_in_process(base_model, tmp_path / "g1", *common, rewards=LENGTH_REWARD)
+    # the native engine's log-probs are the policy's (tempered, restricted vocabulary)
+    assert 0 <= one.last_metrics["generation/logprob_diff_max"] < 1e-4
+    assert one.last_metrics["time/weight_sync"] < 0.1  # nothing to copy
     for accum, fbs in ((2, 8), (4, 4)):
         other = train_in_process(base_model, tmp_path / f"g{accum}", *common,
                                  f"gradient_accumulation_steps={accum}",

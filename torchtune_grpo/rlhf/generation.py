@@ -18,6 +18,7 @@ Guarantees the recipe relies on:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -629,3 +630,79 @@ def generate_trajectory(
         for i in range(0, tokens.shape[0], forward_batch_size)
     ]
     return concat_trajectories(parts)
+
+
+# ---------------------------------------------------------------------------- generators
+class NativeGenerator:
+    """The default rollout engine (``generator._component_`` in a config): this module's KV-cache
+    sampler, run on the policy itself, so there are no weights to synchronise.
+
+    Every generator has the same methods; the recipe calls :meth:`setup` once after the
+    policy is built (then :meth:`sync_weights`), :meth:`generate` for each rollout,
+    :meth:`needs_policy_logprobs` to learn whether the rollout's log-probs must be recomputed
+    with the policy, :meth:`before_update` when the update phase starts, :meth:`sync_weights`
+    after each update's optimizer steps, and :meth:`close` at the end.
+    :class:`torchtune_grpo.rlhf.vllm_generation.VLLMGenerator` is the other implementation.
+
+    Args:
+        compile_decode (bool): run the decode steps through ``torch.compile`` with static
+            shapes (single device; see :func:`generate_micro_batch`).
+    """
+
+    def __init__(self, compile_decode: bool = False) -> None:
+        self.compile_decode = bool(compile_decode)
+
+    def setup(self, context: GenerationContext) -> None:
+        """Nothing to prepare: generation runs on the policy module itself."""
+        if self.compile_decode and context.world_size > 1:
+            raise ValueError("generator.compile_decode is single-device only (got "
+                             f"{context.world_size} processes): set it to false")
+
+    def generate(self, model: nn.Module, prompt_tokens: torch.Tensor,
+                 prompt_mask: torch.Tensor, **kwargs) -> Trajectory:
+        """:func:`generate_trajectory` on ``model`` (same arguments)."""
+        return generate_trajectory(model, prompt_tokens, prompt_mask,
+                                   compile_decode=self.compile_decode, **kwargs)
+
+    def needs_policy_logprobs(self, top_k: int | None) -> bool:
+        """False: the engine's log-probs are the policy's (tempered, full allowed vocabulary)."""
+        return False
+
+    def before_update(self) -> None:
+        """Nothing to free."""
+
+    def sync_weights(self, model: nn.Module) -> None:
+        """Nothing to copy: the policy generates."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+@dataclasses.dataclass
+class GenerationContext:
+    """What a generator may need to know about the run (built by the recipe's ``setup``).
+
+    Attributes:
+        model_dir (str): folder of the base model in HF format (``config.json`` + weights).
+        model_type (str): the checkpointer's ``model_type`` (``LLAMA3_2``, ``QWEN2``, ...).
+        hf_config (dict): the model's ``config.json``.
+        device (torch.device): the rank's device.
+        dtype (torch.dtype): the policy's parameter dtype.
+        world_size (int): number of processes.
+        rank (int): this process's rank.
+        max_len (int): longest prompt plus ``max_generated_tokens``.
+        allowed_tokens (torch.Tensor): ``[V]`` bool, the ids sampling may emit.
+        lora (dict | None): ``{"rank": r, "alpha": a}`` for a LoRA policy (its adapters are merged
+            before weights are copied), else None.
+    """
+
+    model_dir: str
+    model_type: str
+    hf_config: dict
+    device: torch.device
+    dtype: torch.dtype
+    world_size: int
+    rank: int
+    max_len: int
+    allowed_tokens: torch.Tensor
+    lora: dict | None = None

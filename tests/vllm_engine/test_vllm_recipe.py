@@ -1,0 +1,69 @@
+"""``tune run`` with ``generator: VLLMGenerator``: trains, syncs every step, and a run whose syncs
+are skipped shows it in ``generation/logprob_diff_max``.
+
+Needs vLLM (skipped when it does not import); see the README's "vLLM tests" command.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from tests.recipes._helpers import metrics, quickstart_overrides, run_tune  # noqa: E402
+from torchtune_grpo.tiny import (  # noqa: E402
+    TINY_MODEL_DIMS,  # noqa: E402
+    tiny_llama,
+    tiny_tokenizer,
+    write_hf_checkpoint,
+)
+
+#: vLLM's CPU attention needs head_dim >= 32 (the quickstart model has 16).
+DIMS = dict(TINY_MODEL_DIMS, embed_dim=128, num_heads=2, num_kv_heads=1)
+VLLM = "torchtune_grpo.rlhf.vllm_generation.VLLMGenerator"
+TOLERANCE = 1e-3  # as in test_vllm_generator.py
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    path = tmp_path_factory.mktemp("vllm_base")
+    torch.manual_seed(0)
+    model = tiny_llama(**DIMS)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # small weights: a sampled, not near-greedy, start
+        for name, p in model.named_parameters():
+            p.copy_(torch.ones_like(p) if "norm" in name
+                    else torch.randn(p.shape, generator=g) * 0.08)
+    tiny_tokenizer(path)
+    write_hf_checkpoint(model, path, DIMS)
+    return path
+
+
+def _run(base, out, *extra):
+    run_tune(["run", "grpo_full_finetune_single_device",
+              *quickstart_overrides(base, out, "model.embed_dim=128", "model.num_heads=2",
+                                    "model.num_kv_heads=1", "num_steps=4", "batch_size=4",
+                                    "group_size=4", "max_generated_tokens=6",
+                                    # a reward that varies within every group: the policy moves
+                                    "rewards=[{_component_: components.length_reward}]",
+                                    *extra)],
+             cwd=out.parent, timeout=900, threads=2)
+    return metrics(out)
+
+
+def test_vllm_generator_trains_and_stays_in_sync(base, tmp_path):
+    rows = _run(base, tmp_path / "synced", f"generator._component_={VLLM}")
+    assert len(rows) == 4
+    for row in rows:
+        assert row["generation/logprob_diff_max"] < TOLERANCE, row
+        assert row["time/weight_sync"] > 0
+    assert all(row["grad_norm"] > 0 for row in rows)  # the policy moved at every step
+    assert (tmp_path / "synced" / "step_4").is_dir()
+
+
+def test_skipped_sync_is_visible_in_the_logprob_gap(base, tmp_path):
+    rows = _run(base, tmp_path / "stale",
+                "generator._component_=components.VLLMGeneratorWithoutSync")
+    assert rows[0]["generation/logprob_diff_max"] < TOLERANCE  # first rollout: base weights
+    assert max(r["generation/logprob_diff_max"] for r in rows[1:]) > 10 * TOLERANCE
