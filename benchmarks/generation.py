@@ -91,6 +91,29 @@ def matmul_flops_per_second(size: int = 1024, repeats: int = 8) -> float:
     return 2 * size**3 / best
 
 
+def decode_matmul_flops_per_second(model: torch.nn.Module, rows: int, repeats: int = 5) -> float:
+    """Best rate of one decode step's matmuls: every weight of ``model`` applied to ``rows``.
+
+    The weights are used in model order, so (as in a real decode step) each is read from
+    memory rather than cache once the model outgrows the cache; ``rows`` is the decode batch.
+    This is the rate a decode step's linear layers can reach here, which for small ``rows`` is
+    well below the square-matmul rate.
+    """
+    weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if not isinstance(getattr(model, "output", None), torch.nn.Linear):
+        weights.append(model.tok_embeddings.weight.detach())  # tied output projection
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+    work = sum(2 * rows * w.shape[0] * w.shape[1] for w in weights)
+
+    def step():
+        for w in weights:
+            torch.nn.functional.linear(inputs[w.shape[1]], w)
+
+    step()
+    best = min(_timed(step) for _ in range(repeats))
+    return work / best
+
+
 def generation_work(dims: dict, w: Workload) -> float:
     """FLOPs of generating ``w`` without prefill sharing (see the module docstring)."""
     d, v, layers = dims["embed_dim"], dims["vocab_size"], dims["num_layers"]
@@ -212,6 +235,10 @@ def bench_shape(name: str, dims: dict, w: Workload, flops: float, engines: list[
     prompts = torch.randint(0, dims["vocab_size"], (w.batch, w.prompt_len))
     work = generation_work(dims, w)
     bound = flops * w.batch * w.new_tokens / work
+    # the same work, with the decode steps' share at the rate their [batch, D] matmuls reach
+    prefill = generation_work(dims, Workload(w.batch, w.prompt_len, 0))
+    decode_rate = decode_matmul_flops_per_second(model, w.batch)
+    decode_bound = w.batch * w.new_tokens / (prefill / flops + (work - prefill) / decode_rate)
     tokens = w.batch * w.new_tokens
     seconds: dict[str, float | str] = {}
     for engine in engines:
@@ -241,19 +268,24 @@ def bench_shape(name: str, dims: dict, w: Workload, flops: float, engines: list[
             "vs_torchtune": tps[engine] / tps["torchtune"] if "torchtune" in tps else None,
             "vs_hf": tps[engine] / tps["hf"] if "hf" in tps else None,
             "fraction_of_flop_bound": tps[engine] / bound,
+            "fraction_of_decode_bound": tps[engine] / decode_bound,
         }
     return {
         "shape": name, "dims": dims, "params": params, "batch": w.batch,
         "prompt_len": w.prompt_len, "new_tokens": w.new_tokens, "work_flops": work,
-        "flop_bound_tokens_per_second": bound, "engines": rows,
+        "flop_bound_tokens_per_second": bound, "decode_matmul_flops_per_second": decode_rate,
+        "decode_bound_tokens_per_second": decode_bound, "engines": rows,
     }
 
 
 def print_table(result: dict, flops: float) -> None:
     print(f"\n{result['shape']}: {result['params'] / 1e6:.2f}M params, batch {result['batch']}, "
           f"{result['prompt_len']}-token prompts, {result['new_tokens']} new tokens; FLOP bound "
-          f"{result['flop_bound_tokens_per_second']:.0f} tok/s at {flops / 1e9:.1f} GFLOP/s")
-    print(f"{'engine':<12} {'tok/s':>9} {'s':>8} {'x torchtune':>12} {'x HF':>7} {'of bound':>9}")
+          f"{result['flop_bound_tokens_per_second']:.0f} tok/s at {flops / 1e9:.1f} GFLOP/s; "
+          f"decode bound {result['decode_bound_tokens_per_second']:.0f} tok/s (decode matmuls "
+          f"at {result['decode_matmul_flops_per_second'] / 1e9:.1f} GFLOP/s)")
+    print(f"{'engine':<12} {'tok/s':>9} {'s':>8} {'x torchtune':>12} {'x HF':>7} {'of bound':>9} "
+          f"{'of decode bound':>16}")
     for engine, row in result["engines"].items():
         if "status" in row:
             print(f"{engine:<12} {row['status']}")
@@ -264,7 +296,7 @@ def print_table(result: dict, flops: float) -> None:
 
         print(f"{engine:<12} {row['tokens_per_second']:>9.1f} {row['seconds']:>8.2f} "
               f"{fmt(row['vs_torchtune']):>12} {fmt(row['vs_hf']):>7} "
-              f"{row['fraction_of_flop_bound']:>8.0%}")
+              f"{row['fraction_of_flop_bound']:>8.0%} {row['fraction_of_decode_bound']:>16.0%}")
 
 
 def main(argv: list[str] | None = None) -> int:

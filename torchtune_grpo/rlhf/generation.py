@@ -196,7 +196,8 @@ def sample_next_token(
         if top_k is not None and top_k < scores.shape[-1]:
             kth = torch.topk(logprobs, top_k, dim=-1).values[:, -1:]
             sample_scores = logprobs.masked_fill(logprobs < kth, float("-inf"))
-        cdf = sample_scores.exp().double().cumsum(dim=-1)
+        # softmax rather than exp(): exp() of the very negative tail is slow on CPU
+        cdf = torch.softmax(sample_scores, dim=-1).double().cumsum(dim=-1)
         u = counter_uniform(seeds, counter).to(cdf.device) * cdf[:, -1]
         tokens = torch.searchsorted(cdf, u.unsqueeze(1)).squeeze(1)
         tokens = tokens.clamp_(max=scores.shape[-1] - 1)
