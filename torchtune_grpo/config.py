@@ -210,8 +210,8 @@ RECIPE_KEYS: dict[str, Key] = {
         "component|null", None,
         "Rollout engine. null: ``torchtune_grpo.rlhf.generation.NativeGenerator`` (KV-cache "
         "sampling on the policy itself); ``torchtune_grpo.rlhf.vllm_generation.VLLMGenerator``: "
-        "a colocated vLLM engine that receives the policy's weights after every update (one "
-        "process; ``pip install \"torchtune-grpo[vllm]\"``)."),
+        "a colocated vLLM engine per rank that receives the policy's weights after every "
+        "update (``pip install \"torchtune-grpo[vllm]\"``)."),
     "optimizer": Key("component", REQUIRED, "Optimizer (``params`` is filled in)."),
     "lr_scheduler": Key("component|null", None, "LR scheduler (``optimizer`` is filled in)."),
     "metric_logger": Key("component|null", None, "torchtune metric logger."),

@@ -75,6 +75,19 @@ def _world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory of this rank since the start, in GiB.
+
+    CUDA: ``torch.cuda.max_memory_allocated`` (tensors only). CPU: the process's peak resident
+    set size (``ru_maxrss``; Python, libraries and data included), the only peak the OS keeps.
+    """
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1024**3
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1024**3
+
+
 def split_batch(batch: dict[str, Any], chunks: int) -> list[dict[str, Any]]:
     """Split a collated prompt batch into ``chunks`` equal consecutive parts.
 
@@ -505,8 +518,8 @@ class GRPORecipe:
         metrics["tokens_per_second/generation"] = float(generated) / max(times["generation"], 1e-9)
         for key, value in times.items():
             metrics[f"time/{key}"] = value
-        if self.cfg.get("log_peak_memory_stats", True) and self.device.type == "cuda":
-            metrics["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 1024**3
+        if self.cfg.get("log_peak_memory_stats", True):
+            metrics["peak_memory_gb"] = peak_memory_gib(self.device)
         return metrics
 
     # ------------------------------------------------------------------ loop

@@ -44,6 +44,7 @@ def test_gradient_accumulation_gives_the_same_update(base_model, tmp_path, aggre
     # the native engine's log-probs are the policy's (tempered, restricted vocabulary)
     assert 0 <= one.last_metrics["generation/logprob_diff_max"] < 1e-4
     assert one.last_metrics["time/weight_sync"] < 0.1  # nothing to copy
+    assert 0.1 < one.last_metrics["peak_memory_gb"] < 20  # CPU: the process's peak RSS
     for accum, fbs in ((2, 8), (4, 4)):
         other = train_in_process(base_model, tmp_path / f"g{accum}", *common,
                                  f"gradient_accumulation_steps={accum}",

@@ -40,15 +40,17 @@ def base(tmp_path_factory):
     return path
 
 
-def _run(base, out, *extra):
-    run_tune(["run", "grpo_full_finetune_single_device",
+def _run(base, out, *extra, nproc: int = 1):
+    launcher = (["--nproc_per_node", str(nproc), "grpo_full_finetune_distributed"] if nproc > 1
+                else ["grpo_full_finetune_single_device"])
+    run_tune(["run", *launcher,
               *quickstart_overrides(base, out, "model.embed_dim=128", "model.num_heads=2",
                                     "model.num_kv_heads=1", "num_steps=4", "batch_size=4",
                                     "group_size=4", "max_generated_tokens=6",
                                     # a reward that varies within every group: the policy moves
                                     "rewards=[{_component_: components.length_reward}]",
                                     *extra)],
-             cwd=out.parent, timeout=900, threads=2)
+             cwd=out.parent, timeout=900, threads=2 // nproc)
     return metrics(out)
 
 
@@ -67,3 +69,13 @@ def test_skipped_sync_is_visible_in_the_logprob_gap(base, tmp_path):
                 "generator._component_=components.VLLMGeneratorWithoutSync")
     assert rows[0]["generation/logprob_diff_max"] < TOLERANCE  # first rollout: base weights
     assert max(r["generation/logprob_diff_max"] for r in rows[1:]) > 10 * TOLERANCE
+
+
+def test_one_engine_per_rank_under_fsdp(base, tmp_path):
+    """Two processes: FSDP2-sharded policy, one vLLM engine per rank, gathered weight syncs."""
+    rows = _run(base, tmp_path / "fsdp", f"generator._component_={VLLM}", "num_steps=3",
+                nproc=2)
+    assert len(rows) == 3
+    for row in rows:  # the max over both ranks' tokens
+        assert row["generation/logprob_diff_max"] < TOLERANCE, row
+    assert all(row["grad_norm"] > 0 for row in rows)

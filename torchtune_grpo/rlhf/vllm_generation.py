@@ -23,8 +23,11 @@ restricted distribution (``logprobs_mode="processed_logprobs"``), which is the q
 training forward computes. With ``top_k`` vLLM reports log-probs of the truncated distribution,
 so the recipe then recomputes them with the policy (:attr:`VLLMGenerator.recompute_logprobs`).
 
-Limits of this release: one process (``--nproc_per_node 1``); vLLM's sleep mode (freeing the KV
-cache during the update) is used only on CUDA, where vLLM supports it.
+With several processes (``tune run --nproc_per_node N``) every rank runs its own engine with
+tensor parallelism 1 (vLLM's ``external_launcher`` backend, inside torchrun's process group) and
+samples its own prompts; every rank takes part in each sync, since gathering a sharded
+parameter is a collective. vLLM's sleep mode (freeing the KV cache during the update) is used
+only on CUDA, where vLLM supports it.
 """
 
 from __future__ import annotations
@@ -152,12 +155,6 @@ class VLLMGenerator:
                  sleep_during_update: bool | None = None, max_num_seqs: int | None = None,
                  recompute_logprobs: bool = False,
                  engine_args: dict[str, Any] | None = None) -> None:
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ValueError(
-                "generator VLLMGenerator runs with one process in this release (WORLD_SIZE="
-                f"{os.environ['WORLD_SIZE']}); use the native generator (generator: null) for "
-                "FSDP runs"
-            )
         if importlib.util.find_spec("vllm") is None:
             raise ImportError(
                 "generator VLLMGenerator needs vLLM: pip install \"torchtune-grpo[vllm]\" (GPU) "
@@ -182,11 +179,6 @@ class VLLMGenerator:
     # ------------------------------------------------------------------ lifecycle
     def setup(self, context: GenerationContext) -> None:
         """Build the engine from ``context.model_dir`` (checks that vLLM imports first)."""
-        if context.world_size > 1:
-            raise ValueError(
-                "generator VLLMGenerator runs with one process in this release (got "
-                f"{context.world_size}); use the native generator for FSDP runs"
-            )
         self._convert = torchtune_to_hf_converter(context.model_type, context.hf_config)
         try:
             import vllm
@@ -206,6 +198,11 @@ class VLLMGenerator:
             enforce_eager=self.enforce_eager, max_model_len=int(context.max_len), seed=0,
             logprobs_mode="processed_logprobs", enable_sleep_mode=bool(self.sleep_during_update),
         )
+        if context.world_size > 1:
+            # one engine per rank (tensor parallel 1) inside torchrun's process group: each
+            # rank samples its own prompts; the weight sync gathers every FSDP shard
+            kwargs["distributed_executor_backend"] = "external_launcher"
+            kwargs["tensor_parallel_size"] = 1
         if self.max_num_seqs is not None:
             kwargs["max_num_seqs"] = int(self.max_num_seqs)
         kwargs.update(self.engine_args)
