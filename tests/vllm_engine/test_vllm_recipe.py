@@ -62,6 +62,12 @@ def test_vllm_generator_trains_and_stays_in_sync(base, tmp_path):
         assert row["time/weight_sync"] > 0
     assert all(row["grad_norm"] > 0 for row in rows)  # the policy moved at every step
     assert (tmp_path / "synced" / "step_4").is_dir()
+    # resumed: the engine starts from the base model's folder, so the first rollout is only
+    # right if setup synced the step-4 weights into it
+    rows = _run(base, tmp_path / "synced", f"generator._component_={VLLM}", "num_steps=5",
+                "resume_from_checkpoint=true")
+    assert rows[-1]["step"] == 5
+    assert rows[-1]["generation/logprob_diff_max"] < TOLERANCE, rows[-1]
 
 
 def test_skipped_sync_is_visible_in_the_logprob_gap(base, tmp_path):
