@@ -85,3 +85,14 @@ def test_one_engine_per_rank_under_fsdp(base, tmp_path):
     for row in rows:  # the max over both ranks' tokens
         assert row["generation/logprob_diff_max"] < TOLERANCE, row
     assert all(row["grad_norm"] > 0 for row in rows)
+
+
+def test_lora_policy_is_merged_into_the_engine(base, tmp_path):
+    """LoRA: the engine receives base + adapters (merged) after every update."""
+    lora = ["model._component_=torchtune.models.llama3_2.lora_llama3_2",
+            "model.lora_attn_modules=[q_proj,v_proj,output_proj]", "model.lora_rank=4",
+            "model.lora_alpha=8", "model.apply_lora_to_mlp=true", "optimizer.lr=1e-2"]
+    rows = _run(base, tmp_path / "lora", f"generator._component_={VLLM}", "num_steps=3", *lora)
+    assert all(row["grad_norm"] > 0 for row in rows)
+    for row in rows:
+        assert row["generation/logprob_diff_max"] < TOLERANCE, row
