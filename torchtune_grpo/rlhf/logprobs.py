@@ -71,6 +71,29 @@ def _check_targets(targets: Tensor) -> None:
         )
 
 
+def _scores(logits: Tensor, temperature: float, logit_bias: Tensor | None) -> Tensor:
+    """``[M, V]`` float32 ``logits / temperature + logit_bias``."""
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    if logit_bias is not None:
+        z = z + logit_bias.to(device=z.device, dtype=torch.float32)
+    return z
+
+
+def _entropy(z: Tensor, logp_all: Tensor) -> Tensor:
+    """``[M]`` entropy of ``softmax(z)`` given ``logp_all = log_softmax(z)`` (``[M, V]``)."""
+    # softmax, not logp_all.exp(): on CPU, exp() of very negative inputs (the long tail of a
+    # large vocabulary, -inf for forbidden ids) takes a slow path, ~15x slower per element.
+    probs = torch.softmax(z, dim=-1)
+    # H = -sum p log p. Entries with p = 0 (log p = -inf, e.g. forbidden ids) contribute 0; the
+    # where() keeps -inf out of the product so neither the value nor the gradient becomes NaN.
+    # (log_softmax yields finite values or -inf, never +inf or NaN, so one comparison suffices.)
+    finite = logp_all != float("-inf")
+    safe_logp = torch.where(finite, logp_all, torch.zeros((), dtype=z.dtype, device=z.device))
+    return -(probs * safe_logp).sum(dim=-1)
+
+
 def _logprobs_from_logits(
     logits: Tensor,
     targets: Tensor,
@@ -92,25 +115,10 @@ def _logprobs_from_logits(
         tuple[Tensor, Tensor | None]: ``[M]`` float32 log-probs and ``[M]`` float32 entropies
         (or ``None``).
     """
-    z = logits.float()
-    if temperature != 1.0:
-        z = z / temperature
-    if logit_bias is not None:
-        z = z + logit_bias.to(device=z.device, dtype=torch.float32)
+    z = _scores(logits, temperature, logit_bias)
     logp_all = torch.log_softmax(z, dim=-1)  # [M, V]
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    if not return_entropy:
-        return logp, None
-    # softmax, not logp_all.exp(): on CPU, exp() of very negative inputs (the long tail of a
-    # large vocabulary, -inf for forbidden ids) takes a slow path, ~15x slower per element.
-    probs = torch.softmax(z, dim=-1)
-    # H = -sum p log p. Entries with p = 0 (log p = -inf, e.g. forbidden ids) contribute 0; the
-    # where() keeps -inf out of the product so neither the value nor the gradient becomes NaN.
-    # (log_softmax yields finite values or -inf, never +inf or NaN, so one comparison suffices.)
-    finite = logp_all != float("-inf")
-    safe_logp = torch.where(finite, logp_all, torch.zeros((), dtype=z.dtype, device=z.device))
-    entropy = -(probs * safe_logp).sum(dim=-1)
-    return logp, entropy
+    return logp, (_entropy(z, logp_all) if return_entropy else None)
 
 
 def naive_token_logprobs(
@@ -225,12 +233,13 @@ def chunked_token_logprobs(
         # entropy only as a metric: computed once, without a graph, and skipped when the
         # checkpoint recomputes the chunk in the backward pass (it saves no tensors, so the
         # recomputation stays consistent).
-        logits = project(h)
-        logp, _ = _logprobs_from_logits(logits, y, temperature, logit_bias, False)
+        z = _scores(project(h), temperature, logit_bias)
+        logp_all = torch.log_softmax(z, dim=-1)
+        logp = logp_all.gather(-1, y.unsqueeze(-1)).squeeze(-1)
         if first[0]:
             first[0] = False
-            with torch.no_grad():
-                _, ent = _logprobs_from_logits(logits.detach(), y, temperature, logit_bias, True)
+            with torch.no_grad():  # reuses this chunk's log-softmax
+                ent = _entropy(z.detach(), logp_all.detach())
             return logp, ent
         return logp, logp.new_zeros(logp.shape).detach()
 
