@@ -176,7 +176,8 @@ class GRPORecipe:
         self.generator = (config.instantiate(cfg.generator) if cfg.get("generator") is not None
                           else NativeGenerator())
         shape = meta_model(cfg.model)  # dims and adapters before any weight is loaded
-        self._check_context_length(getattr(shape, "max_seq_len", None))
+        self.max_seq_len = getattr(shape, "max_seq_len", None)
+        self._check_context_length(self.max_seq_len)
         self.batches = StepBatches(
             self.dataset, batch_size=self.batch_size, world_size=self.world_size,
             rank=self.rank, seed=self.seed, shuffle=bool(cfg.get("shuffle", True)),
@@ -261,7 +262,10 @@ class GRPORecipe:
 
     def _generation_context(self) -> GenerationContext:
         cfg = self.cfg
-        lengths = getattr(self.dataset, "prompt_lengths", None) or [0]
+        lengths = getattr(self.dataset, "prompt_lengths", None)
+        # longest sequence a rollout can make; the model's limit when the dataset cannot say
+        max_len = (max(lengths) + self.max_generated_tokens if lengths
+                   else int(self.max_seq_len or 4096))
         lora = None
         if self.is_lora:
             lora = {"rank": int(cfg.model.lora_rank), "alpha": float(cfg.model.lora_alpha)}
@@ -270,7 +274,7 @@ class GRPORecipe:
             model_type=str(cfg.checkpointer.get("model_type", "")),
             hf_config=dict(getattr(self.checkpointer, "_config", None) or {}),
             device=self.device, dtype=self.dtype, world_size=self.world_size, rank=self.rank,
-            max_len=max(lengths) + self.max_generated_tokens,
+            max_len=max_len,
             allowed_tokens=self.allowed_tokens, lora=lora,
         )
 
