@@ -344,17 +344,22 @@ class GRPORecipe:
         Used as the "old" log-probs when the generator's own cannot be (see
         ``needs_policy_logprobs`` of the generator, e.g. vLLM with ``top_k``).
         """
+        return self._response_logprobs(self.model, traj) * traj.response_mask
+
+    def _response_logprobs(self, model: nn.Module, traj: Trajectory) -> torch.Tensor:
+        """``[N, T]`` log-probs of ``traj``'s responses under ``model``, micro-batch by
+        micro-batch (call under ``torch.no_grad``)."""
         mask, pos = self._forward_inputs(traj)
         out = []
         for i in range(0, traj.num_sequences, self.forward_batch_size):
             sl = slice(i, i + self.forward_batch_size)
             lp, _ = response_logprobs(
-                self.model, traj.tokens[sl], prompt_len=traj.prompt_len, mask=mask[sl],
+                model, traj.tokens[sl], prompt_len=traj.prompt_len, mask=mask[sl],
                 input_pos=pos[sl], temperature=self.temperature, logit_bias=self.logit_bias,
                 chunk_size=self.chunk_size,
             )
             out.append(lp)
-        return torch.cat(out) * traj.response_mask
+        return torch.cat(out)
 
     def score(self, traj: Trajectory, batch: dict[str, Any]):
         """Step 3: decode completions and apply the reward components."""
@@ -383,20 +388,10 @@ class GRPORecipe:
         With LoRA the reference is the policy itself with its adapters disabled: no second
         copy of the weights exists.
         """
-        mask, pos = self._forward_inputs(traj)
         model = self.model if self.is_lora else self.ref_model
         context = disable_adapter(self.model) if self.is_lora else contextlib.nullcontext()
-        out = []
         with context:
-            for i in range(0, traj.num_sequences, self.forward_batch_size):
-                sl = slice(i, i + self.forward_batch_size)
-                lp, _ = response_logprobs(
-                    model, traj.tokens[sl], prompt_len=traj.prompt_len, mask=mask[sl],
-                    input_pos=pos[sl], temperature=self.temperature,
-                    logit_bias=self.logit_bias, chunk_size=self.chunk_size,
-                )
-                out.append(lp)
-        return torch.cat(out)
+            return self._response_logprobs(model, traj)
 
     def update(self, traj: Trajectory, advantages: torch.Tensor,
                ref_logprobs: torch.Tensor | None,
