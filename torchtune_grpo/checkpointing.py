@@ -184,19 +184,22 @@ def load_recipe_state(checkpoint: str | Path) -> dict[str, Any]:
 
 def hf_checkpointer(
     checkpoint_dir: str,
-    model_type: str,
+    model_type: str | None = None,
     output_dir: str | None = None,
     checkpoint_files: list[str] | None = None,
     **kwargs: Any,
 ) -> Any:
-    """A torchtune ``FullModelHFCheckpointer`` that finds the weight files itself.
+    """A torchtune ``FullModelHFCheckpointer`` that reads what it needs from the folder.
 
     Saved step folders name their weights ``model-0000k-of-0000n.safetensors`` while
-    downloaded models use other names; listing them by hand in every eval config is error-prone.
+    downloaded models use other names, and the model type follows from ``config.json``;
+    spelling either out in every config is error-prone.
 
     Args:
         checkpoint_dir: folder with the HF weights and ``config.json``.
-        model_type: torchtune model type (``LLAMA3_2``, ``QWEN2``, ...).
+        model_type: torchtune model type (``LLAMA3_2``, ``QWEN2``, ...); ``None`` derives it
+            from ``config.json``'s ``architectures``
+            (:func:`torchtune_grpo.models.hf_model_type`).
         output_dir: where the checkpointer may write; a fresh temporary folder when None
             (read-only uses such as evaluation).
         checkpoint_files: weight files; all ``*.safetensors`` (else ``*.bin``) when None.
@@ -204,6 +207,8 @@ def hf_checkpointer(
 
     Raises:
         FileNotFoundError: no folder, no ``config.json`` or no weight file, naming the path.
+        ValueError: ``model_type`` is None and ``config.json`` names an unsupported
+            architecture.
     """
     import tempfile
 
@@ -214,14 +219,22 @@ def hf_checkpointer(
         raise FileNotFoundError(f"checkpoint_dir {folder} does not exist")
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder / 'config.json'} not found: not an HF checkpoint folder")
+    if model_type is None:
+        from torchtune_grpo.models.builders import hf_model_type
+
+        model_type = hf_model_type(folder)
     if checkpoint_files is None:
         checkpoint_files = weight_files(folder)
     if output_dir is None:
         output_dir = tempfile.mkdtemp(prefix="grpo_ckpt_")
-    return FullModelHFCheckpointer(
+    checkpointer = FullModelHFCheckpointer(
         checkpoint_dir=str(folder),
         checkpoint_files=list(checkpoint_files),
         model_type=model_type,
         output_dir=str(output_dir),
         **kwargs,
     )
+    # torchtune's Qwen2 converter reads this key unconditionally; transformers treats a
+    # missing one as untied
+    checkpointer._config.setdefault("tie_word_embeddings", False)
+    return checkpointer

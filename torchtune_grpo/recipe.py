@@ -271,7 +271,7 @@ class GRPORecipe:
             lora = {"rank": int(cfg.model.lora_rank), "alpha": float(cfg.model.lora_alpha)}
         return GenerationContext(
             model_dir=str(cfg.checkpointer.checkpoint_dir),
-            model_type=str(cfg.checkpointer.get("model_type", "")),
+            model_type=self.checkpointer._model_type.name,
             hf_config=dict(getattr(self.checkpointer, "_config", None) or {}),
             device=self.device, dtype=self.dtype, world_size=self.world_size, rank=self.rank,
             max_len=max_len,
