@@ -63,7 +63,8 @@ def test_logits_match_transformers(tmp_path, case):
     ckpt = hf_checkpointer(str(tmp_path / "m"), output_dir=str(tmp_path / "out"))
     model.load_state_dict(ckpt.load_checkpoint()[training.MODEL_KEY])
     model.eval()
-    tokens = torch.randint(0, SMALL["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(1))
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, SMALL["vocab_size"], (2, 40), generator=generator)
     with torch.no_grad():
         got = model(tokens)
         want = ref(tokens).logits
