@@ -534,3 +534,36 @@ def test_overlong_penalty_hand_values():
         pen(["x"], ["1"])
     with pytest.raises(ValueError, match="cache_tokens"):
         OverlongPenalty(0)
+
+
+# ---------------------------------------------------------------- plain-text answer phrase
+def test_answer_phrase_correctness():
+    from torchtune_grpo.rlhf.rewards import NumericCorrectness
+
+    fn = NumericCorrectness(answer_tag=None, answer_phrase="The answer is")
+    completions = [
+        "16 - 3 - 4 = 9 eggs, 9 * 2 = 18.\nThe answer is 18.",   # phrase, right
+        "The answer is $18.00 per day",                         # currency and decimals
+        "I think 18.\nThe answer is 20.",                       # phrase wins over earlier 18
+        "so she makes 18 dollars",                              # no phrase: fallback none
+        "The answer is 1,018.\nBy the way 18",                  # the phrase's line only
+    ]
+    assert fn(completions, ["18"] * 5) == [1.0, 1.0, 0.0, 0.0, 0.0]
+    lenient = NumericCorrectness(answer_tag=None, answer_phrase="the answer is",
+                                 fallback="last_number")
+    assert lenient(["so she makes 18 dollars"], ["18"]) == [1.0]
+    with pytest.raises(ValueError, match="either answer_tag or answer_phrase"):
+        NumericCorrectness(answer_phrase="The answer is")  # answer_tag defaults to "answer"
+
+
+def test_answer_phrase_format():
+    from torchtune_grpo.rlhf.rewards import AnswerPhraseFormat
+
+    fn = AnswerPhraseFormat("The answer is")
+    completions = ["Steps.\nThe answer is 7.", "The answer is 7.\nMore text after it.",
+                   "Steps.\nthe answer is 7", "The answer is seven.", "no answer"]
+    assert fn(completions, [""] * 5, stopped=[True] * 5) == [1.0, 0.5, 1.0, 0.0, 0.0]
+    # cut off at the token limit: never full credit
+    assert fn(completions[:1], [""], stopped=[False]) == [0.5]
+    with pytest.raises(ValueError, match="non-empty"):
+        AnswerPhraseFormat("  ")

@@ -44,6 +44,7 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 __all__ = [
+    "AnswerPhraseFormat",
     "FormatReward",
     "NumericCorrectness",
     "OverlongPenalty",
@@ -51,6 +52,7 @@ __all__ = [
     "RewardOutput",
     "RewardSet",
     "build_reward_set",
+    "extract_after_phrase",
     "extract_tagged",
     "numbers_match",
     "parse_number",
@@ -255,6 +257,30 @@ def extract_tagged(text: str, tag: str) -> str | None:
     return head[opening.end() :].strip()
 
 
+def extract_after_phrase(text: str, phrase: str) -> str | None:
+    """The rest of the line after the last occurrence of ``phrase`` in ``text``.
+
+    For chat models asked to end with a sentence such as "The answer is 42." (``phrase="the
+    answer is"``). The phrase matches case-insensitively and literally.
+
+    Args:
+        text: any text.
+        phrase: the phrase that introduces the final answer.
+
+    Returns:
+        The text from the end of the last match to the end of its line, stripped (possibly
+        ``""``), or ``None`` when ``text`` does not contain ``phrase``.
+    """
+    if not isinstance(text, str) or not phrase:
+        return None
+    last = None
+    for last in _tag_regex(phrase).finditer(text):
+        pass
+    if last is None:
+        return None
+    return text[last.end() :].split("\n", 1)[0].strip()
+
+
 @functools.lru_cache(maxsize=64)
 def _tag_regex(literal: str) -> re.Pattern[str]:
     return re.compile(re.escape(literal), re.IGNORECASE)
@@ -298,27 +324,36 @@ class NumericCorrectness:
       content (see :func:`parse_number`) is the answer. A block without a number scores 0.
       If the completion has no complete block, ``fallback="last_number"`` uses the last number
       of the whole completion, and ``fallback="none"`` scores 0.
-    - ``answer_tag=None``: the last number of the whole completion.
+    - ``answer_phrase`` set (with ``answer_tag=None``), e.g. ``"The answer is"``: the last
+      number on the line after the phrase's last occurrence (see
+      :func:`extract_after_phrase`); without the phrase, ``fallback`` decides as above.
+    - both ``None``: the last number of the whole completion.
 
     Gold answers are parsed with :func:`parse_number` too, so ``"1,000"`` and ``"1000"`` are the
     same gold answer. A gold answer without any number raises ``ValueError`` (the dataset does
     not fit this component). Completions never make it raise.
 
     Args:
-        answer_tag: name of the tag holding the final answer, or ``None`` to read the last
-            number of the completion.
-        fallback: ``"none"`` or ``"last_number"``: what to do when ``answer_tag`` is set and a
-            completion has no complete answer block.
+        answer_tag: name of the tag holding the final answer, or ``None``.
+        fallback: ``"none"`` or ``"last_number"``: what to do when ``answer_tag`` (or
+            ``answer_phrase``) is set and a completion has no complete answer block (phrase).
         rel_tol: relative tolerance of the comparison (see :func:`numbers_match`).
+        answer_phrase: the phrase that introduces the final answer, for models asked to end
+            with a sentence instead of a tag; needs ``answer_tag: null``.
 
     Raises:
-        ValueError: on an unknown ``fallback`` or an empty ``answer_tag``.
+        ValueError: on an unknown ``fallback``, an empty ``answer_tag``, or both
+            ``answer_tag`` and ``answer_phrase`` set.
     """
 
     name = "correctness"
 
     def __init__(
-        self, answer_tag: str | None = "answer", fallback: str = "none", rel_tol: float = 1e-6
+        self,
+        answer_tag: str | None = "answer",
+        fallback: str = "none",
+        rel_tol: float = 1e-6,
+        answer_phrase: str | None = None,
     ) -> None:
         if fallback not in ("none", "last_number"):
             raise ValueError(
@@ -329,7 +364,18 @@ class NumericCorrectness:
                 "NumericCorrectness: answer_tag must be a non-empty tag name or None, "
                 f"got {answer_tag!r}"
             )
+        if answer_phrase is not None and answer_tag is not None:
+            raise ValueError(
+                "NumericCorrectness: set either answer_tag or answer_phrase, not both (got "
+                f"answer_tag={answer_tag!r}, answer_phrase={answer_phrase!r}); use "
+                "answer_tag: null with answer_phrase"
+            )
+        if answer_phrase is not None and (not isinstance(answer_phrase, str)
+                                          or not answer_phrase.strip()):
+            raise ValueError(f"NumericCorrectness: answer_phrase must be a non-empty string, "
+                             f"got {answer_phrase!r}")
         self.answer_tag = answer_tag
+        self.answer_phrase = answer_phrase
         self.fallback = fallback
         self.rel_tol = rel_tol
 
@@ -342,9 +388,12 @@ class NumericCorrectness:
         Returns:
             The extracted number, or ``None``.
         """
-        if self.answer_tag is None:
+        if self.answer_tag is not None:
+            content = extract_tagged(completion, self.answer_tag)
+        elif self.answer_phrase is not None:
+            content = extract_after_phrase(completion, self.answer_phrase)
+        else:
             return parse_number(completion)
-        content = extract_tagged(completion, self.answer_tag)
         if content is None:
             return parse_number(completion) if self.fallback == "last_number" else None
         return parse_number(content)
@@ -524,6 +573,71 @@ class FormatReward:
             ``N`` floats in ``{0.0, 0.5, 1.0}``.
         """
         return [self.score(c) for c in completions]
+
+
+class AnswerPhraseFormat:
+    """Reward for ending with a plain-text final-answer sentence ("The answer is 42.").
+
+    For chat models that are asked to finish with a phrase rather than tags (small instruct
+    models follow a sentence far more often than an XML layout). The rule:
+
+    - **1.0**: the last non-empty line of the completion contains ``phrase`` followed by a
+      number (see :func:`extract_after_phrase` and :func:`parse_number`), and the completion
+      ended on a stop token (it was not cut at ``max_generated_tokens``);
+    - **0.5**: ``phrase`` followed by a number appears somewhere (an earlier line, or a
+      completion that was cut off later);
+    - **0.0** otherwise.
+
+    Args:
+        phrase: the phrase, matched case-insensitively.
+
+    Raises:
+        ValueError: on an empty phrase.
+    """
+
+    name = "format"
+
+    def __init__(self, phrase: str = "The answer is") -> None:
+        if not isinstance(phrase, str) or not phrase.strip():
+            raise ValueError(f"AnswerPhraseFormat: phrase must be a non-empty string, "
+                             f"got {phrase!r}")
+        self.phrase = phrase
+
+    def score(self, completion: str, stopped: bool = True) -> float:
+        """Score one completion (see the class docstring).
+
+        Args:
+            completion: the generated text.
+            stopped: whether it ended on a stop token.
+
+        Returns:
+            1.0, 0.5 or 0.0.
+        """
+        after = extract_after_phrase(completion, self.phrase)
+        if after is None or parse_number(after) is None:
+            return 0.0
+        lines = [line for line in completion.splitlines() if line.strip()]
+        last = extract_after_phrase(lines[-1], self.phrase) if lines else None
+        if stopped and last is not None and parse_number(last) is not None:
+            return 1.0
+        return 0.5
+
+    def __call__(self, completions: list[str], answers: list[str],
+                 stopped: Sequence[bool] | None = None, **kwargs: Any) -> list[float]:
+        """Score a batch.
+
+        Args:
+            completions: ``N`` generated texts.
+            answers: ``N`` gold answers (unused).
+            stopped: ``N`` flags, True where the completion ended on a stop token (the
+                recipe passes them); ``None`` treats every completion as stopped.
+            **kwargs: ignored.
+
+        Returns:
+            ``N`` floats in ``{0.0, 0.5, 1.0}``.
+        """
+        flags = [True] * len(completions) if stopped is None else list(stopped)
+        return [self.score(c, bool(f)) for c, f in zip(completions, flags, strict=True)]
 
 
 # --------------------------------------------------------------------------------------------
