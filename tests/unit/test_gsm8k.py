@@ -310,3 +310,26 @@ def test_real_gsm8k_test_split_reference_solutions_score(tokenizer):
     assert not failing, f"gold completions scored 0 at rows {failing[:10]}"
     assert correctness(wrong_completions, answers) == [0.0] * len(ds)
     assert fmt(gold_completions, answers) == [1.0] * len(ds)
+
+
+def test_real_gsm8k_phrase_template_reference_solutions_score():
+    """The plain-text template of ``grpo/smollm2_gsm8k_cpu``: the gold solution written in its
+    layout scores 1 for correctness and format on every test row, gold + 1 scores 0."""
+    from torchtune_grpo.datasets import GSM8K_PHRASE_TEMPLATE as T
+    from torchtune_grpo.rlhf.rewards import AnswerPhraseFormat
+
+    if not REAL_GSM8K_TEST.exists():
+        pytest.skip(f"{REAL_GSM8K_TEST} not present")
+    rows = [json.loads(line) for line in REAL_GSM8K_TEST.read_text().splitlines()]
+    correctness = NumericCorrectness(answer_tag=None, answer_phrase=T.answer_phrase)
+    fmt = AnswerPhraseFormat(T.answer_phrase)
+    gold, wrong, answers = [], [], []
+    for row in rows:
+        reasoning, final = split_gsm8k_solution(row["answer"])
+        bad = str(int(final) + 1) if final.lstrip("-").isdigit() else f"{float(final) + 1}"
+        gold.append(format_reference_completion(T, reasoning, final))
+        wrong.append(format_reference_completion(T, reasoning, bad))
+        answers.append(final)
+    assert correctness(gold, answers) == [1.0] * len(rows)
+    assert correctness(wrong, answers) == [0.0] * len(rows)
+    assert fmt(gold, answers) == [1.0] * len(rows)

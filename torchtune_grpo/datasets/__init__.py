@@ -2,6 +2,7 @@
 
 from torchtune_grpo.datasets._loading import LOCAL_FORMATS, load_rows
 from torchtune_grpo.datasets._prompt import (
+    GSM8K_PHRASE_TEMPLATE,
     GSM8K_TEMPLATE,
     INVALID_ROW_POLICIES,
     PromptDataset,
@@ -34,6 +35,7 @@ __all__ = [
     "ADDITION_TEMPLATE",
     "addition_dataset",
     "addition_problems",
+    "GSM8K_PHRASE_TEMPLATE",
     "GSM8K_TEMPLATE",
     "INVALID_ROW_POLICIES",
     "LOCAL_FORMATS",

@@ -19,6 +19,7 @@ from torch.utils.data import Dataset
 from torchtune.data import Message
 
 __all__ = [
+    "GSM8K_PHRASE_TEMPLATE",
     "GSM8K_TEMPLATE",
     "INVALID_ROW_POLICIES",
     "PromptDataset",
@@ -47,9 +48,11 @@ class PromptTemplate:
         chat: use the tokenizer's chat format (``tokenize_messages``); ``False`` encodes
             ``system + "\\n\\n" + user + assistant_prefix`` as plain text.
         think_tag: name of the reasoning tag the template asks for, or ``None``.
-        answer_tag: name of the final-answer tag the template asks for, or ``None``. These two
-            only describe the format to :func:`format_reference_completion` and to the reward
-            components' configs; they do not change the prompt.
+        answer_tag: name of the final-answer tag the template asks for, or ``None``.
+        answer_phrase: the sentence start the template asks the final answer to follow (e.g.
+            ``"The answer is"``), or ``None``. ``think_tag``, ``answer_tag`` and
+            ``answer_phrase`` only describe the format to :func:`format_reference_completion`
+            and to the reward components' configs; they do not change the prompt.
     """
 
     user: str = "{question}"
@@ -58,6 +61,7 @@ class PromptTemplate:
     chat: bool = True
     think_tag: str | None = None
     answer_tag: str | None = None
+    answer_phrase: str | None = None
 
     def format_user(self, question: str) -> str:
         """The user message for ``question``.
@@ -89,6 +93,21 @@ GSM8K_TEMPLATE = PromptTemplate(
     chat=True,
     think_tag="think",
     answer_tag="answer",
+)
+
+
+#: A plain-text GSM8K template for small chat models, which follow a closing sentence far
+#: more often than an XML layout: the model's own chat template (and default system message),
+#: step-by-step reasoning, then "The answer is N." Score it with
+#: ``NumericCorrectness(answer_tag=None, answer_phrase="The answer is")`` and
+#: ``AnswerPhraseFormat("The answer is")`` (``grpo/smollm2_gsm8k_cpu``).
+GSM8K_PHRASE_TEMPLATE = PromptTemplate(
+    user=(
+        "{question}\n"
+        "Solve the problem step by step. At the end, write: The answer is <number>."
+    ),
+    chat=True,
+    answer_phrase="The answer is",
 )
 
 
@@ -228,8 +247,9 @@ def format_reference_completion(template: PromptTemplate, reasoning: str, final_
 
     With ``think_tag`` set, the reasoning goes inside the think block; its opening tag is
     omitted when ``assistant_prefix`` already ends with it (the prompt pre-fills it). With
-    ``answer_tag`` set, the final answer goes inside the answer block; without it the
-    completion ends with ``"The final answer is {final_answer}."``.
+    ``answer_tag`` set, the final answer goes inside the answer block; otherwise the
+    completion ends with ``"{answer_phrase} {final_answer}."`` (``answer_phrase`` defaulting
+    to ``"The final answer is"``).
 
     Args:
         template: the prompt template.
@@ -249,7 +269,7 @@ def format_reference_completion(template: PromptTemplate, reasoning: str, final_
     if template.answer_tag:
         tail = f"<{template.answer_tag}>{final_answer}</{template.answer_tag}>"
     else:
-        tail = f"The final answer is {final_answer}."
+        tail = f"{template.answer_phrase or 'The final answer is'} {final_answer}."
     return head + tail
 
 
