@@ -8,18 +8,45 @@ Usage::
 Writes ``eval_results.json`` and ``eval_samples.jsonl`` into ``checkpoint_dir`` (see
 :mod:`torchtune_grpo.evaluation`). With several processes the problems are split across ranks
 and gathered; rank 0 writes the files.
+
+While it runs, each rank appends every scored problem to
+``checkpoint_dir/eval_samples.rank{r}.partial.jsonl``; if anything fails after generation
+(a metric, serialising or writing the results) those files keep the finished samples and the
+error says where they are. They are removed once the final files are in place.
 """
+
+from pathlib import Path
 
 from omegaconf import DictConfig
 from torchtune import config, training, utils
 
 from torchtune_grpo import distributed as D
 from torchtune_grpo.config import EVAL_KEYS, parse, validate_config
-from torchtune_grpo.evaluation import EvalSettings, evaluate
+from torchtune_grpo.evaluation import EvalResult, EvalSettings, evaluate, partial_samples_path
 from torchtune_grpo.modeling import DTYPES, build_model, token_rules
 from torchtune_grpo.rlhf.rewards import build_reward_set
 
 log = utils.get_logger("INFO")
+
+
+def write_results(result: EvalResult, cfg: DictConfig) -> list[Path]:
+    """Write ``eval_results.json`` and ``eval_samples.jsonl`` into ``cfg.checkpoint_dir``.
+
+    Atomic per file; the partial sample files are removed only after both are in place.
+
+    Args:
+        result: what :func:`~torchtune_grpo.evaluation.evaluate` returned.
+        cfg: the eval config (``checkpoint_dir``, ``dataset``).
+
+    Returns:
+        ``[eval_results.json, eval_samples.jsonl]`` paths.
+    """
+    return result.write(
+        cfg.checkpoint_dir,
+        dataset=str(cfg.dataset.get("_component_")),
+        split=str(cfg.dataset.get("split", "")),
+        model_path=str(cfg.checkpoint_dir),
+    )
 
 
 @parse
@@ -51,18 +78,15 @@ def recipe_main(cfg: DictConfig) -> None:
         model, tokenizer, dataset, rewards, settings, device=device,
         logit_bias=rules.logit_bias, allowed_tokens=rules.allowed,
         stop_tokens=rules.stop_tokens, pad_id=rules.pad_id, cache_dtype=dtype,
-        progress=cfg.get("progress_bar", True),
+        progress=cfg.get("progress_bar", True), partial_dir=cfg.checkpoint_dir,
     )
     if rank == 0:
-        paths = result.write(
-            cfg.checkpoint_dir,
-            dataset=str(cfg.dataset.get("_component_")),
-            split=str(cfg.dataset.get("split", "")),
-            model_path=str(cfg.checkpoint_dir),
-        )
+        paths = write_results(result, cfg)  # on failure the partial files stay
         summary = ", ".join(f"{k}={v:.4f}" for k, v in result.metrics.items())
         log.info(f"{len(result.samples)} problems in {result.seconds:.1f}s: {summary}")
         log.info(f"wrote {paths[0]} and {paths[1]}")
+    D.barrier()  # the final files exist: every rank drops its own partial file
+    partial_samples_path(cfg.checkpoint_dir, rank).unlink(missing_ok=True)
     D.destroy()
 
 

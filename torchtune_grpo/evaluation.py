@@ -9,6 +9,13 @@ folder they describe:
 * ``eval_samples.jsonl``: one line per problem with its prompt, completions, extracted answers,
   gold answer and per-sample correctness.
 
+Finished work is never lost: given ``partial_dir``, :func:`evaluate` appends each problem's row
+to ``eval_samples.rank{r}.partial.jsonl`` (one file per rank, flushed) as soon as it is scored,
+so a crash later on (in a metric, in serialising the results, in writing them) leaves every
+completed sample on disk, and the error names those files. :meth:`EvalResult.write` replaces
+both result files atomically (temporary file, then rename) and only then removes the partial
+files.
+
 With several ranks the problems are split across ranks (each rank runs the same number of
 generation micro-batches, padding its share with a repeat that is then dropped, so FSDP's
 collectives stay in lockstep) and the results are gathered on every rank.
@@ -16,14 +23,16 @@ collectives stay in lockstep) and the results are gathered on every rank.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
+import os
 import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
@@ -32,10 +41,129 @@ from torch import nn
 from torchtune_grpo import distributed as D
 from torchtune_grpo.config import sampling_problems
 from torchtune_grpo.datasets import collate_prompts
-from torchtune_grpo.rlhf.generation import decode_completions, generate_trajectory, mix_seeds
+from torchtune_grpo.rlhf.generation import (
+    decode_completions,
+    generate_trajectory,
+    mix_seeds,
+    safe_decode,
+)
 
 RESULTS_FILE = "eval_results.json"
 SAMPLES_FILE = "eval_samples.jsonl"
+#: Per-rank file that :func:`evaluate` appends each scored problem to (``{rank}``: the rank).
+PARTIAL_SAMPLES_FILE = "eval_samples.rank{rank}.partial.jsonl"
+
+
+def partial_samples_path(directory: str | Path, rank: int) -> Path:
+    """Where rank ``rank`` appends its scored problems while evaluating into ``directory``."""
+    return Path(directory) / PARTIAL_SAMPLES_FILE.format(rank=rank)
+
+
+def _takes_keyword(fn: Any, name: str) -> bool:
+    """Whether ``fn``'s signature names the parameter ``name`` (``**kwargs`` does not count)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # builtins and other callables without a signature
+        return False
+    param = params.get(name)
+    return param is not None and param.kind in (
+        inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
+    )
+
+
+def decode_prompt(tokenizer: Any, token_ids: Sequence[int]) -> str:
+    """Text of a prompt, special tokens (chat headers, BOS) kept where the tokenizer can.
+
+    Tokenizers whose ``decode`` takes ``skip_special_tokens`` (torchtune's Llama 3 and Qwen 2
+    tokenizers) are asked to keep them; others (torchtune's ``HuggingFaceBaseTokenizer``, a
+    ``decode`` without keywords) decode as they do by default. Never raises: when decoding
+    fails (undefined ids, no ``decode`` at all) it falls back to
+    :func:`~torchtune_grpo.rlhf.generation.safe_decode`, which skips what it cannot decode.
+
+    Args:
+        tokenizer: any tokenizer of the project.
+        token_ids: ``[P]`` prompt ids.
+
+    Returns:
+        The decoded prompt ("" when nothing decodes).
+    """
+    ids = [int(i) for i in token_ids]
+    decode = getattr(tokenizer, "decode", None)
+    if decode is not None and _takes_keyword(decode, "skip_special_tokens"):
+
+        def keep_specials(some: list[int]) -> str:
+            text = decode(some, skip_special_tokens=False)
+            if not isinstance(text, str):
+                raise TypeError(f"decode returned {type(text).__name__}")
+            return text
+
+        try:
+            return keep_specials(ids)
+        except Exception:  # noqa: BLE001 - some id does not decode: drop those, keep the rest
+            pass
+        try:
+            return keep_specials([i for i in ids if _decodes_alone(keep_specials, i)])
+        except Exception:  # noqa: BLE001 - fall back to the decoder that never raises
+            pass
+    try:
+        return safe_decode(tokenizer, ids)
+    except Exception:  # noqa: BLE001 - a row without its prompt text beats a lost evaluation
+        return ""
+
+
+def _decodes_alone(decode: Any, token_id: int) -> bool:
+    """Whether ``decode([token_id])`` succeeds."""
+    try:
+        decode([token_id])
+        return True
+    except Exception:  # noqa: BLE001 - any failure means "not decodable"
+        return False
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with what JSON cannot hold made plain: tensors/arrays as lists, mapping keys
+    as strings, any other object as its ``str``."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if hasattr(value, "tolist"):
+        return _plain(value.tolist())
+    return str(value)
+
+
+class _PartialSamples:
+    """This rank's ``eval_samples.rank{r}.partial.jsonl``: one flushed line per scored problem.
+
+    Rows go through :func:`_plain` first (values JSON cannot hold become text), so a row that
+    breaks the final, strict ``eval_samples.jsonl`` still reaches this file.
+    """
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._file: IO[str] | None = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = path.open("w", encoding="utf-8")  # a rerun starts the file afresh
+
+    def append(self, row: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(_plain(row)) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _where_partial(paths: Sequence[Path]) -> str:
+    """The sentence an error ends with: where the completed samples are (or that none are)."""
+    if not paths:
+        return "no partial samples were kept (pass `partial_dir` to evaluate() to keep them)"
+    return "the completed samples are in " + ", ".join(str(p) for p in paths)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -114,12 +242,23 @@ class EvalSettings:
 
 @dataclass
 class EvalResult:
-    """Metrics (``pass@1``, ``pass@k``, ``maj@k``, ``reward/<name>``, ...) and per-problem rows."""
+    """Metrics (``pass@1``, ``pass@k``, ``maj@k``, ``reward/<name>``, ...) and per-problem rows.
+
+    Attributes:
+        metrics: metric name to value.
+        samples: one row per problem, in dataset order.
+        settings: the sampling settings used.
+        seconds: wall time of the evaluation.
+        partial_files: the per-rank ``eval_samples.rank{r}.partial.jsonl`` files holding the
+            same rows (empty when :func:`evaluate` ran without ``partial_dir``);
+            :meth:`write` removes them once the final files are in place.
+    """
 
     metrics: dict[str, float]
     samples: list[dict[str, Any]]
     settings: EvalSettings
     seconds: float
+    partial_files: list[Path] = field(default_factory=list)
 
     def summary(self, **info: Any) -> dict[str, Any]:
         """The ``eval_results.json`` payload; ``info`` adds dataset, split, model path..."""
@@ -134,21 +273,76 @@ class EvalResult:
         }
 
     def files(self, **info: Any) -> dict[str, str]:
-        """``{eval_results.json: ..., eval_samples.jsonl: ...}`` as text."""
-        return {
-            RESULTS_FILE: json.dumps(self.summary(**info), indent=2) + "\n",
-            SAMPLES_FILE: "".join(json.dumps(row) + "\n" for row in self.samples),
-        }
+        """``{eval_results.json: ..., eval_samples.jsonl: ...}`` as text.
+
+        Raises:
+            ValueError: a row or the summary holds a value JSON cannot represent; the message
+                names the row and where the partial samples are.
+        """
+        lines = []
+        for row in self.samples:
+            try:
+                lines.append(json.dumps(row) + "\n")
+            except (TypeError, ValueError) as exc:
+                raise ValueError(
+                    f"eval: the row of problem index={row.get('index')} "
+                    f"(position {row.get('position')}) cannot be written as JSON ({exc}); check "
+                    f"what the dataset and the rewards return; {_where_partial(self.partial_files)}"
+                ) from exc
+        try:
+            results = json.dumps(self.summary(**info), indent=2) + "\n"
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"eval: {RESULTS_FILE} cannot be written as JSON ({exc}); "
+                f"{_where_partial(self.partial_files)}"
+            ) from exc
+        return {RESULTS_FILE: results, SAMPLES_FILE: "".join(lines)}
 
     def write(self, directory: str | Path, **info: Any) -> list[Path]:
-        """Write ``eval_results.json`` and ``eval_samples.jsonl`` into ``directory``."""
+        """Write ``eval_results.json`` and ``eval_samples.jsonl`` into ``directory``, atomically.
+
+        Both texts are built first, written to temporary files in ``directory`` and renamed over
+        the final names (samples first, so a present ``eval_results.json`` always has its
+        samples); only then are :attr:`partial_files` removed. On any failure the partial files
+        stay and the error says where they are.
+
+        Args:
+            directory: the folder to write into (created if needed).
+            **info: extra fields of ``eval_results.json`` (dataset, split, model path...).
+
+        Returns:
+            ``[eval_results.json, eval_samples.jsonl]`` paths.
+        """
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        paths = []
-        for name, text in self.files(**info).items():
-            (directory / name).write_text(text)
-            paths.append(directory / name)
-        return paths
+        texts = self.files(**info)
+        written: dict[str, Path] = {}
+        temps: list[Path] = []
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            for name in (SAMPLES_FILE, RESULTS_FILE):
+                tmp = directory / f".{name}.{os.getpid()}.tmp"
+                temps.append(tmp)
+                with tmp.open("w", encoding="utf-8") as f:
+                    f.write(texts[name])
+                    f.flush()
+                    os.fsync(f.fileno())
+            for name, tmp in zip((SAMPLES_FILE, RESULTS_FILE), temps):
+                os.replace(tmp, directory / name)
+                written[name] = directory / name
+        except OSError as exc:
+            for tmp in temps:
+                tmp.unlink(missing_ok=True)
+            raise OSError(
+                f"eval: writing {RESULTS_FILE} / {SAMPLES_FILE} into {directory} failed ({exc}); "
+                f"{_where_partial(self.partial_files)}"
+            ) from exc
+        self.remove_partial_files()
+        return [written[RESULTS_FILE], written[SAMPLES_FILE]]
+
+    def remove_partial_files(self) -> None:
+        """Delete the per-rank partial sample files that this process can see."""
+        for path in self.partial_files:
+            path.unlink(missing_ok=True)
 
 
 @torch.no_grad()
@@ -166,6 +360,7 @@ def evaluate(
     pad_id: int,
     cache_dtype: torch.dtype | None = None,
     progress: bool = False,
+    partial_dir: str | Path | None = None,
 ) -> EvalResult:
     """Evaluate ``model`` on every problem of ``dataset`` (a :class:`PromptDataset`).
 
@@ -185,6 +380,14 @@ def evaluate(
         pad_id: padding id.
         cache_dtype: KV-cache dtype.
         progress: show a tqdm bar (rank 0).
+        partial_dir: when given, each rank appends every problem's row, as soon as it is
+            scored, to ``partial_dir/eval_samples.rank{r}.partial.jsonl`` (flushed), so a later
+            failure loses no finished work; :meth:`EvalResult.write` removes these files after
+            writing the final ones. ``None``: rows are kept in memory only.
+
+    Raises:
+        RuntimeError: computing the metrics failed; the message says where the partial
+            samples are.
     """
     from tqdm import tqdm
 
@@ -201,63 +404,120 @@ def evaluate(
     was_training = model.training
     model.eval()
     rows: list[dict[str, Any]] = []
+    partial_files = (
+        [partial_samples_path(partial_dir, r) for r in range(world)] if partial_dir else []
+    )
+    partial = _PartialSamples(partial_files[rank] if partial_files else None)
     bar = tqdm(total=per_rank, disable=not (progress and rank == 0), desc="eval")
-    for offset in range(0, per_rank, prompts_per_batch):
-        chunk = padded[offset : offset + prompts_per_batch]
-        items = [dataset[i] for i in chunk]
-        batch = collate_prompts(items, pad_id=pad_id)
-        tokens = batch["tokens"].to(device)
-        lengths = batch["prompt_lengths"].to(device)
-        prompt_mask = torch.arange(tokens.shape[1], device=device)[None, :] >= (
-            tokens.shape[1] - lengths[:, None]
-        )
-        traj = generate_trajectory(
-            model, tokens, prompt_mask, group_size=n,
-            forward_batch_size=min(settings.forward_batch_size, len(chunk) * n),
-            prompt_seeds=mix_seeds(settings.seed, batch["indices"]),
-            max_generated_tokens=settings.max_generated_tokens,
-            temperature=settings.temperature, top_k=settings.top_k, stop_tokens=stop_tokens,
-            pad_id=pad_id, logit_bias=logit_bias,
-            all_done=lambda done: D.all_ranks_true(done, device), cache_dtype=cache_dtype,
-        )
-        completions = decode_completions(tokenizer, traj, allowed_tokens)
-        answers = [a for a in batch["answers"] for _ in range(n)]
-        scored = rewards(
-            completions, answers,
-            questions=[q for q in batch["questions"] for _ in range(n)],
-            stopped=traj.stopped.tolist(), response_lengths=traj.response_lengths.tolist(),
-            max_generated_tokens=settings.max_generated_tokens,
-        )
-        for j, dataset_index in enumerate(chunk):
-            if offset + j >= len(mine):
-                continue  # lockstep padding
-            sl = slice(j * n, (j + 1) * n)
-            texts = completions[sl]
-            rows.append({
-                "index": int(batch["indices"][j]),
-                "position": dataset_index,
-                "question": batch["questions"][j],
-                "prompt": tokenizer.decode(items[j]["tokens"], skip_special_tokens=False)
-                if hasattr(tokenizer, "decode") else None,
-                "gold": batch["answers"][j],
-                "completions": texts,
-                "extracted": [_answer_key(extract, t) for t in texts],
-                "correct": [bool(x) for x in scored.success[sl].tolist()],
-                "rewards": {k: v[sl].tolist() for k, v in scored.components.items()},
-            })
-        bar.update(len(chunk))
-    bar.close()
-    if was_training:
-        model.train()
+    try:
+        for offset in range(0, per_rank, prompts_per_batch):
+            chunk = padded[offset : offset + prompts_per_batch]
+            rows.extend(_evaluate_chunk(
+                model, tokenizer, dataset, rewards, settings, chunk,
+                num_real=max(0, min(len(chunk), len(mine) - offset)), extract=extract,
+                partial=partial, device=device, logit_bias=logit_bias,
+                allowed_tokens=allowed_tokens, stop_tokens=stop_tokens, pad_id=pad_id,
+                cache_dtype=cache_dtype,
+            ))
+            bar.update(len(chunk))
+    finally:
+        partial.close()
+        bar.close()
+        if was_training:
+            model.train()
 
     if world > 1:
         gathered: list[list[dict]] = [None] * world  # type: ignore[list-item]
         dist.all_gather_object(gathered, rows)
         rows = [r for part in gathered for r in part]
     rows.sort(key=lambda r: r["position"])
-    metrics = _metrics(rows, settings)
+    try:
+        metrics = _metrics(rows, settings)
+    except Exception as exc:
+        raise RuntimeError(
+            f"eval: computing the metrics of {len(rows)} scored problems failed "
+            f"({type(exc).__name__}: {exc}); {_where_partial(partial_files)}"
+        ) from exc
     return EvalResult(metrics=metrics, samples=rows, settings=settings,
-                      seconds=time.perf_counter() - start)
+                      seconds=time.perf_counter() - start, partial_files=partial_files)
+
+
+def _evaluate_chunk(
+    model: nn.Module,
+    tokenizer: Any,
+    dataset: Any,
+    rewards: Any,
+    settings: EvalSettings,
+    chunk: list[int],
+    *,
+    num_real: int,
+    extract: Any,
+    partial: _PartialSamples,
+    device: torch.device,
+    logit_bias: torch.Tensor,
+    allowed_tokens: torch.Tensor,
+    stop_tokens: torch.Tensor,
+    pad_id: int,
+    cache_dtype: torch.dtype | None,
+) -> list[dict[str, Any]]:
+    """Generate, score and record one micro-batch of problems.
+
+    Args:
+        chunk: dataset positions of the micro-batch; only the first ``num_real`` are this
+            rank's problems, the rest repeat one to keep the ranks in lockstep.
+        num_real: how many of ``chunk`` to keep.
+        extract: the success reward's ``extract_answer`` (or None).
+        partial: where each kept row is appended as soon as it is scored.
+        (the other arguments as in :func:`evaluate`)
+
+    Returns:
+        The kept rows, in ``chunk`` order.
+    """
+    n = settings.num_samples
+    items = [dataset[i] for i in chunk]
+    batch = collate_prompts(items, pad_id=pad_id)
+    tokens = batch["tokens"].to(device)
+    lengths = batch["prompt_lengths"].to(device)
+    prompt_mask = torch.arange(tokens.shape[1], device=device)[None, :] >= (
+        tokens.shape[1] - lengths[:, None]
+    )
+    traj = generate_trajectory(
+        model, tokens, prompt_mask, group_size=n,
+        forward_batch_size=min(settings.forward_batch_size, len(chunk) * n),
+        prompt_seeds=mix_seeds(settings.seed, batch["indices"]),
+        max_generated_tokens=settings.max_generated_tokens,
+        temperature=settings.temperature, top_k=settings.top_k, stop_tokens=stop_tokens,
+        pad_id=pad_id, logit_bias=logit_bias,
+        all_done=lambda done: D.all_ranks_true(done, device), cache_dtype=cache_dtype,
+    )
+    completions = decode_completions(tokenizer, traj, allowed_tokens)
+    answers = [a for a in batch["answers"] for _ in range(n)]
+    scored = rewards(
+        completions, answers,
+        questions=[q for q in batch["questions"] for _ in range(n)],
+        stopped=traj.stopped.tolist(), response_lengths=traj.response_lengths.tolist(),
+        max_generated_tokens=settings.max_generated_tokens,
+    )
+    rows: list[dict[str, Any]] = []
+    for j, dataset_index in enumerate(chunk):
+        if j >= num_real:
+            break  # lockstep padding
+        sl = slice(j * n, (j + 1) * n)
+        texts = completions[sl]
+        row = {
+            "index": int(batch["indices"][j]),
+            "position": dataset_index,
+            "question": batch["questions"][j],
+            "prompt": decode_prompt(tokenizer, items[j]["tokens"]),
+            "gold": batch["answers"][j],
+            "completions": texts,
+            "extracted": [_answer_key(extract, t) for t in texts],
+            "correct": [bool(x) for x in scored.success[sl].tolist()],
+            "rewards": {k: v[sl].tolist() for k, v in scored.components.items()},
+        }
+        partial.append(row)
+        rows.append(row)
+    return rows
 
 
 def _metrics(rows: list[dict[str, Any]], settings: EvalSettings) -> dict[str, float]:

@@ -526,3 +526,35 @@ def test_real_greedy_generation_identical(real):
         b = real["ref"].generate(ids, **kwargs)[0, ids.shape[1]:]
     assert a.tolist() == b.tolist()
     assert len(real["tok"].decode(a, skip_special_tokens=True).strip()) > 0
+
+
+@pytest.mark.slow
+def test_real_torchtune_model_logits_match_gguf(real):
+    """The torchtune model that ``hf_model`` builds from the converted folder (weights loaded
+    by ``hf_checkpointer``, prompts rendered by ``hf_tokenizer`` with the model's own chat
+    template) gives transformers-from-GGUF's next-token logits within 1e-4."""
+    from torchtune import training
+
+    from torchtune_grpo.checkpointing import hf_checkpointer
+    from torchtune_grpo.datasets import GSM8K_PHRASE_TEMPLATE, tokenize_prompt
+    from torchtune_grpo.models import hf_model, hf_tokenizer
+
+    folder = str(real["folder"])
+    model = hf_model(folder, max_seq_len=512)
+    model.load_state_dict(hf_checkpointer(folder).load_checkpoint()[training.MODEL_KEY])
+    model.eval()
+    tok = hf_tokenizer(folder)
+    questions = ["Tom has 3 apples and buys 5 more. How many apples does he have?",
+                 "A train travels 60 km per hour for 2.5 hours. How far does it go?",
+                 "What is 12 * 7?"]
+    worst = 0.0
+    for q in questions:
+        ids = tokenize_prompt(tok, GSM8K_PHRASE_TEMPLATE, q)
+        tokens = torch.tensor([ids])
+        with torch.no_grad():
+            ours = model(tokens)[0, -1]
+            ref = real["ref"](tokens).logits[0, -1]
+        assert ref.std() > 1.0  # real logits, not a degenerate model
+        worst = max(worst, float((ours - ref).abs().max()))
+        assert int(ours.argmax()) == int(ref.argmax())
+    assert worst < 1e-4, worst
