@@ -10,13 +10,13 @@ Both variants compute ``sum(w * log p(target))`` for ``N * T`` response tokens w
 
 How memory is measured: each variant runs in its own fresh subprocess. After building the inputs
 and the projection, the worker reads its current resident set size (``/proc/self/statm``); after
-forward + backward it reads the process's peak resident set size (``ru_maxrss`` from
-``getrusage``, maintained by the kernel, so no short-lived peak is missed). The reported number
+forward + backward it reads the process's peak resident set size (``VmHWM`` from
+``/proc/self/status``, maintained by the kernel, so no short-lived peak is missed). The reported number
 is ``peak - resident before``: the extra memory forward + backward needed, including the weight's
 gradient. A separate process per variant keeps one variant's allocator caches and high-water
 mark from hiding the other's. ``torch.cuda`` memory stats do not exist on CPU, ``tracemalloc``
 does not see tensor storage and the profiler's memory view does not give a process-wide peak;
-``ru_maxrss`` does, at page granularity, which is plenty for gigabyte-sized tensors. The workers
+``VmHWM`` does, at page granularity, which is plenty for gigabyte-sized tensors. The workers
 run with ``MALLOC_MMAP_THRESHOLD_=65536``: glibc then serves every tensor above 64 KiB from its
 own mapping and unmaps it on free, so the resident size follows the live tensors (by default
 glibc raises that threshold at run time and keeps freed chunk-sized blocks resident, which
@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -56,8 +55,10 @@ def _rss_bytes() -> int:
 
 
 def _peak_rss_bytes() -> int:
-    """Peak resident set size of this process in bytes (``ru_maxrss`` is KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """Peak resident set size of this process in bytes (``VmHWM``)."""
+    from torchtune_grpo.memory import peak_rss_bytes
+
+    return peak_rss_bytes()
 
 
 def _mem_available_bytes() -> int | None:
@@ -230,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             "device": "cpu",
             "threads": args.threads,
         },
-        "method": "subprocess per variant; ru_maxrss after fwd+bwd minus RSS before",
+        "method": "subprocess per variant; VmHWM after fwd+bwd minus RSS before",
         "results": results,
         "ratio_chunked_over_naive": ratio,
         "target_ratio": args.target,

@@ -26,7 +26,7 @@ Variants, each in a fresh subprocess (so each has its own peak RSS):
 The step is split as the recipe times it: generation (rollout), scoring (decode + rewards +
 advantages), reference (log-probs of the frozen model) and update (forward + backward +
 optimizer step). The first step is a warm-up; the mean of the next ``--steps`` is reported.
-Peak memory is the process's peak resident set size (``ru_maxrss``) on CPU, or
+Peak memory is the process's peak resident set size (``VmHWM``, see ``torchtune_grpo.memory.peak_rss_bytes``) on CPU, or
 ``torch.cuda.max_memory_allocated`` on CUDA.
 
 External anchors (not measured here): torchtune's dev GRPO recipe at this shape was reported
@@ -46,7 +46,6 @@ import argparse
 import json
 import os
 import random
-import resource
 import subprocess
 import sys
 import tempfile
@@ -178,7 +177,9 @@ def _peak_bytes(device) -> int:
 
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    from torchtune_grpo.memory import peak_rss_bytes
+
+    return peak_rss_bytes()
 
 
 def worker(variant: str, workdir: Path, device: str, steps: int, new_tokens: int,

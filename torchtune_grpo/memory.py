@@ -404,10 +404,35 @@ def dump_json(estimates: list[MemoryEstimate], path: str) -> None:
 
 
 # ---------------------------------------------------------------------------- measurement
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process in bytes.
+
+    Reads ``VmHWM`` from ``/proc/self/status`` (Linux): the high-water mark of this process's
+    own address space. ``getrusage``'s ``ru_maxrss`` is not used where ``/proc`` exists because
+    Linux carries it across ``fork``/``exec``: a child started by a large parent (a test
+    session that has loaded a model) reports the parent's peak as its own. Elsewhere it falls
+    back to ``ru_maxrss`` (KiB on Linux, bytes on macOS).
+    """
+    import sys
+
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
 _CHILD = """
 import json, resource, sys
 import torch
 from torchtune_grpo.config import load_config
+from torchtune_grpo.memory import peak_rss_bytes
 from torchtune_grpo.recipe import GRPORecipe
 
 def rss():
@@ -421,7 +446,7 @@ base = rss()
 recipe = GRPORecipe(cfg)
 recipe.setup()
 recipe.train()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = peak_rss_bytes()
 print('RESULT ' + json.dumps({'baseline': base, 'peak': peak}))
 """
 
@@ -431,7 +456,7 @@ def measure_peak_memory(config: str, overrides: list[str], *, threads: int = 1,
     """Run the recipe in a fresh CPU process; return its peak RSS increase over the baseline.
 
     The baseline is the resident memory after the imports (Python, torch, torchtune); the peak
-    is ``ru_maxrss``. ``MALLOC_MMAP_THRESHOLD_`` makes glibc give large blocks back to the
+    is :func:`peak_rss_bytes`. ``MALLOC_MMAP_THRESHOLD_`` makes glibc give large blocks back to the
     system when freed, so the peak measures live tensors rather than the allocator's habits.
 
     Args:

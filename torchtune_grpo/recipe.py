@@ -79,13 +79,14 @@ def peak_memory_gib(device: torch.device) -> float:
     """Peak memory of this rank since the start, in GiB.
 
     CUDA: ``torch.cuda.max_memory_allocated`` (tensors only). CPU: the process's peak resident
-    set size (``ru_maxrss``; Python, libraries and data included), the only peak the OS keeps.
+    set size (:func:`~torchtune_grpo.memory.peak_rss_bytes`; Python, libraries and data
+    included), the only peak the OS keeps.
     """
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1024**3
-    import resource
+    from torchtune_grpo.memory import peak_rss_bytes
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1024**3
+    return peak_rss_bytes() / 1024**3
 
 
 def split_batch(batch: dict[str, Any], chunks: int) -> list[dict[str, Any]]:

@@ -191,3 +191,26 @@ def test_estimate_matches_measured_cpu_peak_within_25_percent():
     rows = bench.validate(names, threads=2)
     for row in rows:
         assert 0.75 <= row["ratio"] <= 1.25, row
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_child_peak_is_its_own_not_the_parents():
+    """A child process started by a large parent reports its own peak, not the parent's.
+
+    Linux carries ``ru_maxrss`` across fork/exec, so after a test has loaded a model, a
+    measurement child read the pytest process's peak (3.4 GB for a 0.7 GB run).
+    """
+    import subprocess
+    import sys
+
+    import torch
+
+    ballast = torch.ones(1024**3 // 4)  # 1 GiB resident in this process
+    assert ballast.sum() > 0
+    code = "from torchtune_grpo.memory import peak_rss_bytes; print(peak_rss_bytes())"
+    child = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               check=True).stdout.split()[-1])
+    from torchtune_grpo.memory import peak_rss_bytes
+
+    assert peak_rss_bytes() > 1024**3
+    assert child < 700 * 1024**2, child  # torch alone: ~250 MB
