@@ -5,14 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from torchtune_grpo.datasets._loading import load_rows
-from torchtune_grpo.datasets._prompt import (
-    GSM8K_TEMPLATE,
-    INVALID_ROW_POLICIES,
-    PromptDataset,
-    PromptTemplate,
-    resolve_template,
-)
+from torchtune_grpo.datasets._builder import InvalidRow, build_prompt_dataset, required_text
+from torchtune_grpo.datasets._prompt import GSM8K_TEMPLATE, PromptDataset, PromptTemplate
 
 __all__ = ["extract_gsm8k_answer", "gsm8k_dataset", "split_gsm8k_solution"]
 
@@ -52,19 +46,18 @@ def extract_gsm8k_answer(solution: str) -> str | None:
     return None if parts is None else parts[1]
 
 
-def _row_problem(row: Mapping[str, Any]) -> tuple[str, str] | None:
-    """``(field, what is wrong)`` for an invalid row, or ``None`` for a valid one."""
-    for key in ("question", "answer"):
-        value = row.get(key)
-        if value is None:
-            return key, "is missing"
-        if not isinstance(value, str):
-            return key, f"is a {type(value).__name__}, not a string"
-        if not value.strip():
-            return key, "is empty"
-    if extract_gsm8k_answer(row["answer"]) is None:
-        return "answer", "has no final answer after '####'"
-    return None
+def _read_row(row: Mapping[str, Any]) -> tuple[str, str]:
+    """``(question, gold final answer)`` of a GSM8K row.
+
+    Raises:
+        InvalidRow: on a missing, empty or non-string ``question``/``answer``, or an ``answer``
+            without a final answer after ``####``.
+    """
+    question = required_text(row, "question")
+    answer = extract_gsm8k_answer(required_text(row, "answer"))
+    if answer is None:
+        raise InvalidRow("answer", "has no final answer after '####'")
+    return question, answer
 
 
 def gsm8k_dataset(
@@ -114,33 +107,17 @@ def gsm8k_dataset(
             the row index and the field), an unknown ``invalid_rows``, or no usable row.
         FileNotFoundError: when a local source does not exist.
     """
-    if invalid_rows not in INVALID_ROW_POLICIES:
-        raise ValueError(
-            f"gsm8k_dataset: invalid_rows must be one of {INVALID_ROW_POLICIES}, "
-            f"got {invalid_rows!r}"
-        )
-    template = resolve_template(template, default=GSM8K_TEMPLATE)
-    rows = load_rows(source, data_files=data_files, split=split, name=name, **load_kwargs)
-    samples: list[tuple[str, str, int]] = []
-    skipped = 0
-    for index, row in enumerate(rows):
-        problem = _row_problem(row)
-        if problem is not None:
-            if invalid_rows == "skip":
-                skipped += 1
-                continue
-            key, what = problem
-            raise ValueError(
-                f"gsm8k_dataset ({source}, split {split!r}): row {index} field {key!r} {what}. "
-                "Fix the data, or set invalid_rows=skip to drop such rows."
-            )
-        samples.append((row["question"], extract_gsm8k_answer(row["answer"]), index))
-    return PromptDataset(
-        samples,
+    return build_prompt_dataset(
         tokenizer,
-        template,
+        builder="gsm8k_dataset",
+        read_row=_read_row,
+        default_template=GSM8K_TEMPLATE,
+        source=source,
+        split=split,
+        data_files=data_files,
+        name=name,
+        template=template,
         max_prompt_tokens=max_prompt_tokens,
         invalid_rows=invalid_rows,
-        skipped_rows=skipped,
-        name=f"gsm8k_dataset ({source}, split {split!r})",
+        load_kwargs=load_kwargs,
     )

@@ -12,16 +12,12 @@ in ``\\boxed{}``; :func:`format_boxed_completion` writes a gold completion in th
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any
 
-from torchtune_grpo.datasets._loading import load_rows
-from torchtune_grpo.datasets._prompt import (
-    INVALID_ROW_POLICIES,
-    PromptDataset,
-    PromptTemplate,
-    resolve_template,
-)
+from torchtune_grpo.datasets._builder import InvalidRow, build_prompt_dataset, required_text
+from torchtune_grpo.datasets._prompt import PromptDataset, PromptTemplate
 from torchtune_grpo.rlhf.math_grading import extract_boxed
 
 __all__ = [
@@ -96,72 +92,63 @@ def math_gold_answer(row: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _row_problem(row: Mapping[str, Any]) -> tuple[str, str] | None:
-    """``(field, what is wrong)`` for an invalid row, or ``None`` for a valid one."""
-    problem = row.get("problem")
-    if problem is None:
-        return "problem", "is missing"
-    if not isinstance(problem, str):
-        return "problem", f"is a {type(problem).__name__}, not a string"
-    if not problem.strip():
-        return "problem", "is empty"
+def _read_row(row: Mapping[str, Any]) -> tuple[str, str]:
+    """``(problem, gold answer)`` of a MATH/DeepScaleR row (gold answer: :func:`math_gold_answer`).
+
+    Raises:
+        InvalidRow: on a missing, empty or non-string ``problem``, an ``answer`` that is neither
+            a string nor an integer, or a row that gives no gold answer (naming the field that
+            should have given it).
+    """
+    problem = required_text(row, "problem")
     answer = row.get("answer")
-    if answer is not None:
-        if isinstance(answer, bool) or not isinstance(answer, str | int):
-            return "answer", f"is a {type(answer).__name__}, not a string"
-        if isinstance(answer, int) or answer.strip():
-            return None
+    if answer is not None and (isinstance(answer, bool) or not isinstance(answer, str | int)):
+        raise InvalidRow("answer", f"is a {type(answer).__name__}, not a string")
+    gold = math_gold_answer(row)
+    if gold is not None:
+        return problem, gold
     solution = row.get("solution")
     if solution is None:
         if answer is not None:
-            return "answer", "is empty and there is no 'solution' to take a \\boxed{} answer from"
-        return "answer", "is missing and there is no 'solution' either"
+            raise InvalidRow(
+                "answer", "is empty and there is no 'solution' to take a \\boxed{} answer from"
+            )
+        raise InvalidRow("answer", "is missing and there is no 'solution' either")
     if not isinstance(solution, str):
-        return "solution", f"is a {type(solution).__name__}, not a string"
-    if not extract_boxed(solution):
-        return "solution", "has no \\boxed{...} final answer (and there is no 'answer' field)"
-    return None
+        raise InvalidRow("solution", f"is a {type(solution).__name__}, not a string")
+    raise InvalidRow(
+        "solution", "has no \\boxed{...} final answer (and there is no 'answer' field)"
+    )
 
 
-def _samples(
-    parts: Iterable[tuple[str, Any]],
-    *,
-    where: str,
-    invalid_rows: str,
-) -> tuple[list[tuple[str, str, int]], int]:
-    """``(question, gold, index)`` triples of rows from several parts, and the skipped count.
+def _subjects(
+    name: str | Sequence[str] | None, *, source: str, data_files: Any
+) -> list[str | None]:
+    """The configurations ``math_dataset`` loads for its ``name`` argument, in order.
 
-    ``parts`` are ``(label, rows)``; ``index`` counts rows across parts, and error messages name
-    the part label and the row's index within it.
+    Args:
+        name: one subject, a list of subjects, or ``None``.
+        source: the dataset source.
+        data_files: the local file(s), if any.
+
+    Returns:
+        ``name`` as a list; for ``None``, every subject in :data:`MATH_SUBJECTS` when loading
+        ``EleutherAI/hendrycks_math`` from the Hub, else ``[None]`` (no configuration).
+
+    Raises:
+        ValueError: on an empty list or a list with a non-string or empty entry.
     """
-    samples: list[tuple[str, str, int]] = []
-    skipped = 0
-    offset = 0
-    for label, rows in parts:
-        count = 0
-        for local, row in enumerate(rows):
-            count += 1
-            problem = _row_problem(row)
-            if problem is not None:
-                if invalid_rows == "skip":
-                    skipped += 1
-                    continue
-                key, what = problem
-                part = f"{label} " if label else ""
-                raise ValueError(
-                    f"{where}: {part}row {local} field {key!r} {what}. Fix the data, or set "
-                    "invalid_rows=skip to drop such rows."
-                )
-            samples.append((row["problem"], math_gold_answer(row), offset + local))
-        offset += count
-    return samples, skipped
-
-
-def _check_policy(fn: str, invalid_rows: str) -> None:
-    if invalid_rows not in INVALID_ROW_POLICIES:
+    if name is None and source == _HENDRYCKS_MATH and data_files is None:
+        return list(MATH_SUBJECTS)
+    if name is None or isinstance(name, str):
+        return [name]
+    names = list(name)
+    if not names or not all(isinstance(n, str) and n for n in names):
         raise ValueError(
-            f"{fn}: invalid_rows must be one of {INVALID_ROW_POLICIES}, got {invalid_rows!r}"
+            f"math_dataset: name must be a subject, a non-empty list of subjects or null, "
+            f"got {name!r}"
         )
+    return names
 
 
 def math_dataset(
@@ -217,37 +204,20 @@ def math_dataset(
             empty ``name`` list, or no usable row.
         FileNotFoundError: when a local source does not exist.
     """
-    _check_policy("math_dataset", invalid_rows)
-    template = resolve_template(template, default=MATH_TEMPLATE)
-    if name is None and source == _HENDRYCKS_MATH and data_files is None:
-        names: list[str | None] = list(MATH_SUBJECTS)
-    elif name is None or isinstance(name, str):
-        names = [name]
-    else:
-        names = list(name)
-        if not names or not all(isinstance(n, str) and n for n in names):
-            raise ValueError(
-                f"math_dataset: name must be a subject, a non-empty list of subjects or null, "
-                f"got {name!r}"
-            )
-    where = f"math_dataset ({source}, split {split!r})"
-    parts = (
-        (
-            n if len(names) > 1 else "",
-            load_rows(source, data_files=data_files, split=split, name=n, **load_kwargs),
-        )
-        for n in names
-    )
-    samples, skipped = _samples(parts, where=where, invalid_rows=invalid_rows)
-    label = f"{source}/{'+'.join(names)}" if names != [None] else source
-    return PromptDataset(
-        samples,
+    return build_prompt_dataset(
         tokenizer,
-        template,
+        builder="math_dataset",
+        read_row=_read_row,
+        default_template=MATH_TEMPLATE,
+        source=source,
+        split=split,
+        data_files=data_files,
+        name=name,
+        configurations=partial(_subjects, source=source, data_files=data_files),
+        template=template,
         max_prompt_tokens=max_prompt_tokens,
         invalid_rows=invalid_rows,
-        skipped_rows=skipped,
-        name=f"math_dataset ({label}, split {split!r})",
+        load_kwargs=load_kwargs,
     )
 
 
@@ -286,17 +256,16 @@ def deepscaler_dataset(
             the row index and the field), an unknown ``invalid_rows``, or no usable row.
         FileNotFoundError: when a local source does not exist.
     """
-    _check_policy("deepscaler_dataset", invalid_rows)
-    template = resolve_template(template, default=MATH_TEMPLATE)
-    where = f"deepscaler_dataset ({source}, split {split!r})"
-    rows = load_rows(source, data_files=data_files, split=split, **load_kwargs)
-    samples, skipped = _samples([("", rows)], where=where, invalid_rows=invalid_rows)
-    return PromptDataset(
-        samples,
+    return build_prompt_dataset(
         tokenizer,
-        template,
+        builder="deepscaler_dataset",
+        read_row=_read_row,
+        default_template=MATH_TEMPLATE,
+        source=source,
+        split=split,
+        data_files=data_files,
+        template=template,
         max_prompt_tokens=max_prompt_tokens,
         invalid_rows=invalid_rows,
-        skipped_rows=skipped,
-        name=where,
+        load_kwargs=load_kwargs,
     )
