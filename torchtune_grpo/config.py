@@ -314,8 +314,24 @@ def import_component(path: str, where: str) -> Any:
     return getattr(module, attr)
 
 
-#: Keys of a config entry consumed by the recipe, not passed to the component.
-_ENTRY_KEYS = {"_component_", "weight", "name", "success", "success_threshold", "on_error"}
+def _consumed_keys(node: Any, where: str, errors: list[str]) -> frozenset[str]:
+    """Keys of a component node that are not arguments of the component.
+
+    ``_component_``; on a ``rewards`` entry also the reward-set keys (``weight``, ``success``,
+    ...), whose values :func:`~torchtune_grpo.rlhf.reward_set.check_reward_entry` checks here
+    (problems are appended to ``errors``; values still holding ``${...}`` are left alone).
+    """
+    head, _, index = where.partition("[")
+    if head != "rewards" or not index.endswith("]") or not index[:-1].isdigit():
+        return frozenset({"_component_"})
+    from torchtune_grpo.rlhf.reward_set import REWARD_ENTRY_KEYS, check_reward_entry
+
+    resolved = {k: v for k, v in node.items() if not (isinstance(v, str) and "${" in v)}
+    try:
+        check_reward_entry(resolved, f"{where} ({node['_component_']})")
+    except ValueError as e:
+        errors.append(str(e))
+    return REWARD_ENTRY_KEYS
 
 
 def _component_params(obj: Any) -> tuple[set[str], bool] | None:
@@ -341,6 +357,7 @@ def _check_components(node: Any, where: str, errors: list[str],
             except ValueError as e:
                 errors.append(str(e))
                 obj = None
+            consumed = _consumed_keys(node, where, errors)
             info = _component_params(obj) if obj is not None else None
             if info is not None:
                 names, takes_kwargs = info
@@ -348,7 +365,7 @@ def _check_components(node: Any, where: str, errors: list[str],
                     params_out[where] = names
                 if not takes_kwargs:
                     for key in node:
-                        if key in _ENTRY_KEYS or key in names:
+                        if key in consumed or key in names:
                             continue
                         close = difflib.get_close_matches(str(key), sorted(names), n=1)
                         hint = f" Did you mean {where}.{close[0]}?" if close else ""

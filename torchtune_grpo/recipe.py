@@ -59,7 +59,7 @@ from torchtune_grpo.rlhf.generation import (
 )
 from torchtune_grpo.rlhf.logprobs import auto_chunk_size
 from torchtune_grpo.rlhf.loss import summarize_loss_stats
-from torchtune_grpo.rlhf.rewards import RewardOutput, build_reward_set
+from torchtune_grpo.rlhf.reward_set import RewardOutput, build_reward_set
 from torchtune_grpo.rlhf.trajectory import (
     Trajectory,
     attention_mask,

@@ -20,7 +20,7 @@ from torchtune_grpo.datasets import (
     math_gold_answer,
     tokenize_prompt,
 )
-from torchtune_grpo.rlhf.math_grading import extract_boxed
+from torchtune_grpo.rlhf.answers import extract_boxed
 from torchtune_grpo.tiny import tiny_tokenizer
 
 MATH_ROWS = [

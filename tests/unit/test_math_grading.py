@@ -16,12 +16,9 @@ from hypothesis import strategies as st
 
 from tests.conftest import shared_data
 from torchtune_grpo.datasets import format_boxed_completion, math_gold_answer
-from torchtune_grpo.rlhf.math_grading import (
-    MathEquivalence,
-    extract_boxed,
-    normalize_answer,
-)
-from torchtune_grpo.rlhf.rewards import build_reward_set
+from torchtune_grpo.rlhf.answers import extract_boxed
+from torchtune_grpo.rlhf.math_grading import MathEquivalence, normalize_answer
+from torchtune_grpo.rlhf.reward_set import build_reward_set
 
 pytest.importorskip("math_verify")
 

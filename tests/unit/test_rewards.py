@@ -1,4 +1,5 @@
-"""Tests of torchtune_grpo.rlhf.rewards: answer parsing, shipped components, RewardSet."""
+"""Tests of answer parsing (rlhf.answers), the shipped components (rlhf.rewards), RewardSet
+(rlhf.reward_set)."""
 
 from __future__ import annotations
 
@@ -13,16 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from torchtune_grpo.rlhf.rewards import (
-    FormatReward,
-    NumericCorrectness,
-    RewardEntry,
-    RewardSet,
-    build_reward_set,
-    extract_tagged,
-    numbers_match,
-    parse_number,
-)
+from torchtune_grpo.rlhf.answers import extract_tagged, numbers_match, parse_number
+from torchtune_grpo.rlhf.reward_set import RewardEntry, RewardSet, build_reward_set
+from torchtune_grpo.rlhf.rewards import FormatReward, NumericCorrectness
 
 # ------------------------------------------------------------------ user-defined components
 # Plugged in below purely by their `_component_` path, as a user's own module would be.
@@ -452,6 +446,37 @@ def test_kwargs_are_passed_through():
 def test_build_errors(entries, match):
     with pytest.raises(ValueError, match=match):
         build_reward_set(_cfg(entries) if entries else entries)
+
+
+def test_reward_entry_keys_are_checked_in_one_place():
+    """build_reward_set, RewardSet and validate_config all go through check_reward_entry."""
+    from torchtune_grpo.config import ConfigError, load_config, validate_config
+    from torchtune_grpo.rlhf.reward_set import REWARD_ENTRY_KEYS, check_reward_entry
+
+    assert REWARD_ENTRY_KEYS == {
+        "_component_", "weight", "name", "success", "success_threshold", "on_error"
+    }
+    options, arguments = check_reward_entry(
+        {"_component_": CORRECT, "weight": 2, "answer_tag": None}, "rewards[0]"
+    )
+    assert options == {"weight": 2.0, "name": None, "success": None,
+                       "success_threshold": None, "on_error": "raise"}
+    assert arguments == {"answer_tag": None}
+    with pytest.raises(ValueError, match=r"rewards\[0\] \(a\): `weight` must be finite"):
+        RewardSet([RewardEntry("a", FormatReward(), float("nan"))])
+    with pytest.raises(ValueError, match=r"rewards\[0\] \(a\): `on_error`"):
+        RewardSet([RewardEntry("a", FormatReward(), on_error="ignore")])
+
+    cfg = load_config("grpo/quickstart_cpu")
+    cfg.rewards[0].on_error = "ignore"
+    cfg.rewards[0].name = "right"  # a reward-set key, not an argument of the component
+    cfg.loss.weight = 1.0  # reward-set keys belong to reward entries only
+    with pytest.raises(ConfigError) as info:
+        validate_config(cfg)
+    message = str(info.value)
+    assert f"rewards[0] ({CORRECT}): `on_error` must be 'raise' or 'zero'" in message
+    assert "loss.weight" in message
+    assert "rewards[0].name" not in message
 
 
 @pytest.mark.parametrize(

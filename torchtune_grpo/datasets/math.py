@@ -18,7 +18,7 @@ from typing import Any
 
 from torchtune_grpo.datasets._builder import InvalidRow, build_prompt_dataset, required_text
 from torchtune_grpo.datasets._prompt import PromptDataset, PromptTemplate
-from torchtune_grpo.rlhf.math_grading import extract_boxed
+from torchtune_grpo.rlhf.answers import extract_boxed
 
 __all__ = [
     "MATH_SUBJECTS",

@@ -16,8 +16,9 @@ takes longer than ``timeout_s`` plus a short grace period; the pair scores 0 and
 is started. Inside the worker, a ``SIGALRM`` timer at ``timeout_s`` stops Python-level work
 early so that most slow pairs do not cost a restart.
 
-This module imports only the standard library at import time (``math_verify`` is imported in
-the worker), so the worker starts without importing torch.
+This module imports only the standard library and :mod:`torchtune_grpo.rlhf.answers` (itself
+standard library only) at import time (``math_verify`` is imported in the worker), so the
+worker starts without importing torch.
 """
 
 from __future__ import annotations
@@ -39,9 +40,13 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+# Answer extraction is shared with the training rewards (answers.py imports only the standard
+# library, so the worker, which runs this file, imports it without torch).
+from torchtune_grpo.rlhf.answers import extract_boxed as extract_boxed
+from torchtune_grpo.rlhf.answers import last_number
+
 __all__ = [
     "MathEquivalence",
-    "extract_boxed",
     "grade_answer",
     "normalize_answer",
 ]
@@ -58,60 +63,13 @@ _KILL_GRACE_S = 0.5
 logger = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------------------------
-# Answer extraction (pure text, linear time)
+# Answer extraction (pure text, linear time; boxes and numbers: torchtune_grpo.rlhf.answers)
 # --------------------------------------------------------------------------------------------
-
-# Tokens of the brace scan: an escaped backslash (LaTeX line break), an escaped brace
-# (``\{``, ``\}``: literal set braces, not grouping), ``\boxed{`` / ``\fbox{`` (opening a box),
-# ``\boxed 5`` (a box without braces), or a plain brace. Every alternative starts with a
-# literal character and has no nested quantifier, so scanning is linear in the text length.
-_BOX_SCAN_RE = re.compile(
-    r"\\\\"
-    r"|\\[{}]"
-    r"|\\(?:boxed|fbox)[ \t]*\{"
-    r"|\\boxed[ \t]+(?P<bare>[^\s{}$\\]+)"
-    r"|[{}]"
-)
-
-
-def extract_boxed(text: str) -> str | None:
-    """Content of the last complete ``\\boxed{...}`` (or ``\\fbox{...}``) of ``text``.
-
-    Braces are balanced (``\\boxed{\\frac{1}{2}}`` gives ``\\frac{1}{2}``); escaped braces
-    ``\\{``/``\\}`` are literal characters, so ``\\boxed{\\{1,2\\}}`` gives ``\\{1,2\\}``. "Last"
-    means the box that closes last; an unclosed trailing ``\\boxed{`` (a truncated completion)
-    is ignored. The brace-less form ``\\boxed 5`` counts too. Runs in time linear in the text.
-
-    Args:
-        text: any text.
-
-    Returns:
-        The box content, stripped (possibly ``""``), or ``None`` when there is no complete box.
-    """
-    if not isinstance(text, str) or "box" not in text:
-        return None
-    stack: list[int | None] = []  # content start of an open box, None for a plain brace
-    best: tuple[int, str] | None = None  # (end position, content)
-    for match in _BOX_SCAN_RE.finditer(text):
-        token = match.group()
-        if match.group("bare") is not None:
-            best = (match.end(), match.group("bare"))
-        elif token == "}":
-            if stack:
-                start = stack.pop()
-                if start is not None:
-                    best = (match.end(), text[start : match.start()])
-        elif token.endswith("{") and not token.startswith("\\{"):
-            stack.append(match.end() if token != "{" else None)
-    return None if best is None else best[1].strip()
-
 
 # The last math block: $...$, $$...$$, \(...\) or \[...\] (contents without the delimiters).
 _MATH_BLOCK_RE = re.compile(
     r"\$\$(?P<dd>[^$]+)\$\$|\$(?P<d>[^$]+)\$|\\\((?P<p>.*?)\\\)|\\\[(?P<b>.*?)\\\]", re.DOTALL
 )
-# A number: optional sign, digits with optional thousands commas and decimals, or a fraction.
-_NUMBER_RE = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?(?:/[0-9]+)?|-?\.[0-9]+")
 
 
 def _last_math(text: str) -> str | None:
@@ -123,16 +81,6 @@ def _last_math(text: str) -> str | None:
         return None
     content = next(g for g in last.groups() if g is not None).strip()
     return content or None
-
-
-def _last_number(text: str) -> str | None:
-    """The last number written in ``text`` (commas removed, trailing period dropped)."""
-    last = None
-    for match in _NUMBER_RE.finditer(text):
-        last = match
-    if last is None:
-        return None
-    return last.group().replace(",", "") or None
 
 
 _SPACING_RE = re.compile(r"\\[,;:! ]|\\left|\\right|\s+")
@@ -318,9 +266,12 @@ def _worker_main() -> None:
             send({"ok": ok, "status": status})
 
 
-# The worker runs this file's code without importing the package (no torch in the worker).
+# The worker runs this file's code without importing the package's heavy modules (no torch in
+# the worker); the folder holding the package goes first on sys.path so that this file's import
+# of torchtune_grpo.rlhf.answers finds the same copy as the parent's.
 _WORKER_CODE = (
     "import importlib.util, sys\n"
+    "sys.path.insert(0, {root!r})\n"
     "spec = importlib.util.spec_from_file_location('_tg_math_grading_worker', {path!r})\n"
     "module = importlib.util.module_from_spec(spec)\n"
     "spec.loader.exec_module(module)\n"
@@ -348,7 +299,9 @@ class _Worker:
     """One grading subprocess and its line-based pipe protocol."""
 
     def __init__(self, options: dict[str, Any]) -> None:
-        code = _WORKER_CODE.format(path=os.path.abspath(__file__))
+        path = os.path.abspath(__file__)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(path)))
+        code = _WORKER_CODE.format(path=path, root=root)
         self.proc = subprocess.Popen(
             [sys.executable, "-c", code, json.dumps(options)],
             stdin=subprocess.PIPE,
@@ -419,12 +372,13 @@ class MathEquivalence:
     """Correctness by mathematical equivalence: 1.0 when the boxed answer equals the gold one.
 
     The predicted answer is the content of the completion's last ``\\boxed{...}`` (see
-    :func:`extract_boxed`). Without a box, ``fallback`` decides: ``"none"`` scores 0,
+    :func:`.extract_boxed`). Without a box, ``fallback`` decides: ``"none"`` scores 0,
     ``"last_math"`` takes the last ``$...$``/``\\(...\\)``/``\\[...\\]`` block, ``"last_number"``
-    the last number of the text. The prediction and the gold answer are compared by
-    ``math-verify`` (see :func:`grade_answer`), so equivalent forms agree: fractions and
-    decimals, ``\\dfrac``/``\\frac``, intervals, sets and tuples, radicals, ``x = 5`` and ``5``,
-    degrees and percent signs, ``\\text{...}`` answers.
+    the last number of the text as the training rewards read it (:func:`.last_number`: ``10-3``
+    ends with 3, ``1,234`` is 1234, ``-\\frac{1}{2}`` is -1/2). The prediction and the gold
+    answer are compared by ``math-verify`` (see :func:`grade_answer`), so equivalent forms
+    agree: fractions and decimals, ``\\dfrac``/``\\frac``, intervals, sets and tuples, radicals,
+    ``x = 5`` and ``5``, degrees and percent signs, ``\\text{...}`` answers.
 
     **Time bound.** Every (completion, gold) pair takes at most about ``timeout_s`` plus 0.5 s
     of wall time; a pair that runs out of time scores 0. With ``isolation="process"`` (default)
@@ -560,7 +514,7 @@ class MathEquivalence:
         if self.fallback == "last_math":
             return _last_math(completion)
         if self.fallback == "last_number":
-            return _last_number(completion)
+            return last_number(completion)
         return None
 
     def extract_answer(self, completion: str) -> str | None:
