@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from torchtune_grpo.rlhf.generation import mix_seeds
+from torchtune_grpo.rlhf.seeding import mix_seeds
 
 
 class StepBatches:

@@ -44,9 +44,9 @@ from torchtune_grpo.datasets import collate_prompts
 from torchtune_grpo.rlhf.generation import (
     decode_completions,
     generate_trajectory,
-    mix_seeds,
     safe_decode,
 )
+from torchtune_grpo.rlhf.seeding import mix_seeds
 
 RESULTS_FILE = "eval_results.json"
 SAMPLES_FILE = "eval_samples.jsonl"

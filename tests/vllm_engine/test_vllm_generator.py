@@ -14,11 +14,11 @@ vllm = pytest.importorskip("vllm")
 
 from torchtune_grpo.rlhf.forward import response_logprobs  # noqa: E402
 from torchtune_grpo.rlhf.generation import (  # noqa: E402
-    GenerationContext,
     allowed_token_mask,
     logit_bias_from_mask,
     stop_token_ids,
 )
+from torchtune_grpo.rlhf.generator import GenerationContext, Generator  # noqa: E402
 from torchtune_grpo.rlhf.trajectory import attention_mask, position_ids  # noqa: E402
 from torchtune_grpo.rlhf.vllm_generation import VLLMGenerator  # noqa: E402
 from torchtune_grpo.tiny import TINY_MODEL_DIMS, tiny_llama, write_hf_checkpoint  # noqa: E402
@@ -132,3 +132,10 @@ def test_greedy_matches_policy_argmax(engine):
     p = traj.prompt_len
     expected = (logits[:, p - 1 : -1].float() + bias).argmax(-1)
     assert torch.equal(traj.response_tokens[traj.response_mask], expected[traj.response_mask])
+
+
+def test_vllm_generator_implements_the_protocol():
+    from tests.unit.test_generator_protocol import assert_implements_generator
+
+    assert isinstance(VLLMGenerator(), Generator)  # no engine is built before setup()
+    assert_implements_generator(VLLMGenerator)

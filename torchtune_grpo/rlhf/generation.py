@@ -13,12 +13,15 @@ Guarantees the recipe relies on:
   decode steps: a rank keeps decoding (padding) until every rank's sequences have stopped.
 * **Log-probs for free.** The tempered log-prob of each sampled token is returned, so
   ``ppo_epochs: 1`` needs no extra forward for the "old" policy.
+
+:class:`NativeGenerator` wraps :func:`generate_trajectory` as the default implementation of the
+:class:`~torchtune_grpo.rlhf.generator.Generator` protocol. Random numbers come from
+:mod:`torchtune_grpo.rlhf.seeding`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -27,12 +30,17 @@ from torchtune.modules import MultiHeadAttention
 from torchtune.modules.common_utils import delete_kv_caches
 
 from torchtune_grpo.rlhf.forward import last_position_logits
+from torchtune_grpo.rlhf.generator import GenerationContext, Generator
+from torchtune_grpo.rlhf.seeding import counter_uniform, mix_seeds
 from torchtune_grpo.rlhf.trajectory import (
     Trajectory,
     attention_mask,
     concat_trajectories,
     position_ids,
 )
+
+# recipe.py still imports GenerationContext and mix_seeds from this module; once it imports
+# them from torchtune_grpo.rlhf.generator and .seeding, nothing relies on these re-exports.
 
 
 # ---------------------------------------------------------------------------- vocabulary
@@ -126,42 +134,6 @@ def decode_completions(tokenizer, trajectory: Trajectory, allowed: torch.Tensor)
 
 
 # ---------------------------------------------------------------------------- sampling
-_MASK32 = 0xFFFFFFFF
-
-
-def hash32(x: torch.Tensor | int) -> torch.Tensor:
-    """A 32-bit integer mixing function applied elementwise (int64 tensors, no overflow)."""
-    x = torch.as_tensor(x, dtype=torch.long) & _MASK32
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
-    return (x >> 16) ^ x
-
-
-def mix_seeds(*parts: torch.Tensor | int) -> torch.Tensor:
-    """Combine integers (or int tensors, broadcast) into one 32-bit seed per element."""
-    out = hash32(0x9E3779B9)
-    for part in parts:
-        out = hash32(out ^ hash32(part))
-    return out
-
-
-def counter_uniform(seeds: torch.Tensor, counter: int) -> torch.Tensor:
-    """One uniform number in ``(0, 1)`` per seed, a pure function of ``(seed, counter)``.
-
-    Sampling driven by these numbers depends only on each row's own seed and decode step,
-    never on which other rows share its batch, on the number of ranks, or on generator state.
-
-    Args:
-        seeds: ``[n]`` int64 seeds.
-        counter: the decode step.
-
-    Returns:
-        ``[n]`` float64.
-    """
-    bits = mix_seeds(seeds, counter)
-    return (bits.double() + 0.5) / 2.0**32
-
-
 def sample_next_token(
     logits: torch.Tensor,
     *,
@@ -471,7 +443,7 @@ def generate_micro_batch(
     pad_id: int,
     logit_bias: torch.Tensor | None = None,
     seeds: torch.Tensor | None = None,
-    all_done: Callable[[bool], bool] = _always_local,
+    all_done: Callable[[bool], bool] | None = None,
     cache_dtype: torch.dtype | None = None,
     kv_storage: KVCacheStorage | None = None,
     compile_decode: bool = False,
@@ -495,7 +467,7 @@ def generate_micro_batch(
         logit_bias: ``[V]`` bias forbidding undefined ids (see :func:`allowed_token_mask`).
         seeds: ``[n]`` int64 per-row sampling seeds (see :func:`counter_uniform`).
         all_done: given whether this rank's rows have all stopped, says whether every rank's
-            have (a collective in distributed runs; identity otherwise).
+            have (a collective in distributed runs; None: this rank alone).
         cache_dtype: dtype of the KV cache (default: the model's parameter dtype).
         kv_storage: preallocated cache storage (see :class:`KVCacheStorage`); allocated here
             when None or too small.
@@ -507,6 +479,7 @@ def generate_micro_batch(
     """
     n, prompt_len = prompt_tokens.shape
     device = prompt_tokens.device
+    all_done = all_done or _always_local
     total_len = prompt_len + max_generated_tokens
     dtype = cache_dtype or next(model.parameters()).dtype
     if kv_storage is None or not kv_storage.fits(n, total_len, dtype, device):
@@ -636,17 +609,13 @@ def generate_trajectory(
     return concat_trajectories(parts)
 
 
-# ---------------------------------------------------------------------------- generators
-class NativeGenerator:
+# ---------------------------------------------------------------------------- generator
+class NativeGenerator(Generator):
     """The default rollout engine (``generator._component_`` in a config): this module's KV-cache
     sampler, run on the policy itself, so there are no weights to synchronise.
 
-    Every generator has the same methods; the recipe calls :meth:`setup` once after the
-    policy is built (then :meth:`sync_weights`), :meth:`generate` for each rollout,
-    :meth:`needs_policy_logprobs` to learn whether the rollout's log-probs must be recomputed
-    with the policy, :meth:`before_update` when the update phase starts, :meth:`sync_weights`
-    after each update's optimizer steps, and :meth:`close` at the end.
-    :class:`torchtune_grpo.rlhf.vllm_generation.VLLMGenerator` is the other implementation.
+    Implements :class:`~torchtune_grpo.rlhf.generator.Generator` (see there for the contract);
+    :class:`~torchtune_grpo.rlhf.vllm_generation.VLLMGenerator` is the other implementation.
 
     Args:
         compile_decode (bool): run the decode steps through ``torch.compile`` with static
@@ -657,18 +626,26 @@ class NativeGenerator:
         self.compile_decode = bool(compile_decode)
 
     def setup(self, context: GenerationContext) -> None:
-        """Nothing to prepare: generation runs on the policy module itself."""
+        """Nothing to prepare: generation runs on the policy module itself.
+
+        Raises:
+            ValueError: ``compile_decode`` with more than one process.
+        """
         if self.compile_decode and context.world_size > 1:
             raise ValueError("generator.compile_decode is single-device only (got "
                              f"{context.world_size} processes): set it to false")
 
     def generate(self, model: nn.Module, prompt_tokens: torch.Tensor,
-                 prompt_mask: torch.Tensor, **kwargs) -> Trajectory:
-        """:func:`generate_trajectory` on ``model`` (same arguments)."""
-        return generate_trajectory(model, prompt_tokens, prompt_mask,
-                                   compile_decode=self.compile_decode, **kwargs)
+                 prompt_mask: torch.Tensor, **options) -> Trajectory:
+        """:func:`generate_trajectory` on ``model``: ``[B, P]`` prompts -> ``N = B * G`` rows.
 
-    def needs_policy_logprobs(self, top_k: int | None) -> bool:
+        Arguments (``options``: the keyword arguments) and result as
+        :meth:`torchtune_grpo.rlhf.generator.Generator.generate`.
+        """
+        return generate_trajectory(model, prompt_tokens, prompt_mask,
+                                   compile_decode=self.compile_decode, **options)
+
+    def needs_policy_logprobs(self, *, top_k: int | None) -> bool:
         """False: the engine's log-probs are the policy's (tempered, full allowed vocabulary)."""
         return False
 
@@ -680,33 +657,3 @@ class NativeGenerator:
 
     def close(self) -> None:
         """Nothing to release."""
-
-
-@dataclasses.dataclass
-class GenerationContext:
-    """What a generator may need to know about the run (built by the recipe's ``setup``).
-
-    Attributes:
-        model_dir (str): folder of the base model in HF format (``config.json`` + weights).
-        model_type (str): the checkpointer's ``model_type`` (``LLAMA3_2``, ``QWEN2``, ...).
-        hf_config (dict): the model's ``config.json``.
-        device (torch.device): the rank's device.
-        dtype (torch.dtype): the policy's parameter dtype.
-        world_size (int): number of processes.
-        rank (int): this process's rank.
-        max_len (int): longest prompt plus ``max_generated_tokens``.
-        allowed_tokens (torch.Tensor): ``[V]`` bool, the ids sampling may emit.
-        lora (dict | None): ``{"rank": r, "alpha": a}`` for a LoRA policy (its adapters are merged
-            before weights are copied), else None.
-    """
-
-    model_dir: str
-    model_type: str
-    hf_config: dict
-    device: torch.device
-    dtype: torch.dtype
-    world_size: int
-    rank: int
-    max_len: int
-    allowed_tokens: torch.Tensor
-    lora: dict | None = None

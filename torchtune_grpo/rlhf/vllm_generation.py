@@ -1,6 +1,7 @@
 """Rollouts with a colocated vLLM engine (optional: ``pip install "torchtune-grpo[vllm]"``).
 
-:class:`VLLMGenerator` is the second implementation of the generator interface of
+:class:`VLLMGenerator` is the second implementation of the
+:class:`~torchtune_grpo.rlhf.generator.Generator` protocol, next to
 :class:`~torchtune_grpo.rlhf.generation.NativeGenerator`: the recipe selects it with::
 
     generator:
@@ -40,7 +41,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchtune_grpo.rlhf.generation import GenerationContext, mix_seeds
+from torchtune_grpo.rlhf.generator import GenerationContext, Generator
+from torchtune_grpo.rlhf.seeding import mix_seeds
 from torchtune_grpo.rlhf.trajectory import Trajectory
 
 __all__ = ["VLLMGenerator", "hf_weight_items", "torchtune_to_hf_converter"]
@@ -134,8 +136,10 @@ def _refresh_tied_head(vllm_model: nn.Module) -> None:
         method.process_weights_after_loading(head)
 
 
-class VLLMGenerator:
+class VLLMGenerator(Generator):
     """Generate rollouts with a colocated vLLM engine that follows the policy's weights.
+
+    Implements :class:`~torchtune_grpo.rlhf.generator.Generator` (see there for the contract).
 
     Args:
         gpu_memory_utilization (float): fraction of the device vLLM may take (weights + KV
@@ -214,7 +218,7 @@ class VLLMGenerator:
         """Drop the engine (its memory is released with it)."""
         self.llm = None
 
-    def needs_policy_logprobs(self, top_k: int | None) -> bool:
+    def needs_policy_logprobs(self, *, top_k: int | None) -> bool:
         """True with ``recompute_logprobs`` or ``top_k``: vLLM's processed log-probs then
         describe the truncated distribution, not the one the training forward computes."""
         return self.recompute_logprobs or top_k is not None
@@ -247,12 +251,13 @@ class VLLMGenerator:
                  *, group_size: int, max_generated_tokens: int, temperature: float,
                  top_k: int | None, stop_tokens: torch.Tensor, pad_id: int,
                  prompt_seeds: torch.Tensor | None = None, **_unused) -> Trajectory:
-        """Sample ``group_size`` completions per prompt with vLLM.
+        """Sample ``group_size`` completions per prompt with vLLM: ``[B, P]`` -> ``N = B * G``.
 
-        Args and return value as :func:`~torchtune_grpo.rlhf.generation.generate_trajectory`
-        (``forward_batch_size``, ``logit_bias``, ``all_done`` and ``cache_dtype`` are the native
+        Args and return value as :meth:`torchtune_grpo.rlhf.generator.Generator.generate`.
+        ``forward_batch_size``, ``logit_bias``, ``all_done`` and ``cache_dtype`` are the native
         engine's and ignored: vLLM batches and masks on its own, from the allowed ids given
-        at :meth:`setup`). Row ``b * G + g`` is sample ``g`` of prompt ``b``.
+        at :meth:`setup`, and runs no collective while generating. Row ``b * G + g`` is sample
+        ``g`` of prompt ``b``; ``prompt_seeds=None`` seeds every prompt with 0.
         """
         from vllm import SamplingParams
 

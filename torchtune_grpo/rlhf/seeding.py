@@ -1,0 +1,71 @@
+"""Counter-based seeds: every random number of a run is a pure function of integers.
+
+No random-generator state is kept anywhere. A seed is derived from the integers that identify
+what it is for (``mix_seeds(seed, step, prompt index)`` for a prompt's rollout,
+``mix_seeds(seed, epoch, 0x5EED)`` for an epoch's shuffle, ...), and sampling draws its uniform
+numbers from ``(seed, decode step)`` (:func:`counter_uniform`). So a rollout does not depend on
+the number of ranks, on how rows are batched, or on whether the run was resumed, and nothing but
+the step has to be checkpointed.
+
+All functions work elementwise on int64 tensors (or Python ints), with 32-bit arithmetic that
+never overflows int64, and broadcast like any tensor operation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["counter_uniform", "hash32", "mix_seeds"]
+
+_MASK32 = 0xFFFFFFFF
+
+
+def hash32(x: torch.Tensor | int) -> torch.Tensor:
+    """A 32-bit integer mixing function, applied elementwise.
+
+    Only the low 32 bits of each input count (negative values wrap as two's complement).
+
+    Args:
+        x: int, or an integer tensor of any shape ``[*]``.
+
+    Returns:
+        ``[*]`` int64 (a 0-d tensor for an int), every value in ``[0, 2**32)``.
+    """
+    x = torch.as_tensor(x, dtype=torch.long) & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    return (x >> 16) ^ x
+
+
+def mix_seeds(*parts: torch.Tensor | int) -> torch.Tensor:
+    """Combine integers (or integer tensors, broadcast together) into one 32-bit seed each.
+
+    Order matters: ``mix_seeds(a, b) != mix_seeds(b, a)`` in general.
+
+    Args:
+        *parts: ints, or integer tensors whose shapes broadcast to ``[*]``.
+
+    Returns:
+        ``[*]`` int64 seeds in ``[0, 2**32)`` (0-d when every part is an int).
+    """
+    out = hash32(0x9E3779B9)
+    for part in parts:
+        out = hash32(out ^ hash32(part))
+    return out
+
+
+def counter_uniform(seeds: torch.Tensor, counter: int) -> torch.Tensor:
+    """One uniform number in ``(0, 1)`` per seed, a pure function of ``(seed, counter)``.
+
+    Sampling driven by these numbers depends only on each row's own seed and decode step,
+    never on which other rows share its batch, on the number of ranks, or on generator state.
+
+    Args:
+        seeds: ``[n]`` int64 seeds.
+        counter: the decode step.
+
+    Returns:
+        ``[n]`` float64.
+    """
+    bits = mix_seeds(seeds, counter)
+    return (bits.double() + 0.5) / 2.0**32
