@@ -19,7 +19,7 @@ importance          token ratios vs GSPO (sequence ratio, eps 3e-4 / 4e-4), both
 
 **Budget.** Each run trains until its *training clock* reaches ``--budget-s`` seconds and then
 stops at the end of that step. The recipe runs in this process (:class:`BudgetedRecipe`, a
-:class:`~torchtune_grpo.recipe.GRPORecipe` that counts time in ``_step_metrics`` and, once the
+:class:`~torchtune_grpo.recipe.GRPORecipe` that counts time in ``step_metrics`` and, once the
 budget is spent, raises the same stop flag SIGTERM raises: the step finishes, a checkpoint is
 saved, the loop ends). This needs no calibration run and no guess of a step count, and the
 budget is exact to within one step. The clock counts only the training loop (rollout, scoring,
@@ -183,7 +183,7 @@ def _budgeted_recipe_class():
             t0 = time.perf_counter()
             result = self.run_eval()
             point = EvalPoint(
-                step=self.step, optimizer_steps=self.step * self.ppo_epochs,
+                step=self.step, optimizer_steps=self.step * self.cfg.ppo_epochs,
                 train_seconds=self.train_seconds,
                 wall_seconds=self.wall_seconds, cpu_seconds=self.cpu_seconds,
                 phase_seconds=self.phase_seconds, generated_tokens=self.generated_tokens,
@@ -193,8 +193,8 @@ def _budgeted_recipe_class():
             self.points.append(point)
             return point
 
-        def _step_metrics(self, traj, rewards_out, adv_out, loss_metrics, times):
-            metrics = super()._step_metrics(traj, rewards_out, adv_out, loss_metrics, times)
+        def step_metrics(self, traj, rewards_out, adv_out, loss_metrics, times):
+            metrics = super().step_metrics(traj, rewards_out, adv_out, loss_metrics, times)
             self.wall_seconds += time.perf_counter() - self._t_wall
             self.cpu_seconds += time.process_time() - self._t_cpu
             self.phase_seconds += sum(times.values())

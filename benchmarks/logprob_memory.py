@@ -11,16 +11,17 @@ Both variants compute ``sum(w * log p(target))`` for ``N * T`` response tokens w
 How memory is measured: each variant runs in its own fresh subprocess. After building the inputs
 and the projection, the worker reads its current resident set size (``/proc/self/statm``); after
 forward + backward it reads the process's peak resident set size (``VmHWM`` from
-``/proc/self/status``, maintained by the kernel, so no short-lived peak is missed). The reported number
-is ``peak - resident before``: the extra memory forward + backward needed, including the weight's
-gradient. A separate process per variant keeps one variant's allocator caches and high-water
-mark from hiding the other's. ``torch.cuda`` memory stats do not exist on CPU, ``tracemalloc``
-does not see tensor storage and the profiler's memory view does not give a process-wide peak;
-``VmHWM`` does, at page granularity, which is plenty for gigabyte-sized tensors. The workers
-run with ``MALLOC_MMAP_THRESHOLD_=65536``: glibc then serves every tensor above 64 KiB from its
-own mapping and unmaps it on free, so the resident size follows the live tensors (by default
-glibc raises that threshold at run time and keeps freed chunk-sized blocks resident, which
-inflates the chunked variant's number with memory that is free but not returned).
+``/proc/self/status``, maintained by the kernel, so no short-lived peak is missed). The reported
+number is ``peak - resident before``: the extra memory forward + backward needed, including the
+weight's gradient. A separate process per variant keeps one variant's allocator caches and
+high-water mark from hiding the other's. ``torch.cuda`` memory stats do not exist on CPU,
+``tracemalloc`` does not see tensor storage and the profiler's memory view does not give a
+process-wide peak; ``VmHWM`` does, at page granularity, which is plenty for gigabyte-sized
+tensors. The workers run with ``MALLOC_MMAP_THRESHOLD_=65536``: glibc then serves every tensor
+above 64 KiB from its own mapping and unmaps it on free, so the resident size follows the live
+tensors (by default glibc raises that threshold at run time and keeps freed chunk-sized blocks
+resident, which inflates the chunked variant's number with memory that is free but not
+returned).
 
 The workers save the loss and both gradients (w.r.t. the hidden states and the projection
 weight); the parent checks that they agree (relative to the largest entry, 1e-5).

@@ -26,8 +26,9 @@ Variants, each in a fresh subprocess (so each has its own peak RSS):
 The step is split as the recipe times it: generation (rollout), scoring (decode + rewards +
 advantages), reference (log-probs of the frozen model) and update (forward + backward +
 optimizer step). The first step is a warm-up; the mean of the next ``--steps`` is reported.
-Peak memory is the process's peak resident set size (``VmHWM``, see ``torchtune_grpo.memory.peak_rss_bytes``) on CPU, or
-``torch.cuda.max_memory_allocated`` on CUDA.
+Peak memory is the process's peak resident set size (``VmHWM``, see
+``torchtune_grpo.memory.peak_rss_bytes``) on CPU, or ``torch.cuda.max_memory_allocated`` on
+CUDA.
 
 External anchors (not measured here): torchtune's dev GRPO recipe at this shape was reported
 at ~97 s/step and 12.7 GB peak memory; the table prints the optimized variant's ratios against
@@ -192,7 +193,6 @@ def worker(variant: str, workdir: Path, device: str, steps: int, new_tokens: int
     if variant == "baseline":
         install_baseline()
     from torchtune_grpo.recipe import GRPORecipe
-    from torchtune_grpo.rlhf.advantages import group_advantages
 
     cfg = build_config(workdir, device, new_tokens)
     recipe = GRPORecipe(cfg)
@@ -206,9 +206,7 @@ def worker(variant: str, workdir: Path, device: str, steps: int, new_tokens: int
         traj = recipe.rollout(batch)
         times["generation"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        _, rewards = recipe.score(traj, batch)
-        adv = group_advantages(rewards.total.to(recipe.device), recipe.group_size,
-                               scale=recipe.adv_scale, eps=recipe.adv_eps)
+        adv = recipe.advantages(recipe.score(traj, batch))
         times["scoring"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         ref = recipe.reference_logprobs(traj)

@@ -17,14 +17,16 @@ error says where they are. They are removed once the final files are in place.
 
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig
 from torchtune import config, training, utils
 
 from torchtune_grpo import distributed as D
-from torchtune_grpo.config import EVAL_KEYS, parse, validate_config
-from torchtune_grpo.evaluation import EvalResult, EvalSettings, evaluate, partial_samples_path
+from torchtune_grpo.config import EVAL_KEYS, parse, validate_config, with_defaults
+from torchtune_grpo.evaluation import EvalResult, evaluate, partial_samples_path
 from torchtune_grpo.modeling import DTYPES, build_model, token_rules
-from torchtune_grpo.rlhf.rewards import build_reward_set
+from torchtune_grpo.rlhf.reward_set import build_reward_set
+from torchtune_grpo.settings import EvalSettings
 
 log = utils.get_logger("INFO")
 
@@ -53,18 +55,24 @@ def write_results(result: EvalResult, cfg: DictConfig) -> list[Path]:
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: ``--config NAME checkpoint_dir=DIR [key=value ...]``."""
     validate_config(cfg, schema=EVAL_KEYS)
+    cfg = with_defaults(cfg, EVAL_KEYS)
     settings = EvalSettings(
-        num_samples=int(cfg.get("num_samples", 1)),
-        temperature=float(cfg.get("temperature", 0.0)),
-        top_k=cfg.get("top_k"),
-        k=list(cfg.get("k", [1])),
-        max_generated_tokens=int(cfg.max_generated_tokens),
-        forward_batch_size=int(cfg.get("forward_batch_size", 64)),
-        seed=int(cfg.get("seed", 0)),
+        num_samples=cfg.num_samples, temperature=float(cfg.temperature), top_k=cfg.top_k,
+        k=list(cfg.k), max_generated_tokens=cfg.max_generated_tokens,
+        forward_batch_size=cfg.forward_batch_size, seed=cfg.seed,
     )
-    device = utils.get_device(cfg.get("device", "cuda"))
-    dtype = DTYPES[cfg.get("dtype", "bf16")]
+    device = utils.get_device(cfg.device)
     world_size, rank = D.init_distributed(device)
+    try:
+        _evaluate_checkpoint(cfg, settings, device, world_size, rank)
+    finally:
+        D.destroy()
+
+
+def _evaluate_checkpoint(cfg: DictConfig, settings: EvalSettings, device: torch.device,
+                         world_size: int, rank: int) -> None:
+    """Load ``cfg.checkpoint_dir``, evaluate it and write the results into it."""
+    dtype = DTYPES[cfg.dtype]
     tokenizer = config.instantiate(cfg.tokenizer)
     dataset = config.instantiate(cfg.dataset, tokenizer=tokenizer)
     rewards = build_reward_set(cfg.rewards)
@@ -78,7 +86,7 @@ def recipe_main(cfg: DictConfig) -> None:
         model, tokenizer, dataset, rewards, settings, device=device,
         logit_bias=rules.logit_bias, allowed_tokens=rules.allowed,
         stop_tokens=rules.stop_tokens, pad_id=rules.pad_id, cache_dtype=dtype,
-        progress=cfg.get("progress_bar", True), partial_dir=cfg.checkpoint_dir,
+        progress=cfg.progress_bar, partial_dir=cfg.checkpoint_dir,
     )
     if rank == 0:
         paths = write_results(result, cfg)  # on failure the partial files stay
@@ -87,7 +95,6 @@ def recipe_main(cfg: DictConfig) -> None:
         log.info(f"wrote {paths[0]} and {paths[1]}")
     D.barrier()  # the final files exist: every rank drops its own partial file
     partial_samples_path(cfg.checkpoint_dir, rank).unlink(missing_ok=True)
-    D.destroy()
 
 
 if __name__ == "__main__":

@@ -26,16 +26,13 @@ The step itself lives in :class:`torchtune_grpo.recipe.GRPORecipe`, shared with
 from omegaconf import DictConfig
 
 from torchtune_grpo.config import parse
-from torchtune_grpo.recipe import GRPORecipe
+from torchtune_grpo.recipe import run_recipe
 
 
 @parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: ``--config NAME [key=value ...]``."""
-    recipe = GRPORecipe(cfg)
-    recipe.setup()
-    recipe.train()
-    recipe.cleanup()
+    run_recipe(cfg)
 
 
 if __name__ == "__main__":

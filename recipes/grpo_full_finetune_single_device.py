@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from torchtune_grpo.config import parse
 from torchtune_grpo.distributed import launched_by_torchrun
-from torchtune_grpo.recipe import GRPORecipe
+from torchtune_grpo.recipe import run_recipe
 
 
 @parse
@@ -24,10 +24,7 @@ def recipe_main(cfg: DictConfig) -> None:
             "grpo_full_finetune_single_device runs on one device; for several processes use "
             "`tune run --nproc_per_node N grpo_full_finetune_distributed`"
         )
-    recipe = GRPORecipe(cfg)
-    recipe.setup()
-    recipe.train()
-    recipe.cleanup()
+    run_recipe(cfg)
 
 
 if __name__ == "__main__":

@@ -75,6 +75,22 @@ class StepBatches:
         """The collated batch of this rank at (zero-based) ``step``."""
         return self.collate([self.dataset[i] for i in self.indices(step)])
 
-    def epoch_of(self, step: int) -> int:
-        """The epoch (zero-based) that ``step`` falls in."""
-        return step // self.steps_per_epoch
+
+def split_batch(batch: dict[str, Any], chunks: int) -> list[dict[str, Any]]:
+    """Split a collated prompt batch into ``chunks`` equal consecutive parts.
+
+    Prompt padding is recomputed per part (a part's prompts are left-padded to its own
+    longest prompt); lists and per-prompt tensors are sliced alike.
+    """
+    if chunks == 1:
+        return [batch]
+    size = len(batch["answers"]) // chunks
+    parts = []
+    for i in range(chunks):
+        sl = slice(i * size, (i + 1) * size)
+        width = int(batch["prompt_lengths"][sl].max())
+        parts.append({
+            **{k: v[sl] for k, v in batch.items() if k != "tokens"},
+            "tokens": batch["tokens"][sl, batch["tokens"].shape[1] - width :],
+        })
+    return parts

@@ -27,6 +27,13 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from torchtune_grpo.settings import (
+    AdvantageSettings,
+    EvalSettings,
+    sampling_problems,
+    settings_from_config,
+)
+
 #: Package holding the shipped configs (``configs/`` in the source tree).
 CONFIG_PACKAGE = "torchtune_grpo.configs"
 
@@ -126,12 +133,23 @@ def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[[], Any]:
 # ---------------------------------------------------------------------------- schema
 @dataclass(frozen=True)
 class Key:
-    """One top-level config key: its type, default (``REQUIRED`` if none) and meaning."""
+    """One top-level config key: its type, default (``REQUIRED`` if none) and meaning.
+
+    Attributes:
+        type: accepted types, ``|``-separated (``int|null``, ``component``, ...).
+        default: the value a config that omits the key gets (:func:`with_defaults`), or
+            ``REQUIRED``.
+        doc: what the key means (the config reference in ``docs/`` lists it).
+        check: returns what is wrong with a (non-null) value, or None.
+        settings: for a nested block, the settings dataclass it is read into
+            (:mod:`torchtune_grpo.settings`); its fields are the block's keys.
+    """
 
     type: str
     default: Any
     doc: str
     check: Callable[[Any], str | None] | None = None
+    settings: type | None = None
 
 
 REQUIRED = object()
@@ -179,8 +197,12 @@ RECIPE_KEYS: dict[str, Key] = {
     "ppo_epochs": Key("int", 1, "Optimizer steps taken on each rollout batch.", _at_least(1)),
     "gradient_accumulation_steps": Key(
         "int", 1,
-        "Roll out and score each step's prompts in this many sequential chunks (bounds "
-        "generation memory); the update still uses the whole batch, so the result is the same.",
+        "Not torchtune's meaning: this does NOT enlarge the effective batch. Each step's "
+        "``batch_size`` prompts are rolled out and scored in this many sequential chunks "
+        "(``batch_size / N`` prompts each), which bounds generation memory; the update then "
+        "uses the whole batch, so the result equals one chunk of ``batch_size``. For a larger "
+        "effective batch raise ``batch_size`` (or ``global_batch_size``) and raise this key "
+        "with it to keep generation memory flat.",
         _at_least(1)),
     "num_steps": Key("int", REQUIRED, "GRPO steps (rollout + update) to run.", _at_least(1)),
     "save_every_n_steps": Key("int|null", None,
@@ -196,7 +218,9 @@ RECIPE_KEYS: dict[str, Key] = {
     "eval_dataset": Key("component|null", None, "Held-out prompt dataset (takes ``tokenizer``)."),
     "eval": Key("dict|null", None,
                 "Evaluation sampling: ``num_samples``, ``temperature`` (0: greedy), ``top_k``, "
-                "``k`` (list), ``max_generated_tokens``, ``forward_batch_size``."),
+                "``k`` (list), ``max_generated_tokens``, ``forward_batch_size`` (the fields of "
+                ":class:`torchtune_grpo.settings.EvalSettings`; unknown keys are errors).",
+                settings=EvalSettings),
     "eval_at_start": Key("bool", True, "Also evaluate before the first step (logged as step 0)."),
     "resume_from_checkpoint": Key("bool|str", False,
                                   "Continue from the newest complete ``step_{N}`` (or a path)."),
@@ -216,7 +240,9 @@ RECIPE_KEYS: dict[str, Key] = {
     "lr_scheduler": Key("component|null", None, "LR scheduler (``optimizer`` is filled in)."),
     "metric_logger": Key("component|null", None, "torchtune metric logger."),
     "advantages": Key("dict|null", None,
-                      "``scale`` (group/batch/none) and ``eps`` of the group advantages."),
+                      "``scale`` (group/batch/none) and ``eps`` of the group advantages (the "
+                      "fields of :class:`torchtune_grpo.settings.AdvantageSettings`; unknown "
+                      "keys are errors).", settings=AdvantageSettings),
     "mask_truncated_completions": Key(
         "bool", False,
         "Completions that hit max_generated_tokens without a stop token add nothing to the "
@@ -268,13 +294,16 @@ EVAL_KEYS: dict[str, Key] = {
     **{k: RECIPE_KEYS[k] for k in ("seed", "device", "dtype", "model", "tokenizer",
                                    "checkpointer", "dataset", "rewards", "top_k",
                                    "progress_bar", "model_dir")},
-    "num_samples": Key("int", 1, "Completions per problem.", _at_least(1)),
-    "temperature": Key("float", 0.0, "Sampling temperature; 0 is greedy.",
+    "num_samples": Key("int", EvalSettings.num_samples, "Completions per problem.",
+                       _at_least(1)),
+    "temperature": Key("float", EvalSettings.temperature, "Sampling temperature; 0 is greedy.",
                        lambda v: None if v >= 0 else "must be >= 0"),
-    "k": Key("list", [1], "Budgets reported as pass@k and maj@k (each <= num_samples)."),
+    "k": Key("list", EvalSettings().k,
+             "Budgets reported as pass@k and maj@k (each <= num_samples)."),
     "max_generated_tokens": Key("int", REQUIRED, "Most tokens generated per completion.",
                                 _at_least(1)),
-    "forward_batch_size": Key("int", 64, "Sequences per generation micro-batch.", _at_least(1)),
+    "forward_batch_size": Key("int", EvalSettings.forward_batch_size,
+                              "Sequences per generation micro-batch.", _at_least(1)),
 }
 
 _TYPES: dict[str, Callable[[Any], bool]] = {
@@ -429,6 +458,11 @@ def validate_config(cfg: DictConfig, *, world_size: int = 1,
             problem = spec.check(value)
             if problem:
                 errors.append(f"config key {key!r} {problem} (got {value!r})")
+        if spec.settings is not None and value is not None:
+            try:
+                settings_from_config(spec.settings, value, key, fixed=_FIXED.get(key))
+            except ValueError as e:
+                errors.append(str(e))
     errors.extend(component_errors)
     rewards = cfg.get("rewards")
     if isinstance(rewards, (list, ListConfig)) and len(rewards) == 0:
@@ -441,6 +475,29 @@ def validate_config(cfg: DictConfig, *, world_size: int = 1,
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
 
 
+#: Fields of a nested block's settings that the recipe sets, not the block.
+_FIXED: dict[str, dict[str, Any]] = {"eval": {"seed": 0}}
+
+
+def with_defaults(cfg: DictConfig, schema: dict[str, Key] | None = None) -> DictConfig:
+    """A copy of ``cfg`` with every key of ``schema`` that it omits set to the key's default.
+
+    The recipes call this after :func:`validate_config` and then read ``cfg.key`` directly:
+    a key's default lives only in its :class:`Key`.
+
+    Args:
+        cfg: a validated config.
+        schema: the recipe's keys (default :data:`RECIPE_KEYS`).
+    """
+    import copy
+
+    filled = copy.deepcopy(cfg)
+    for key, spec in (schema if schema is not None else RECIPE_KEYS).items():
+        if key not in filled and spec.default is not REQUIRED:
+            filled[key] = copy.deepcopy(spec.default)
+    return filled
+
+
 def per_rank_batch_size(cfg: DictConfig, world_size: int) -> int:
     """Prompts per rank: ``global_batch_size / world_size`` when set, else ``batch_size``."""
     global_batch = cfg.get("global_batch_size")
@@ -449,41 +506,23 @@ def per_rank_batch_size(cfg: DictConfig, world_size: int) -> int:
     return int(global_batch) // world_size
 
 
-def sampling_problems(num_samples: int, temperature: float, k: list[int]) -> dict[str, str]:
-    """What is wrong with evaluation sampling settings, by key (empty when they are fine).
-
-    Shared by :func:`validate_config` (``grpo_eval`` configs) and
-    :class:`torchtune_grpo.evaluation.EvalSettings` (the training recipe's ``eval:`` block).
-    """
-    problems = {}
-    if num_samples < 1:
-        problems["num_samples"] = f"num_samples must be >= 1, got {num_samples}"
-    elif num_samples > 1 and temperature <= 0:
-        problems["num_samples"] = (
-            "num_samples > 1 needs 'temperature' > 0 (greedy decoding repeats itself)"
-        )
-    bad = [v for v in k if not 1 <= int(v) <= num_samples]
-    if bad:
-        problems["k"] = f"k values {bad} must lie in 1..num_samples={num_samples}"
-    return problems
-
-
 def _eval_errors(cfg: DictConfig) -> list[str]:
-    problems = sampling_problems(int(cfg.get("num_samples", 1)),
-                                 float(cfg.get("temperature", 0.0)), list(cfg.get("k", [1])))
+    cfg = with_defaults(cfg, EVAL_KEYS)
+    problems = sampling_problems(int(cfg.num_samples), float(cfg.temperature), list(cfg.k))
     return [f"config key {key!r}: {text}" for key, text in problems.items()]
 
 
 def _batch_errors(cfg: DictConfig, world_size: int) -> list[str]:
+    cfg = with_defaults(cfg)
     errors = []
-    if cfg.get("enable_activation_offloading") and (
-        not cfg.get("enable_activation_checkpointing") or cfg.get("device", "cuda") != "cuda"
+    if cfg.enable_activation_offloading and (
+        not cfg.enable_activation_checkpointing or cfg.device != "cuda"
     ):
         errors.append(
             "config key 'enable_activation_offloading' needs device: cuda and "
             "enable_activation_checkpointing: true"
         )
-    if cfg.get("eval_every_n_steps") and cfg.get("eval_dataset") is None:
+    if cfg.eval_every_n_steps and cfg.eval_dataset is None:
         errors.append("config key 'eval_every_n_steps' is set but 'eval_dataset' is not")
     global_batch = cfg.get("global_batch_size")
     if global_batch is None and cfg.get("batch_size") is None:
@@ -494,14 +533,14 @@ def _batch_errors(cfg: DictConfig, world_size: int) -> list[str]:
             f"{world_size} ranks: use a multiple of {world_size}"
         )
         return errors
-    accum = int(cfg.get("gradient_accumulation_steps", 1) or 1)
+    accum = int(cfg.gradient_accumulation_steps)
     if per_rank_batch_size(cfg, world_size) % accum:
         errors.append(
             f"config key 'gradient_accumulation_steps' ({accum}) must divide the per-rank "
             f"batch of {per_rank_batch_size(cfg, world_size)} prompts"
         )
     rows = per_rank_batch_size(cfg, world_size) * int(cfg.group_size)
-    fbs = cfg.get("forward_batch_size")
+    fbs = cfg.forward_batch_size
     if fbs is not None and rows % fbs:
         errors.append(
             f"config key 'forward_batch_size' ({fbs}) must divide batch_size * group_size "

@@ -39,14 +39,15 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtune_grpo import distributed as D
-from torchtune_grpo.config import sampling_problems
 from torchtune_grpo.datasets import collate_prompts
 from torchtune_grpo.rlhf.generation import (
-    decode_completions,
     generate_trajectory,
     safe_decode,
 )
+from torchtune_grpo.rlhf.scoring import score_rollout
 from torchtune_grpo.rlhf.seeding import mix_seeds
+from torchtune_grpo.rlhf.trajectory import prompt_mask
+from torchtune_grpo.settings import EvalSettings
 
 RESULTS_FILE = "eval_results.json"
 SAMPLES_FILE = "eval_samples.jsonl"
@@ -213,34 +214,6 @@ def _answer_key(extract, completion: str) -> Any:
 
 
 @dataclass
-class EvalSettings:
-    """How to sample during evaluation.
-
-    Attributes:
-        num_samples: completions per problem (1 with ``temperature: 0`` is greedy pass@1).
-        temperature: 0 for greedy decoding.
-        top_k: top-k sampling (None: off).
-        k: budgets reported as ``pass@k`` and ``maj@k`` (each ``<= num_samples``).
-        max_generated_tokens: generation budget per completion.
-        forward_batch_size: sequences per generation micro-batch.
-        seed: base seed of the per-sample random numbers.
-    """
-
-    num_samples: int = 1
-    temperature: float = 0.0
-    top_k: int | None = None
-    k: list[int] = field(default_factory=lambda: [1])
-    max_generated_tokens: int = 256
-    forward_batch_size: int = 64
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        problems = sampling_problems(self.num_samples, self.temperature, self.k)
-        if problems:
-            raise ValueError("eval " + "; ".join(problems.values()))
-
-
-@dataclass
 class EvalResult:
     """Metrics (``pass@1``, ``pass@k``, ``maj@k``, ``reward/<name>``, ...) and per-problem rows.
 
@@ -370,7 +343,7 @@ def evaluate(
         model: the policy (plain or FSDP-sharded torchtune decoder).
         tokenizer: its tokenizer.
         dataset: the problems.
-        rewards: a :class:`~torchtune_grpo.rlhf.rewards.RewardSet`; its success component
+        rewards: a :class:`~torchtune_grpo.rlhf.reward_set.RewardSet`; its success component
             decides correctness (and, when it has ``extract_answer``, the votes of maj@k).
         settings: sampling settings.
         device: where the model runs.
@@ -477,12 +450,8 @@ def _evaluate_chunk(
     items = [dataset[i] for i in chunk]
     batch = collate_prompts(items, pad_id=pad_id)
     tokens = batch["tokens"].to(device)
-    lengths = batch["prompt_lengths"].to(device)
-    prompt_mask = torch.arange(tokens.shape[1], device=device)[None, :] >= (
-        tokens.shape[1] - lengths[:, None]
-    )
     traj = generate_trajectory(
-        model, tokens, prompt_mask, group_size=n,
+        model, tokens, prompt_mask(tokens, batch["prompt_lengths"]), group_size=n,
         forward_batch_size=min(settings.forward_batch_size, len(chunk) * n),
         prompt_seeds=mix_seeds(settings.seed, batch["indices"]),
         max_generated_tokens=settings.max_generated_tokens,
@@ -490,14 +459,9 @@ def _evaluate_chunk(
         pad_id=pad_id, logit_bias=logit_bias,
         all_done=lambda done: D.all_ranks_true(done, device), cache_dtype=cache_dtype,
     )
-    completions = decode_completions(tokenizer, traj, allowed_tokens)
-    answers = [a for a in batch["answers"] for _ in range(n)]
-    scored = rewards(
-        completions, answers,
-        questions=[q for q in batch["questions"] for _ in range(n)],
-        stopped=traj.stopped.tolist(), response_lengths=traj.response_lengths.tolist(),
-        max_generated_tokens=settings.max_generated_tokens,
-    )
+    completions, scored = score_rollout(
+        rewards, tokenizer, traj, batch, group_size=n, allowed_tokens=allowed_tokens,
+        max_generated_tokens=settings.max_generated_tokens)
     rows: list[dict[str, Any]] = []
     for j, dataset_index in enumerate(chunk):
         if j >= num_real:

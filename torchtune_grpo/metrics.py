@@ -1,4 +1,5 @@
-"""Reading back the metrics a run logged (for tests, plots and ablations).
+"""Step metrics: timing the phases of a step, peak memory, and reading back what a run logged
+(for tests, plots and ablations).
 
 The recipes log through torchtune's ``metric_logger``; the shipped configs use
 :class:`torchtune.training.metric_logging.DiskLogger`, which writes one line per step,
@@ -7,7 +8,11 @@ The recipes log through torchtune's ``metric_logger``; the shipped configs use
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 
 def read_disk_log(path: str | Path) -> list[dict[str, float]]:
@@ -53,3 +58,39 @@ def _read_into(path: Path, rows: dict[int, dict[str, float]]) -> None:
                 row[name] = float(value)
             except ValueError:
                 continue
+
+
+class PhaseTimer:
+    """Seconds spent in each named phase of a step: ``with timer("update"): ...``.
+
+    A phase entered several times (one per gradient-accumulation chunk) accumulates;
+    :attr:`seconds` maps phase names to totals, in first-entry order.
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        """Time the ``with`` body and add it to ``phase``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+
+def peak_memory_gb(device: Any) -> float:
+    """Peak memory of this process since the start, in GB (10**9 bytes).
+
+    CUDA: ``torch.cuda.max_memory_allocated`` (tensors only). CPU: the process's peak resident
+    set size (:func:`~torchtune_grpo.memory.peak_rss_bytes`; Python, libraries and data
+    included), the only peak the OS keeps.
+    """
+    import torch
+
+    if getattr(device, "type", device) == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    from torchtune_grpo.memory import peak_rss_bytes
+
+    return peak_rss_bytes() / 1e9

@@ -1,20 +1,30 @@
 """The GRPO training loop shared by the single-device and distributed recipes.
 
-One GRPO step, as in ``docs/design.md``:
+One GRPO step (``docs/design.md``), each part a named method of :class:`GRPORecipe`:
 
-1. **Prompts**: each rank takes ``batch_size`` prompts from its shard of the dataset; a
-   prompt's whole group stays on the rank that drew it.
-2. **Rollout**: ``group_size`` completions per prompt, KV-cached, padded to uniform shapes,
-   with the generation-time log-probs (:mod:`torchtune_grpo.rlhf.generation`).
-3. **Score**: the weighted sum of the reward components (:mod:`torchtune_grpo.rlhf.rewards`).
-4. **Advantage**: group-relative (:mod:`torchtune_grpo.rlhf.advantages`).
-5. **Reference** log-probs, only when the loss has a KL term.
-6. **Update**: ``ppo_epochs`` optimizer steps over shuffled micro-batches; every micro-batch
-   loss is divided by the *global* normaliser, so micro-batching and the number of ranks do
-   not change the update (:mod:`torchtune_grpo.rlhf.loss`).
-7. **After the step**: metrics, step checkpoint, evaluation.
+1. **Prompts** (``self.batches.batch(step)``): each rank takes ``batch_size`` prompts from its
+   shard of the dataset; a prompt's whole group stays on the rank that drew it.
+2. **Rollout** (:meth:`~GRPORecipe.rollout`): ``group_size`` completions per prompt,
+   KV-cached, padded to uniform shapes, with the generation-time log-probs
+   (a :class:`~torchtune_grpo.rlhf.generator.Generator`).
+3. **Score** (:meth:`~GRPORecipe.score`): the weighted sum of the reward components
+   (:mod:`torchtune_grpo.rlhf.scoring`).
+4. **Advantages** (:meth:`~GRPORecipe.advantages`): group-relative
+   (:mod:`torchtune_grpo.rlhf.advantages`).
+5. **Reference and old log-probs** (:meth:`~GRPORecipe.reference_logprobs`, only when the
+   loss has a KL term; :meth:`~GRPORecipe.old_logprobs`, only when the generator's own
+   log-probs cannot serve as the sampling policy's).
+6. **Update** (:meth:`~GRPORecipe.update`): ``ppo_epochs`` optimizer steps over shuffled
+   micro-batches; every micro-batch loss is divided by the *global* normaliser, so
+   micro-batching and the number of ranks do not change the update
+   (:mod:`torchtune_grpo.rlhf.loss`).
+7. **After the step** (:meth:`~GRPORecipe.after_step`): metrics, evaluation, step
+   checkpoint, preemption and divergence.
 
-Single process (no torchrun) runs the same code with no process group and no FSDP.
+:meth:`GRPORecipe.train_step` is steps 2-6 as a list of those calls. Single process (no
+torchrun) runs the same code with no process group and no FSDP. Config defaults live in
+:data:`torchtune_grpo.config.RECIPE_KEYS`: the recipe reads ``cfg.key`` after
+:func:`~torchtune_grpo.config.with_defaults`.
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import math
 import signal
-import time
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -30,44 +40,47 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torchtune import config, training, utils
-from torchtune.modules.peft import (
-    disable_adapter,
-    get_adapter_state_dict,
-    get_lora_module_names,
-    get_merged_lora_ckpt,
-)
+from torchtune.modules.peft import disable_adapter
 
 from torchtune_grpo import distributed as D
-from torchtune_grpo.batching import StepBatches
+from torchtune_grpo.batching import StepBatches, split_batch
 from torchtune_grpo.checkpointing import (
     load_recipe_state,
+    lora_checkpoint,
     resolve_resume,
     save_step_checkpoint,
     weight_files,
 )
-from torchtune_grpo.config import check_input_files, per_rank_batch_size, validate_config
-from torchtune_grpo.datasets import collate_prompts
-from torchtune_grpo.evaluation import EvalResult, EvalSettings, evaluate
-from torchtune_grpo.modeling import DTYPES, build_model, has_adapters, meta_model, token_rules
-from torchtune_grpo.rlhf.advantages import group_advantages, loss_token_mask
-from torchtune_grpo.rlhf.forward import response_logprobs
-from torchtune_grpo.rlhf.generation import (
-    GenerationContext,
-    NativeGenerator,
-    decode_completions,
-    mix_seeds,
+from torchtune_grpo.config import (
+    check_input_files,
+    per_rank_batch_size,
+    validate_config,
+    with_defaults,
 )
+from torchtune_grpo.datasets import collate_prompts
+from torchtune_grpo.evaluation import EvalResult, evaluate
+from torchtune_grpo.metrics import PhaseTimer, peak_memory_gb
+from torchtune_grpo.modeling import DTYPES, build_model, has_adapters, meta_model, token_rules
+from torchtune_grpo.rlhf.advantages import AdvantageOutput, group_advantages, loss_token_mask
+from torchtune_grpo.rlhf.forward import response_logprobs
+from torchtune_grpo.rlhf.generation import NativeGenerator
+from torchtune_grpo.rlhf.generator import GenerationContext, Generator
 from torchtune_grpo.rlhf.logprobs import auto_chunk_size
 from torchtune_grpo.rlhf.loss import summarize_loss_stats
 from torchtune_grpo.rlhf.reward_set import RewardOutput, build_reward_set
+from torchtune_grpo.rlhf.scoring import concat_reward_outputs, score_rollout
+from torchtune_grpo.rlhf.seeding import mix_seeds
 from torchtune_grpo.rlhf.trajectory import (
     Trajectory,
     attention_mask,
     concat_trajectories,
     position_ids,
+    prompt_mask,
 )
+from torchtune_grpo.settings import AdvantageSettings, EvalSettings, settings_from_config
 
 log = utils.get_logger("INFO")
+
 
 def _world_size_from_env() -> int:
     import os
@@ -75,52 +88,19 @@ def _world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def peak_memory_gib(device: torch.device) -> float:
-    """Peak memory of this rank since the start, in GiB.
+def run_recipe(cfg: DictConfig) -> None:
+    """Set up, train and clean up a :class:`GRPORecipe`; cleanup runs on failure too.
 
-    CUDA: ``torch.cuda.max_memory_allocated`` (tensors only). CPU: the process's peak resident
-    set size (:func:`~torchtune_grpo.memory.peak_rss_bytes`; Python, libraries and data
-    included), the only peak the OS keeps.
+    The entry point of both training recipes: whether training ends, stops on a divergence
+    or raises, the generator (e.g. a vLLM engine), the metric logger and the process group
+    are closed.
     """
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1024**3
-    from torchtune_grpo.memory import peak_rss_bytes
-
-    return peak_rss_bytes() / 1024**3
-
-
-def split_batch(batch: dict[str, Any], chunks: int) -> list[dict[str, Any]]:
-    """Split a collated prompt batch into ``chunks`` equal consecutive parts.
-
-    Prompt padding is recomputed per part (a part's prompts are left-padded to its own
-    longest prompt); lists and per-prompt tensors are sliced alike.
-    """
-    if chunks == 1:
-        return [batch]
-    size = len(batch["answers"]) // chunks
-    parts = []
-    for i in range(chunks):
-        sl = slice(i * size, (i + 1) * size)
-        lengths = batch["prompt_lengths"][sl]
-        width = int(lengths.max())
-        parts.append({
-            **{k: v[sl] for k, v in batch.items() if k not in ("tokens",)},
-            "tokens": batch["tokens"][sl, batch["tokens"].shape[1] - width :],
-        })
-    return parts
-
-
-def concat_reward_outputs(outputs: list[RewardOutput]) -> RewardOutput:
-    """Concatenate the scores of consecutive chunks of one batch."""
-    if len(outputs) == 1:
-        return outputs[0]
-    return RewardOutput(
-        total=torch.cat([o.total for o in outputs]),
-        components={k: torch.cat([o.components[k] for o in outputs])
-                    for k in outputs[0].components},
-        success=torch.cat([o.success for o in outputs]),
-        errors={k: sum(o.errors.get(k, 0) for o in outputs) for k in outputs[0].errors},
-    )
+    recipe = GRPORecipe(cfg)
+    try:
+        recipe.setup()
+        recipe.train()
+    finally:
+        recipe.cleanup()
 
 
 class GRPORecipe:
@@ -132,36 +112,27 @@ class GRPORecipe:
 
     def __init__(self, cfg: DictConfig) -> None:
         validate_config(cfg, world_size=_world_size_from_env())
-        self.cfg = cfg
-        self.device = utils.get_device(cfg.get("device", "cuda"))
-        self.dtype = DTYPES[cfg.get("dtype", "bf16")]
+        self.cfg = cfg = with_defaults(cfg)
+        self.device = utils.get_device(cfg.device)
+        self.dtype = DTYPES[cfg.dtype]
         self.world_size, self.rank = D.init_distributed(
-            self.device, timeout_s=float(cfg.get("distributed_timeout_s", 600.0)))
+            self.device, timeout_s=float(cfg.distributed_timeout_s))
         self.is_rank_zero = self.rank == 0
-        self.seed = training.set_seed(cfg.get("seed", 0))
+        self.seed = training.set_seed(cfg.seed)
         self.batch_size = per_rank_batch_size(cfg, self.world_size)
         self.group_size = int(cfg.group_size)
-        rows = self.batch_size * self.group_size
-        self.forward_batch_size = int(cfg.get("forward_batch_size") or rows)
-        self.max_generated_tokens = int(cfg.max_generated_tokens)
-        self.temperature = float(cfg.get("temperature", 1.0))
-        self.top_k = cfg.get("top_k")
-        self.ppo_epochs = int(cfg.get("ppo_epochs", 1))
-        self.grad_accum_steps = int(cfg.get("gradient_accumulation_steps", 1))
-        self.mask_truncated = bool(cfg.get("mask_truncated_completions", False))
-        self.exclude_zero_std = bool(cfg.get("exclude_zero_std_groups", False))
-        self.num_steps = int(cfg.num_steps)
-        self.save_every = cfg.get("save_every_n_steps")
-        self.clip_grad_norm = cfg.get("clip_grad_norm")
-        self.log_every = int(cfg.get("log_every_n_steps", 1))
-        self.chunk_size = cfg.get("logprob_chunk_size")  # None: auto_chunk_size(V) in setup
-        adv_cfg = cfg.get("advantages") or {}
-        self.adv_scale = adv_cfg.get("scale", "group")
-        self.adv_eps = float(adv_cfg.get("eps", 1e-6))
+        self.forward_batch_size = int(cfg.forward_batch_size or self.batch_size * self.group_size)
+        self.advantage_settings = settings_from_config(AdvantageSettings, cfg.advantages,
+                                                       "advantages")
+        self.eval_settings = settings_from_config(
+            EvalSettings, cfg.eval, "eval", fixed={"seed": self.seed},
+            fallbacks={"max_generated_tokens": cfg.max_generated_tokens,
+                       "forward_batch_size": self.forward_batch_size})
         self.step = 0
         self.skipped_steps = 0
         self.consecutive_skips = 0
-        self.max_consecutive_skips = int(cfg.get("max_consecutive_skipped_steps", 5))
+        self.metric_logger = None
+        self._progress = None
         self._stop_requested = False
         self._adapter_state = None
 
@@ -174,98 +145,91 @@ class GRPORecipe:
         self.dataset = config.instantiate(cfg.dataset, tokenizer=self.tokenizer)
         self.rewards = build_reward_set(cfg.rewards)
         self.loss_fn = config.instantiate(cfg.loss)
-        self.generator = (config.instantiate(cfg.generator) if cfg.get("generator") is not None
-                          else NativeGenerator())
+        self.generator: Generator = (config.instantiate(cfg.generator)
+                                     if cfg.generator is not None else NativeGenerator())
         shape = meta_model(cfg.model)  # dims and adapters before any weight is loaded
         self.max_seq_len = getattr(shape, "max_seq_len", None)
+        self.is_lora = has_adapters(shape)
+        del shape
         self._check_context_length(self.max_seq_len)
         self.batches = StepBatches(
             self.dataset, batch_size=self.batch_size, world_size=self.world_size,
-            rank=self.rank, seed=self.seed, shuffle=bool(cfg.get("shuffle", True)),
+            rank=self.rank, seed=self.seed, shuffle=cfg.shuffle,
             collate=partial(collate_prompts, pad_id=int(getattr(self.tokenizer, "pad_id", 0))),
         )
-        self.eval_every = cfg.get("eval_every_n_steps")
-        self.eval_dataset = None
-        if cfg.get("eval_dataset") is not None:
-            self.eval_dataset = config.instantiate(cfg.eval_dataset, tokenizer=self.tokenizer)
-        eval_cfg = cfg.get("eval") or {}
-        self.eval_settings = EvalSettings(
-            num_samples=int(eval_cfg.get("num_samples", 1)),
-            temperature=float(eval_cfg.get("temperature", 0.0)),
-            top_k=eval_cfg.get("top_k"),
-            k=list(eval_cfg.get("k", [1])),
-            max_generated_tokens=int(eval_cfg.get("max_generated_tokens")
-                                     or self.max_generated_tokens),
-            forward_batch_size=int(eval_cfg.get("forward_batch_size")
-                                   or self.forward_batch_size),
-            seed=self.seed,
-        )
+        self.eval_dataset = (config.instantiate(cfg.eval_dataset, tokenizer=self.tokenizer)
+                             if cfg.eval_dataset is not None else None)
+        self.resume_dir = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir)
+        self._build_models()
+        self._build_optimizer()
+        if self.resume_dir is not None:
+            self._load_recipe_state(load_recipe_state(self.resume_dir))
+        if self.is_rank_zero and cfg.metric_logger is not None:
+            self.metric_logger = config.instantiate(cfg.metric_logger)
+            self.metric_logger.log_config(cfg)
 
-        self.resume_dir = resolve_resume(cfg.get("resume_from_checkpoint", False),
-                                         cfg.output_dir)
-        self.is_lora = has_adapters(shape)
-        del shape
+        self.rules = token_rules(self.tokenizer, self.model, self.device)
+        self.allowed_tokens, self.logit_bias = self.rules.allowed, self.rules.logit_bias
+        self.stop_tokens, self.pad_id = self.rules.stop_tokens, self.rules.pad_id
+        self.chunk_size = int(cfg.logprob_chunk_size or auto_chunk_size(self.logit_bias.numel()))
+        self.generator.setup(self._generation_context())
+        self.generator.sync_weights(self.model)  # a resumed or LoRA policy is not the base
+
+    def _build_models(self) -> None:
+        """The policy (from the base model or the step folder to resume) and, for a KL term
+        without LoRA, the frozen reference (always the base model)."""
+        cfg = self.cfg
         base_checkpointer = config.instantiate(cfg.checkpointer)
+        needs_reference = self.loss_fn.needs_reference
         adapter_state = None
-        if self.resume_dir is not None and self.is_lora:
-            # a LoRA step folder holds merged weights: rebuild base + adapters instead
+        if self.resume_dir is None or self.is_lora:
+            # a LoRA step folder holds merged weights: rebuild base + saved adapters instead
             self.checkpointer = base_checkpointer
             state_dict = base_state = self.checkpointer.load_checkpoint()[training.MODEL_KEY]
-            adapter_state = load_recipe_state(self.resume_dir)["adapter"]
-        elif self.resume_dir is None:
-            self.checkpointer = base_checkpointer
-            state_dict = self.checkpointer.load_checkpoint()[training.MODEL_KEY]
-            base_state = state_dict
+            if self.resume_dir is not None:
+                adapter_state = load_recipe_state(self.resume_dir)["adapter"]
         else:
-            # the policy continues from the step folder; the reference stays the base model
             self.checkpointer = config.instantiate(
                 cfg.checkpointer, checkpoint_dir=str(self.resume_dir),
                 checkpoint_files=weight_files(self.resume_dir),
             )
             state_dict = self.checkpointer.load_checkpoint()[training.MODEL_KEY]
             base_state = (base_checkpointer.load_checkpoint()[training.MODEL_KEY]
-                          if self.loss_fn.needs_reference else None)
+                          if needs_reference else None)
         self.model = self._build_model(state_dict, trainable=True, adapter_state=adapter_state)
-        if cfg.get("compile", False):
+        if cfg.compile:
             training.compile_model(self.model, verbose=self.is_rank_zero)
         self.activation_offloading = training.get_act_offloading_ctx_manager(
-            self.model, bool(cfg.get("enable_activation_offloading", False))
-        )
-        self.ref_model = (
-            self._build_model(base_state, trainable=False)
-            if self.loss_fn.needs_reference and not self.is_lora else None
-        )
-        del state_dict, base_state, adapter_state
+            self.model, cfg.enable_activation_offloading)
+        self.ref_model = (self._build_model(base_state, trainable=False)
+                          if needs_reference and not self.is_lora else None)
 
+    def _build_model(self, state_dict: dict[str, torch.Tensor], *, trainable: bool,
+                     adapter_state: dict[str, torch.Tensor] | None = None) -> nn.Module:
+        cfg = self.cfg
+        return build_model(
+            cfg.model, state_dict, device=self.device, dtype=self.dtype,
+            world_size=self.world_size, trainable=trainable, adapter_state_dict=adapter_state,
+            activation_checkpointing=cfg.enable_activation_checkpointing,
+            fsdp_cpu_offload=cfg.fsdp_cpu_offload,
+            reshard_after_forward=cfg.fsdp_reshard_after_forward,
+        )
+
+    def _build_optimizer(self) -> None:
+        cfg = self.cfg
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = config.instantiate(cfg.optimizer, trainable)
         self.lr_scheduler = None
-        if cfg.get("lr_scheduler") is not None:
+        if cfg.lr_scheduler is not None:
             self.lr_scheduler = config.instantiate(
-                cfg.lr_scheduler,
-                optimizer=self.optimizer,
-                num_training_steps=self.num_steps * self.ppo_epochs,
-            )
-        if self.resume_dir is not None:
-            self._load_recipe_state(load_recipe_state(self.resume_dir))
-        self.metric_logger = None
-        if self.is_rank_zero and cfg.get("metric_logger") is not None:
-            self.metric_logger = config.instantiate(cfg.metric_logger)
-            self.metric_logger.log_config(cfg)
-
-        self.rules = token_rules(self.tokenizer, self.model, self.device)
-        self.allowed_tokens, self.logit_bias = self.rules.allowed, self.rules.logit_bias
-        self.chunk_size = (auto_chunk_size(self.logit_bias.numel()) if self.chunk_size is None
-                           else int(self.chunk_size))
-        self.stop_tokens, self.pad_id = self.rules.stop_tokens, self.rules.pad_id
-        self.generator.setup(self._generation_context())
-        self.generator.sync_weights(self.model)  # a resumed or LoRA policy is not the base
+                cfg.lr_scheduler, optimizer=self.optimizer,
+                num_training_steps=cfg.num_steps * cfg.ppo_epochs)
 
     def _generation_context(self) -> GenerationContext:
         cfg = self.cfg
         lengths = getattr(self.dataset, "prompt_lengths", None)
         # longest sequence a rollout can make; the model's limit when the dataset cannot say
-        max_len = (max(lengths) + self.max_generated_tokens if lengths
+        max_len = (max(lengths) + cfg.max_generated_tokens if lengths
                    else int(self.max_seq_len or 4096))
         lora = None
         if self.is_lora:
@@ -275,8 +239,7 @@ class GRPORecipe:
             model_type=self.checkpointer._model_type.name,
             hf_config=dict(getattr(self.checkpointer, "_config", None) or {}),
             device=self.device, dtype=self.dtype, world_size=self.world_size, rank=self.rank,
-            max_len=max_len,
-            allowed_tokens=self.allowed_tokens, lora=lora,
+            max_len=max_len, allowed_tokens=self.allowed_tokens, lora=lora,
         )
 
     def _check_context_length(self, max_seq_len: int | None) -> None:
@@ -284,27 +247,45 @@ class GRPORecipe:
         lengths = getattr(self.dataset, "prompt_lengths", None)
         if max_seq_len is None or not lengths:
             return
-        need = max(lengths) + self.max_generated_tokens
+        new_tokens = self.cfg.max_generated_tokens
+        need = max(lengths) + new_tokens
         if need > max_seq_len:
             raise ValueError(
-                f"config key 'max_generated_tokens' ({self.max_generated_tokens}) plus the "
-                f"longest prompt ({max(lengths)} tokens) is {need}, above the model's "
-                f"max_seq_len of {max_seq_len}: lower max_generated_tokens or set "
-                "dataset.max_prompt_tokens"
+                f"config key 'max_generated_tokens' ({new_tokens}) plus the longest prompt "
+                f"({max(lengths)} tokens) is {need}, above the model's max_seq_len of "
+                f"{max_seq_len}: lower max_generated_tokens or set dataset.max_prompt_tokens"
             )
 
-    def _build_model(self, state_dict: dict[str, torch.Tensor], *, trainable: bool,
-                     adapter_state: dict[str, torch.Tensor] | None = None) -> nn.Module:
-        cfg = self.cfg
-        return build_model(
-            cfg.model, state_dict, device=self.device, dtype=self.dtype,
-            world_size=self.world_size, trainable=trainable, adapter_state_dict=adapter_state,
-            activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
-            fsdp_cpu_offload=cfg.get("fsdp_cpu_offload", False),
-            reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True),
-        )
-
     # ------------------------------------------------------------------ one step
+    def train_step(self, batch: dict[str, Any]) -> dict[str, float]:
+        """Steps 2-6 on this rank's ``batch`` of prompts; returns the step's metrics.
+
+        Gradient accumulation rolls out and scores the batch in sequential chunks
+        (``gradient_accumulation_steps``); the update still sees the whole batch.
+        """
+        timer = PhaseTimer()
+        trajs, scores = [], []
+        for chunk in split_batch(batch, self.cfg.gradient_accumulation_steps):
+            with timer("generation"):
+                trajs.append(self.rollout(chunk))
+            with timer("scoring"):
+                scores.append(self.score(trajs[-1], chunk))
+        traj, rewards = concat_trajectories(trajs), concat_reward_outputs(scores)
+        with timer("scoring"):
+            adv = self.advantages(rewards)
+        self.generator.before_update()  # e.g. vLLM frees its KV cache for the update
+        with timer("reference"):
+            ref = self.reference_logprobs(traj) if self.loss_fn.needs_reference else None
+        with timer("old_logprobs"):
+            old = self.old_logprobs(traj)
+        with timer("update"):
+            loss_metrics = self.update(traj, adv.advantages.to(self.device), ref,
+                                       self.loss_mask(traj, adv), old_logprobs=old)
+        with timer("weight_sync"):
+            self.generator.sync_weights(self.model)  # no-op for the native engine
+        self.step += 1
+        return self.step_metrics(traj, rewards, adv, loss_metrics, timer.seconds)
+
     def rollout(self, batch: dict[str, Any]) -> Trajectory:
         """Step 2: ``group_size`` completions per prompt, padded to uniform shapes.
 
@@ -312,75 +293,41 @@ class GRPORecipe:
         index)`` alone, so the same global batch yields the same rollouts on any number of
         ranks and with any ``forward_batch_size``, and a resumed run repeats them exactly.
         """
+        cfg = self.cfg
         tokens = batch["tokens"].to(self.device)
-        # left padding is the only padding (a prompt may itself contain pad_id)
-        lengths = batch["prompt_lengths"].to(self.device)
-        prompt_mask = torch.arange(tokens.shape[1], device=self.device)[None, :] >= (
-            tokens.shape[1] - lengths[:, None]
-        )
         self.model.eval()
         traj = self.generator.generate(
-            self.model,
-            tokens,
-            prompt_mask,
-            group_size=self.group_size,
-            forward_batch_size=self.forward_batch_size,
-            max_generated_tokens=self.max_generated_tokens,
-            temperature=self.temperature,
-            top_k=self.top_k,
-            stop_tokens=self.stop_tokens,
-            pad_id=self.pad_id,
+            self.model, tokens, prompt_mask(tokens, batch["prompt_lengths"]),
+            group_size=self.group_size, forward_batch_size=self.forward_batch_size,
+            max_generated_tokens=cfg.max_generated_tokens, temperature=cfg.temperature,
+            top_k=cfg.top_k, stop_tokens=self.stop_tokens, pad_id=self.pad_id,
             logit_bias=self.logit_bias,
             prompt_seeds=mix_seeds(self.seed, self.step, batch["indices"]),
-            all_done=partial(D.all_ranks_true, device=self.device),
-            cache_dtype=self.dtype,
+            all_done=partial(D.all_ranks_true, device=self.device), cache_dtype=self.dtype,
         )
         self.model.train()
         return traj
 
-    @torch.no_grad()
-    def policy_logprobs(self, traj: Trajectory) -> torch.Tensor:
-        """``[N, T]`` log-probs of the rollout under the current policy (no graph).
+    def score(self, traj: Trajectory, batch: dict[str, Any]) -> RewardOutput:
+        """Step 3: decode the completions and apply the reward components."""
+        return score_rollout(self.rewards, self.tokenizer, traj, batch,
+                             group_size=self.group_size, allowed_tokens=self.allowed_tokens,
+                             max_generated_tokens=self.cfg.max_generated_tokens)[1]
 
-        Used as the "old" log-probs when the generator's own cannot be (see
-        ``needs_policy_logprobs`` of the generator, e.g. vLLM with ``top_k``).
-        """
-        return self._response_logprobs(self.model, traj) * traj.response_mask
+    def advantages(self, rewards: RewardOutput) -> AdvantageOutput:
+        """Step 4: group-relative advantages ``[N]`` of the rewards (``advantages:`` block)."""
+        settings = self.advantage_settings
+        return group_advantages(rewards.total.to(self.device), self.group_size,
+                                scale=settings.scale, eps=settings.eps)
 
-    def _response_logprobs(self, model: nn.Module, traj: Trajectory) -> torch.Tensor:
-        """``[N, T]`` log-probs of ``traj``'s responses under ``model``, micro-batch by
-        micro-batch (call under ``torch.no_grad``)."""
-        mask, pos = self._forward_inputs(traj)
-        out = []
-        for i in range(0, traj.num_sequences, self.forward_batch_size):
-            sl = slice(i, i + self.forward_batch_size)
-            lp, _ = response_logprobs(
-                model, traj.tokens[sl], prompt_len=traj.prompt_len, mask=mask[sl],
-                input_pos=pos[sl], temperature=self.temperature, logit_bias=self.logit_bias,
-                chunk_size=self.chunk_size,
-            )
-            out.append(lp)
-        return torch.cat(out)
-
-    def score(self, traj: Trajectory, batch: dict[str, Any]):
-        """Step 3: decode completions and apply the reward components."""
-        completions = decode_completions(self.tokenizer, traj, self.allowed_tokens)
-        repeat = self.group_size
-        answers = [a for a in batch["answers"] for _ in range(repeat)]
-        questions = [q for q in batch["questions"] for _ in range(repeat)]
-        out = self.rewards(
-            completions,
-            answers,
-            questions=questions,
-            stopped=traj.stopped.tolist(),
-            response_lengths=traj.response_lengths.tolist(),
-            max_generated_tokens=self.max_generated_tokens,
+    def loss_mask(self, traj: Trajectory, adv: AdvantageOutput) -> torch.Tensor:
+        """``[N, T]`` response tokens that enter the loss and its normaliser
+        (``mask_truncated_completions``, ``exclude_zero_std_groups``)."""
+        return loss_token_mask(
+            traj.response_mask, traj.stopped, adv.zero_std_groups.to(self.device),
+            mask_truncated_completions=self.cfg.mask_truncated_completions,
+            exclude_zero_std_groups=self.cfg.exclude_zero_std_groups,
         )
-        return completions, out
-
-    def _forward_inputs(self, traj: Trajectory) -> tuple[torch.Tensor, torch.Tensor]:
-        padding = traj.padding_mask
-        return attention_mask(padding), position_ids(padding)
 
     @torch.no_grad()
     def reference_logprobs(self, traj: Trajectory) -> torch.Tensor:
@@ -393,6 +340,35 @@ class GRPORecipe:
         context = disable_adapter(self.model) if self.is_lora else contextlib.nullcontext()
         with context:
             return self._response_logprobs(model, traj)
+
+    @torch.no_grad()
+    def old_logprobs(self, traj: Trajectory) -> torch.Tensor | None:
+        """Step 5: ``[N, T]`` log-probs of the rollout under the current policy (no graph),
+        when the generator's own cannot serve as the sampling policy's (see its
+        ``needs_policy_logprobs``, e.g. vLLM with ``top_k``); None: use ``traj.logprobs``."""
+        if not self.generator.needs_policy_logprobs(top_k=self.cfg.top_k):
+            return None
+        return self._response_logprobs(self.model, traj) * traj.response_mask
+
+    def _response_logprobs(self, model: nn.Module, traj: Trajectory) -> torch.Tensor:
+        """``[N, T]`` log-probs of ``traj``'s responses under ``model``, micro-batch by
+        micro-batch (call under ``torch.no_grad``)."""
+        mask, pos = self._forward_inputs(traj)
+        out = []
+        for i in range(0, traj.num_sequences, self.forward_batch_size):
+            sl = slice(i, i + self.forward_batch_size)
+            lp, _ = response_logprobs(
+                model, traj.tokens[sl], prompt_len=traj.prompt_len, mask=mask[sl],
+                input_pos=pos[sl], temperature=self.cfg.temperature,
+                logit_bias=self.logit_bias, chunk_size=self.chunk_size,
+            )
+            out.append(lp)
+        return torch.cat(out)
+
+    @staticmethod
+    def _forward_inputs(traj: Trajectory) -> tuple[torch.Tensor, torch.Tensor]:
+        padding = traj.padding_mask
+        return attention_mask(padding), position_ids(padding)
 
     def update(self, traj: Trajectory, advantages: torch.Tensor,
                ref_logprobs: torch.Tensor | None,
@@ -413,27 +389,26 @@ class GRPORecipe:
         step: the same weights), over response tokens: ~1e-6 for the native engine in fp32,
         larger for another engine or precision, and large when its weights were not synced.
         """
+        cfg = self.cfg
         old = traj.logprobs if old_logprobs is None else old_logprobs
         mask, pos = self._forward_inputs(traj)
         response_mask = traj.response_mask if loss_mask is None else loss_mask
         normalizer = self.loss_fn.normalizer_contribution(response_mask).to(
-            self.device, torch.float32
-        )
+            self.device, torch.float32)
         normalizer = D.all_reduce(normalizer.clone(), "sum")
-        stats, grad_norms, skipped = [], [], 0
+        stats, grad_norms = [], []
         gap = torch.zeros(3, dtype=torch.float64, device=self.device)  # max, sum, count
-        for epoch in range(self.ppo_epochs):
+        for epoch in range(cfg.ppo_epochs):
             # micro-batch order: a pure function of (seed, step, epoch, rank), like sampling
             gen = torch.Generator().manual_seed(
-                int(mix_seeds(self.seed, self.step, epoch, self.rank, 0x5F0F))
-            )
+                int(mix_seeds(self.seed, self.step, epoch, self.rank, 0x5F0F)))
             order = torch.randperm(traj.num_sequences, generator=gen)
             for i in range(0, traj.num_sequences, self.forward_batch_size):
                 idx = order[i : i + self.forward_batch_size].to(self.device)
                 with self.activation_offloading:
                     logprobs, entropy = response_logprobs(
                         self.model, traj.tokens[idx], prompt_len=traj.prompt_len,
-                        mask=mask[idx], input_pos=pos[idx], temperature=self.temperature,
+                        mask=mask[idx], input_pos=pos[idx], temperature=cfg.temperature,
                         logit_bias=self.logit_bias, chunk_size=self.chunk_size,
                         return_entropy=True, entropy_grad=self.loss_fn.needs_entropy,
                     )
@@ -444,10 +419,7 @@ class GRPORecipe:
                         gap[1] += diff.double().sum()
                         gap[2] += diff.numel()
                 loss, mb_stats = self.loss_fn(
-                    logprobs,
-                    old[idx],
-                    advantages[idx],
-                    response_mask[idx],
+                    logprobs, old[idx], advantages[idx], response_mask[idx],
                     normalizer=normalizer,
                     ref_logprobs=None if ref_logprobs is None else ref_logprobs[idx],
                     entropy=entropy,
@@ -455,21 +427,8 @@ class GRPORecipe:
                 # FSDP averages gradients over ranks; the loss is already a global mean.
                 (loss * self.world_size).backward()
                 stats.append(mb_stats)
-            grad_norm = self._grad_norm()
-            if math.isfinite(grad_norm):
-                self.optimizer.step()
-                self.consecutive_skips = 0
-            else:
-                skipped += 1
-                self.skipped_steps += 1
-                self.consecutive_skips += 1
-                log.warning(f"step {self.step + 1}: non-finite loss or gradient, update skipped "
-                            f"({self.consecutive_skips} in a row)")
-            self.optimizer.zero_grad(set_to_none=True)
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-            grad_norms.append(grad_norm)
-        metrics = summarize_loss_stats(stats, all_reduce=lambda t, op: D.all_reduce(t, op))
+            grad_norms.append(self._optimizer_step())
+        metrics = summarize_loss_stats(stats, all_reduce=D.all_reduce)
         gap_max = D.all_reduce(gap[:1].clone(), "max")
         gap_sum = D.all_reduce(gap[1:].clone(), "sum")
         metrics["generation/logprob_diff_max"] = float(gap_max[0])
@@ -478,13 +437,25 @@ class GRPORecipe:
         metrics["skipped_steps"] = float(self.skipped_steps)
         return metrics
 
-    def _grad_norm(self) -> float:
-        max_norm = float(self.clip_grad_norm) if self.clip_grad_norm else float("inf")
+    def _optimizer_step(self) -> float:
+        """Clip, step (skipped when the gradient is not finite), zero, schedule; returns the
+        gradient norm before clipping."""
+        max_norm = float(self.cfg.clip_grad_norm or float("inf"))
         params = [p for p in self.model.parameters() if p.requires_grad]
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        return float(norm)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+            self.consecutive_skips = 0
+        else:
+            self.skipped_steps += 1
+            self.consecutive_skips += 1
+            log.warning(f"step {self.step + 1}: non-finite loss or gradient, update skipped "
+                        f"({self.consecutive_skips} in a row)")
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        return grad_norm
 
     # ------------------------------------------------------------------ metrics
     def _global_mean(self, values: torch.Tensor) -> float:
@@ -493,21 +464,24 @@ class GRPORecipe:
         D.all_reduce(t, "sum")
         return float(t[0] / t[1])
 
-    def _step_metrics(self, traj, rewards_out, adv_out, loss_metrics, times) -> dict[str, float]:
-        total = rewards_out.total.float()
+    def step_metrics(self, traj: Trajectory, rewards: RewardOutput, adv: AdvantageOutput,
+                     loss_metrics: dict[str, float],
+                     seconds: dict[str, float]) -> dict[str, float]:
+        """The metrics of one step, averaged over all ranks (``docs/metrics.md``)."""
+        total = rewards.total.float()
         mean = self._global_mean(total)
         mean_sq = self._global_mean(total * total)
         metrics = {
             "reward/mean": mean,
             "reward/std": math.sqrt(max(mean_sq - mean * mean, 0.0)),
-            "success_rate": self._global_mean(rewards_out.success.float()),
+            "success_rate": self._global_mean(rewards.success.float()),
             "response_length/mean": self._global_mean(traj.response_lengths.float()),
             "truncated_fraction": self._global_mean((~traj.stopped).float()),
-            "zero_std_group_fraction": self._global_mean(adv_out.zero_std_groups.float()),
+            "zero_std_group_fraction": self._global_mean(adv.zero_std_groups.float()),
         }
-        for name, values in rewards_out.components.items():
+        for name, values in rewards.components.items():
             metrics[f"reward/{name}"] = self._global_mean(values.float())
-        for name, count in rewards_out.errors.items():
+        for name, count in rewards.errors.items():
             errors = D.all_reduce(torch.tensor([float(count)], device=self.device), "sum")
             metrics[f"reward/{name}/errors"] = float(errors)
         metrics["data/skipped_rows"] = float(getattr(self.dataset, "skipped_rows", 0))
@@ -515,108 +489,92 @@ class GRPORecipe:
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         generated = torch.tensor([float(traj.response_mask.sum())], device=self.device)
         D.all_reduce(generated, "sum")
-        metrics["tokens_per_second/generation"] = float(generated) / max(times["generation"], 1e-9)
-        for key, value in times.items():
-            metrics[f"time/{key}"] = value
-        if self.cfg.get("log_peak_memory_stats", True):
-            metrics["peak_memory_gb"] = peak_memory_gib(self.device)
+        metrics["tokens_per_second/generation"] = (
+            float(generated) / max(seconds["generation"], 1e-9))
+        metrics.update({f"time/{phase}": value for phase, value in seconds.items()})
+        if self.cfg.log_peak_memory_stats:
+            metrics["peak_memory_gb"] = peak_memory_gb(self.device)
         return metrics
 
     # ------------------------------------------------------------------ loop
     def train(self) -> None:
-        """Run ``num_steps`` GRPO steps (see the module docstring)."""
+        """Run the remaining of ``num_steps`` GRPO steps: a list of calls."""
+        if self.eval_dataset is not None and self.step == 0 and self.cfg.eval_at_start:
+            self.run_eval()
+        with self._progress_bar(), self._sigterm_stops_after_the_step():
+            while self.step < self.cfg.num_steps:
+                metrics = self.train_step(self.batches.batch(self.step))
+                if not self.after_step(metrics):
+                    break
+
+    def after_step(self, metrics: dict[str, float]) -> bool:
+        """Step 7: log, evaluate, checkpoint; returns False when the run must stop.
+
+        A checkpoint is written at the last step, every ``save_every_n_steps``, with every
+        evaluation (its results go into the folder), on preemption (SIGTERM on any rank) and
+        before raising on divergence (``max_consecutive_skipped_steps`` non-finite updates
+        in a row).
+        """
+        cfg = self.cfg
+        self.log_metrics(metrics)
+        preempted = not D.all_ranks_true(not self._stop_requested, self.device)
+        diverged = self.consecutive_skips >= cfg.max_consecutive_skipped_steps
+        last = self.step == cfg.num_steps
+        evaluated = None
+        if cfg.eval_every_n_steps and (self.step % cfg.eval_every_n_steps == 0 or last):
+            evaluated = self.run_eval()
+        if last or preempted or diverged or evaluated is not None or (
+                cfg.save_every_n_steps and self.step % cfg.save_every_n_steps == 0):
+            self.save_checkpoint(evaluated)
+        if preempted:
+            log.warning(f"stopped after step {self.step} on request; resume with "
+                        "resume_from_checkpoint=true")
+            return False
+        if diverged:
+            raise RuntimeError(
+                f"{self.consecutive_skips} consecutive steps had a non-finite loss or gradient "
+                f"(max_consecutive_skipped_steps={cfg.max_consecutive_skipped_steps}); saved "
+                f"step_{self.step} and stopped. Lower the learning rate, check the rewards, "
+                "or resume from an earlier checkpoint."
+            )
+        return True
+
+    def log_metrics(self, metrics: dict[str, float]) -> None:
+        """Send ``metrics`` to the metric logger (every ``log_every_n_steps``) and the
+        progress bar."""
+        if self.metric_logger is not None and self.step % self.cfg.log_every_n_steps == 0:
+            self.metric_logger.log_dict(metrics, step=self.step)
+        if self._progress is not None:
+            self._progress.update(1)
+            self._progress.set_description(
+                f"step {self.step} reward {metrics['reward/mean']:.3f} "
+                f"success {metrics['success_rate']:.2f}")
+
+    @contextlib.contextmanager
+    def _progress_bar(self) -> Iterator[None]:
         from tqdm import tqdm
 
-        show = self.is_rank_zero and self.cfg.get("progress_bar", True)
-        if self.eval_dataset is not None and self.step == 0 and self.cfg.get("eval_at_start", True):
-            self.run_eval()
-        progress = tqdm(total=self.num_steps, initial=self.step, disable=not show)
-        previous_handler = signal.signal(signal.SIGTERM, self._request_stop)
+        show = self.is_rank_zero and self.cfg.progress_bar
+        self._progress = tqdm(total=self.cfg.num_steps, initial=self.step, disable=not show)
         try:
-            self._train_loop(progress)
+            yield
         finally:
-            signal.signal(signal.SIGTERM, previous_handler)
-            progress.close()
+            self._progress.close()
+            self._progress = None
 
-    def _request_stop(self, signum, _frame) -> None:
-        """SIGTERM (preemption): finish the current step, save, and stop."""
-        log.warning(f"received signal {signum}: saving at the end of this step, then stopping")
-        self._stop_requested = True
+    @contextlib.contextmanager
+    def _sigterm_stops_after_the_step(self) -> Iterator[None]:
+        """SIGTERM (preemption) sets a flag: the step finishes, is saved, and the loop stops."""
+        def request_stop(signum, _frame) -> None:
+            log.warning(f"received signal {signum}: saving at the end of this step, then "
+                        "stopping")
+            self._stop_requested = True
 
-    def _train_loop(self, progress) -> None:
-        while self.step < self.num_steps:
-            batch = self.batches.batch(self.step)
-            times = {"generation": 0.0, "scoring": 0.0}
-            trajs, scores = [], []
-            # gradient accumulation: roll out and score the batch in sequential chunks; the
-            # update below still sees the whole batch, so the result equals one chunk of B
-            for chunk in split_batch(batch, self.grad_accum_steps):
-                t0 = time.perf_counter()
-                trajs.append(self.rollout(chunk))
-                times["generation"] += time.perf_counter() - t0
-                t0 = time.perf_counter()
-                scores.append(self.score(trajs[-1], chunk)[1])
-                times["scoring"] += time.perf_counter() - t0
-            traj = concat_trajectories(trajs)
-            rewards_out = concat_reward_outputs(scores)
-
-            t0 = time.perf_counter()
-            rewards_out.total = rewards_out.total.to(self.device)
-            adv_out = group_advantages(rewards_out.total, self.group_size,
-                                       scale=self.adv_scale, eps=self.adv_eps)
-            times["scoring"] += time.perf_counter() - t0
-
-            self.generator.before_update()  # e.g. vLLM frees its KV cache for the update
-            t0 = time.perf_counter()
-            ref = self.reference_logprobs(traj) if self.loss_fn.needs_reference else None
-            old = (self.policy_logprobs(traj)
-                   if self.generator.needs_policy_logprobs(top_k=self.top_k) else None)
-            times["reference"] = time.perf_counter() - t0
-
-            t0 = time.perf_counter()
-            loss_mask = loss_token_mask(
-                traj.response_mask, traj.stopped, adv_out.zero_std_groups.to(self.device),
-                mask_truncated_completions=self.mask_truncated,
-                exclude_zero_std_groups=self.exclude_zero_std,
-            )
-            loss_metrics = self.update(traj, adv_out.advantages.to(self.device), ref, loss_mask,
-                                       old_logprobs=old)
-            times["update"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            self.generator.sync_weights(self.model)  # no-op for the native engine
-            times["weight_sync"] = time.perf_counter() - t0
-            self.step += 1
-
-            metrics = self._step_metrics(traj, rewards_out, adv_out, loss_metrics, times)
-            self.last_metrics = metrics
-            if self.metric_logger is not None and self.step % self.log_every == 0:
-                self.metric_logger.log_dict(metrics, step=self.step)
-            progress.update(1)
-            progress.set_description(
-                f"step {self.step} reward {metrics['reward/mean']:.3f} "
-                f"success {metrics['success_rate']:.2f}"
-            )
-            preempted = not D.all_ranks_true(not self._stop_requested, self.device)
-            diverged = self.consecutive_skips >= self.max_consecutive_skips
-            last = self.step == self.num_steps
-            evaluated = None
-            if self.eval_every and (self.step % self.eval_every == 0 or last):
-                evaluated = self.run_eval()
-            if last or preempted or diverged or evaluated is not None or (
-                self.save_every and self.step % self.save_every == 0
-            ):
-                self.save_checkpoint(evaluated)
-            if preempted:
-                log.warning(f"stopped after step {self.step} on request; resume with "
-                            "resume_from_checkpoint=true")
-                break
-            if diverged:
-                raise RuntimeError(
-                    f"{self.consecutive_skips} consecutive steps had a non-finite loss or "
-                    f"gradient (max_consecutive_skipped_steps={self.max_consecutive_skips}); "
-                    f"saved step_{self.step} and stopped. Lower the learning rate, check the "
-                    "rewards, or resume from an earlier checkpoint."
-                )
+        previous = signal.signal(signal.SIGTERM, request_stop)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
 
     def run_eval(self) -> EvalResult:
         """Evaluate the current policy on ``eval_dataset``; log ``eval/...`` metrics."""
@@ -640,34 +598,10 @@ class GRPORecipe:
             return training.gather_cpu_state_dict(self.model, self.is_rank_zero, self.device)
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
-    def _lora_checkpoint(self, state: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """Adapters (PEFT format via the checkpointer) plus, unless
-        ``save_adapter_weights_only``, the merged weights that ``transformers`` loads."""
-        m = self.cfg.model
-        adapter = get_adapter_state_dict(state)
-        checkpoint: dict[str, Any] = {
-            training.ADAPTER_KEY: adapter,
-            training.ADAPTER_CONFIG: {
-                "r": m.lora_rank,
-                "lora_alpha": m.lora_alpha,
-                "target_modules": get_lora_module_names(
-                    list(m.lora_attn_modules), m.get("apply_lora_to_mlp", False),
-                    m.get("apply_lora_to_output", False),
-                ),
-                "peft_type": "LORA",
-            },
-        }
-        if not self.cfg.get("save_adapter_weights_only", False):
-            checkpoint[training.MODEL_KEY] = get_merged_lora_ckpt(
-                dict(state), rank=m.lora_rank, alpha=m.lora_alpha
-            )
-        return checkpoint
-
     def _full_optimizer_state_dict(self) -> dict[str, Any]:
         if self.world_size > 1:  # gathered on rank 0 (a collective: every rank calls it)
             return training.get_full_optimizer_state_dict(
-                self.model, self.optimizer, self.is_rank_zero, device=self.device
-            )
+                self.model, self.optimizer, self.is_rank_zero, device=self.device)
         return self.optimizer.state_dict()
 
     def recipe_state(self, optimizer_state: dict[str, Any]) -> dict[str, Any]:
@@ -702,8 +636,7 @@ class GRPORecipe:
             )
         if self.world_size > 1:
             training.load_from_full_optimizer_state_dict(
-                self.model, self.optimizer, state["optimizer"], self.device
-            )
+                self.model, self.optimizer, state["optimizer"], self.device)
         else:
             self.optimizer.load_state_dict(state["optimizer"])
         if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
@@ -719,40 +652,42 @@ class GRPORecipe:
         Args:
             evaluated: evaluation results of this step, stored inside the folder.
         """
+        cfg = self.cfg
         state = self._full_model_state_dict()
         optimizer_state = self._full_optimizer_state_dict()
         self._adapter_state = None
         if self.is_rank_zero:
             checkpoint = {training.MODEL_KEY: state}
             if self.is_lora:
-                checkpoint = self._lora_checkpoint(state)
+                checkpoint = lora_checkpoint(state, cfg.model,
+                                             adapter_only=cfg.save_adapter_weights_only)
                 self._adapter_state = checkpoint[training.ADAPTER_KEY]
             extra = None
             if evaluated is not None:
                 extra = evaluated.files(
-                    dataset=str(self.cfg.eval_dataset.get("_component_")),
-                    split=str(self.cfg.eval_dataset.get("split", "")),
-                    model_path=str(self.cfg.output_dir) + f"/step_{self.step}",
+                    dataset=str(cfg.eval_dataset.get("_component_")),
+                    split=str(cfg.eval_dataset.get("split", "")),
+                    model_path=str(cfg.output_dir) + f"/step_{self.step}",
                     step=self.step,
                 )
             path = save_step_checkpoint(
-                output_dir=self.cfg.output_dir,
-                step=self.step,
-                checkpointer=self.checkpointer,
+                output_dir=cfg.output_dir, step=self.step, checkpointer=self.checkpointer,
                 checkpoint=checkpoint,
-                adapter_only=self.is_lora and bool(self.cfg.get("save_adapter_weights_only")),
-                recipe_state=self.recipe_state(optimizer_state),
-                extra_files=extra,
-                keep_last_n=self.cfg.get("keep_last_n_checkpoints"),
+                adapter_only=self.is_lora and cfg.save_adapter_weights_only,
+                recipe_state=self.recipe_state(optimizer_state), extra_files=extra,
+                keep_last_n=cfg.keep_last_n_checkpoints,
             )
             log.info(f"saved {path}")
         D.barrier()
 
     def cleanup(self) -> None:
-        """Close the generator, the metric logger and the process group."""
-        generator = getattr(self, "generator", None)
-        if generator is not None:
-            generator.close()
-        if self.metric_logger is not None:
-            self.metric_logger.close()
-        D.destroy()
+        """Close the generator, the metric logger and the process group (safe to call after
+        a failed or partial :meth:`setup`)."""
+        try:
+            generator = getattr(self, "generator", None)
+            if generator is not None:
+                generator.close()
+            if self.metric_logger is not None:
+                self.metric_logger.close()
+        finally:
+            D.destroy()

@@ -19,6 +19,8 @@ from docutils import nodes
 from sphinx.util.docutils import SphinxDirective
 
 SCHEMAS = ("RECIPE_KEYS", "EVAL_KEYS")
+#: Settings dataclasses of nested blocks (:mod:`torchtune_grpo.settings`) -> their config key.
+SETTINGS = {"AdvantageSettings": "advantages", "EvalSettings": "eval"}
 
 
 def format_default(value: Any) -> str:
@@ -47,6 +49,53 @@ def table_rows(schema_name: str) -> list[tuple[str, str, str, str]]:
     ]
 
 
+def _attribute_docs(cls: type) -> dict[str, str]:
+    """``name -> text`` from the ``Attributes:`` section of a Google-style class docstring."""
+    docs: dict[str, str] = {}
+    current = None
+    in_section = False
+    for line in (cls.__doc__ or "").splitlines():
+        stripped = line.strip()
+        if stripped == "Attributes:":
+            in_section = True
+            continue
+        if not in_section or not stripped:
+            continue
+        match = re.match(r"^(\w+):\s*(.*)$", stripped)
+        if match and line.startswith(" " * 8) and not line.startswith(" " * 12):
+            current = match.group(1)
+            docs[current] = match.group(2)
+        elif current is not None:
+            docs[current] += " " + stripped
+    return docs
+
+
+def settings_rows(settings_name: str) -> list[tuple[str, str, str]]:
+    """``(key, default, meaning)`` of every key of a nested block, in field order.
+
+    Fields the recipe sets itself (those whose meaning says "not a key of the ... block")
+    are left out.
+    """
+    import dataclasses
+
+    import torchtune_grpo.settings as settings
+
+    if settings_name not in SETTINGS:
+        raise ValueError(f"grpo-settings-table: unknown settings {settings_name!r}; use one "
+                         f"of {tuple(SETTINGS)}")
+    cls = getattr(settings, settings_name)
+    docs = _attribute_docs(cls)
+    rows = []
+    for f in dataclasses.fields(cls):
+        text = " ".join(docs.get(f.name, "").split())
+        text = re.sub(r":\w+:`~?([^`]+)`", r"``\1``", text)  # Sphinx roles as literals
+        if "not a key of" in text:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        rows.append((f"``{SETTINGS[settings_name]}.{f.name}``", format_default(default), text))
+    return rows
+
+
 def _inline(text: str) -> list[nodes.Node]:
     """Nodes for a cell: ````literal```` and ``**strong**`` become markup, the rest text."""
     out: list[nodes.Node] = []
@@ -62,7 +111,12 @@ def _inline(text: str) -> list[nodes.Node]:
 
 def table_node(schema_name: str) -> nodes.table:
     """A docutils table of :func:`table_rows` (header: key, type, default, meaning)."""
-    widths = (22, 14, 12, 52)
+    return _table(("key", "type", "default", "meaning"), table_rows(schema_name),
+                  (22, 14, 12, 52))
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]],
+           widths: tuple[int, ...]) -> nodes.table:
     table = nodes.table(classes=["grpo-config-table"])
     group = nodes.tgroup(cols=len(widths))
     table += group
@@ -78,9 +132,9 @@ def table_node(schema_name: str) -> nodes.table:
         return r
 
     head = nodes.thead()
-    head += row(("key", "type", "default", "meaning"))
+    head += row(header)
     body = nodes.tbody()
-    for cells in table_rows(schema_name):
+    for cells in rows:
         body += row(cells)
     group += head
     group += body
@@ -100,6 +154,21 @@ class ConfigTable(SphinxDirective):
             raise self.error(str(e)) from e
 
 
+class SettingsTable(SphinxDirective):
+    """``grpo-settings-table NAME``: the keys of a nested block (a settings dataclass)."""
+
+    required_arguments = 1
+    has_content = False
+
+    def run(self) -> list[nodes.Node]:
+        try:
+            rows = settings_rows(self.arguments[0])
+        except ValueError as e:
+            raise self.error(str(e)) from e
+        return [_table(("key", "default", "meaning"), rows, (26, 14, 60))]
+
+
 def setup(app: Any) -> dict[str, Any]:
     app.add_directive("grpo-config-table", ConfigTable)
+    app.add_directive("grpo-settings-table", SettingsTable)
     return {"version": "1.0", "parallel_read_safe": True, "parallel_write_safe": True}

@@ -60,6 +60,28 @@ def test_config_table_lists_every_key_in_schema_order():
         config_table.table_rows("NOPE")
 
 
+def test_settings_tables_list_every_key_of_the_nested_blocks():
+    _require_sphinx()
+    import dataclasses
+
+    sys.path.insert(0, str(DOCS / "_ext"))
+    try:
+        import config_table
+    finally:
+        sys.path.remove(str(DOCS / "_ext"))
+    from torchtune_grpo.config import RECIPE_KEYS
+
+    for name, key in config_table.SETTINGS.items():
+        cls = RECIPE_KEYS[key].settings
+        assert cls.__name__ == name
+        rows = config_table.settings_rows(name)
+        fields = [f.name for f in dataclasses.fields(cls) if f.name != "seed"]
+        assert [r[0] for r in rows] == [f"``{key}.{f}``" for f in fields]
+        assert all(r[1] and r[2] for r in rows), rows
+    assert {k for k, spec in RECIPE_KEYS.items() if spec.settings} == set(
+        config_table.SETTINGS.values())
+
+
 def test_api_page_covers_every_public_module():
     """docs/api.rst has an automodule for every module of the package (private ones excepted)."""
     package = DOCS.parent / "torchtune_grpo"

@@ -137,3 +137,43 @@ def test_bf16_updates_are_not_lost():
     assert torch.equal(params[1], torch.ones_like(params[1]))  # every update rounded away
     moved = (1 - params[0].float()).mean().item()
     assert moved == pytest.approx(50 * cfg.optimizer.lr, rel=0.3)
+
+
+# ---------------------------------------------------------------------------- nested blocks
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["advantages.scael=none"],
+         "unknown config key 'advantages.scael' (known: scale, eps). Did you mean "
+         "'advantages.scale'?"),
+        (["advantages.scale=groups"], "config key 'advantages': scale must be one of"),
+        (["advantages.eps=-1"], "eps must be >= 0"),
+        (["eval.tempreature=0.7"], "Did you mean 'eval.temperature'?"),
+        (["eval.num_samples=4"], "num_samples > 1 needs 'temperature' > 0"),
+        (["eval.seed=3"], "unknown config key 'eval.seed'"),
+    ],
+)
+def test_nested_blocks_are_checked_like_the_top_level(overrides, message):
+    """A typo under ``advantages:`` or ``eval:`` is an error naming the key, not a silent
+    default (``advantages.scael=none`` used to leave group-scaled GRPO in place)."""
+    cfg = load_config("grpo/quickstart_cpu", overrides)
+    with pytest.raises(ConfigError) as info:
+        validate_config(cfg)
+    assert message in str(info.value)
+
+
+def test_nested_blocks_read_into_settings_with_defaults_in_one_place():
+    from torchtune_grpo.config import RECIPE_KEYS, with_defaults
+    from torchtune_grpo.settings import AdvantageSettings, EvalSettings, settings_from_config
+
+    cfg = load_config("grpo/quickstart_cpu", ["advantages.scale=none"])
+    validate_config(cfg)
+    adv = settings_from_config(AdvantageSettings, cfg.advantages, "advantages")
+    assert adv == AdvantageSettings(scale="none", eps=AdvantageSettings.eps)
+    ev = settings_from_config(EvalSettings, {"max_generated_tokens": None, "num_samples": 2,
+                                             "temperature": 1.0},
+                              "eval", fallbacks={"max_generated_tokens": 7}, fixed={"seed": 5})
+    assert (ev.max_generated_tokens, ev.num_samples, ev.seed) == (7, 2, 5)
+    filled = with_defaults(load_config("grpo/quickstart_cpu", ["~ppo_epochs"]))
+    assert filled.ppo_epochs == RECIPE_KEYS["ppo_epochs"].default
+    assert set(RECIPE_KEYS) <= set(filled)

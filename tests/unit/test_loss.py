@@ -17,11 +17,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from torchtune_grpo.distributed import all_reduce
 from torchtune_grpo.rlhf.logprobs import chunked_token_logprobs
 from torchtune_grpo.rlhf.loss import (
     GRPOLoss,
     summarize_loss_stats,
-    torch_distributed_all_reduce,
 )
 
 exp = math.exp
@@ -540,7 +540,7 @@ def _distributed_worker(rank: int, world_size: int, port: int, out_dir: str) -> 
             lo = rank * half
             parts = [slice(lo, lo + 1), slice(lo + 1, lo + half)]
             local = sum(loss_fn.normalizer_contribution(data["mask"][p]) for p in parts)
-            norm = torch_distributed_all_reduce(local.clone(), "sum")
+            norm = all_reduce(local.clone(), "sum")
             model.zero_grad()
             stats = []
             for p in parts:
@@ -552,7 +552,7 @@ def _distributed_worker(rank: int, world_size: int, port: int, out_dir: str) -> 
             results[f"{aggregation}/{importance_level}/{clip_mode}"] = {
                 "grads": _grads(model),
                 "ref_grads": ref_grads,
-                "summary": summarize_loss_stats(stats, all_reduce=torch_distributed_all_reduce),
+                "summary": summarize_loss_stats(stats, all_reduce=all_reduce),
                 "ref_summary": summarize_loss_stats(ref_stats),
             }
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

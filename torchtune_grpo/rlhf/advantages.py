@@ -27,9 +27,14 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["ADVANTAGE_SCALES", "AdvantageOutput", "group_advantages"]
+__all__ = ["ADVANTAGE_SCALES", "DEFAULT_EPS", "DEFAULT_SCALE", "AdvantageOutput",
+           "group_advantages"]
 
 ADVANTAGE_SCALES = ("group", "batch", "none")
+#: Default ``scale`` (also of the config's ``advantages.scale``).
+DEFAULT_SCALE = "group"
+#: Default ``eps`` (also of the config's ``advantages.eps``).
+DEFAULT_EPS = 1e-6
 
 
 class AdvantageOutput(NamedTuple):
@@ -65,8 +70,8 @@ def group_advantages(
     rewards: Tensor,
     group_size: int,
     *,
-    scale: str = "group",
-    eps: float = 1e-6,
+    scale: str = DEFAULT_SCALE,
+    eps: float = DEFAULT_EPS,
 ) -> AdvantageOutput:
     """Group-relative advantages of ``N`` completions in contiguous groups of ``group_size``.
 

@@ -43,7 +43,6 @@ __all__ = [
     "KL_ESTIMATORS",
     "GRPOLoss",
     "summarize_loss_stats",
-    "torch_distributed_all_reduce",
 ]
 
 AGGREGATIONS = ("sequence_mean", "token_mean", "constant")
@@ -476,28 +475,6 @@ class GRPOLoss(nn.Module):
         return loss, stats
 
 
-def torch_distributed_all_reduce(tensor: Tensor, op: str) -> Tensor:
-    """All-reduce ``tensor`` in place over the default process group with ``"sum"``/``"max"``.
-
-    Suitable as the ``all_reduce`` argument of :func:`summarize_loss_stats`. Works on gloo
-    (which has no ``ReduceOp.AVG``) and NCCL; the tensor must live on the backend's device.
-
-    Args:
-        tensor (Tensor): any shape; reduced in place.
-        op (str): ``"sum"`` or ``"max"``.
-
-    Returns:
-        Tensor: the reduced tensor (the same object).
-    """
-    import torch.distributed as dist
-
-    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-    if op not in ops:
-        raise ValueError(f"op must be 'sum' or 'max', got {op!r}")
-    dist.all_reduce(tensor, op=ops[op])
-    return tensor
-
-
 def summarize_loss_stats(
     stats_list: Sequence[dict[str, Tensor]],
     all_reduce: Callable[[Tensor, str], Tensor] | None = None,
@@ -514,7 +491,7 @@ def summarize_loss_stats(
             averaged over steps through ``normalizer_share``).
         all_reduce (Callable[[Tensor, str], Tensor] | None): ``f(tensor, op)`` with ``op`` in
             ``{"sum", "max"}`` returning the reduced tensor, e.g.
-            :func:`torch_distributed_all_reduce`. ``None`` for a single process.
+            :func:`torchtune_grpo.distributed.all_reduce`. ``None`` for a single process.
 
     Returns:
         dict[str, float]: ``loss``, ``policy_loss``, ``kl`` (mean per-token KL to the reference

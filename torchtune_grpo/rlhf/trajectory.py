@@ -87,6 +87,21 @@ class Trajectory:
         )
 
 
+def prompt_mask(tokens: torch.Tensor, prompt_lengths: torch.Tensor) -> torch.Tensor:
+    """``[B, P]`` True on the real tokens of left-padded prompts.
+
+    Left padding is the only padding, so the mask comes from the lengths alone (a prompt may
+    itself contain ``pad_id``).
+
+    Args:
+        tokens: ``[B, P]`` left-padded prompt ids.
+        prompt_lengths: ``[B]`` real tokens per prompt.
+    """
+    width = tokens.shape[1]
+    positions = torch.arange(width, device=tokens.device)[None, :]
+    return positions >= width - prompt_lengths.to(tokens.device)[:, None]
+
+
 def position_ids(padding_mask: torch.Tensor) -> torch.Tensor:
     """Position ids ``[N, L]`` that start at 0 on the first real token of each row.
 

@@ -1,0 +1,76 @@
+"""A training run that fails still closes what it opened (the generator, the logger and the
+process group): the recipes' entry points clean up on success and on failure alike."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchtune_grpo.checkpointing import step_dir
+from torchtune_grpo.rlhf.generation import NativeGenerator
+from torchtune_grpo.rlhf.loss import GRPOLoss
+
+
+class RecordingGenerator(NativeGenerator):
+    """The native engine; writes ``closed_file`` on close and raises in ``generate`` from
+    call ``fail_at`` on (0: never)."""
+
+    def __init__(self, closed_file: str, fail_at: int = 0) -> None:
+        super().__init__()
+        self.closed_file, self.fail_at, self.calls = Path(closed_file), fail_at, 0
+
+    def generate(self, *args, **kwargs):
+        self.calls += 1
+        if self.fail_at and self.calls >= self.fail_at:
+            raise RuntimeError("generator failed on purpose")
+        return super().generate(*args, **kwargs)
+
+    def close(self) -> None:
+        self.closed_file.write_text("closed")
+        super().close()
+
+
+class NaNLoss(GRPOLoss):
+    """The GRPO loss times NaN: every update is non-finite, so the run diverges."""
+
+    def forward(self, *args, **kwargs):
+        loss, stats = super().forward(*args, **kwargs)
+        return loss * torch.tensor(float("nan")), stats
+
+
+@pytest.mark.parametrize("entry", ["grpo_full_finetune_single_device",
+                                   "grpo_full_finetune_distributed"])
+@pytest.mark.parametrize("failure", ["generator_raises", "diverges", "none"])
+def test_recipes_clean_up_on_success_and_failure(base_model, tmp_path, monkeypatch, entry,
+                                                 failure):
+    closed = tmp_path / "closed"
+    out = tmp_path / "run"
+    overrides = [
+        f"model_dir={base_model}", f"output_dir={out}", "progress_bar=false",
+        "eval_every_n_steps=null", "eval_at_start=false", "num_steps=2",
+        "generator._component_=tests.recipes.test_cleanup.RecordingGenerator",
+        f"generator.closed_file={closed}",
+        f"generator.fail_at={2 if failure == 'generator_raises' else 0}",
+    ]
+    if failure == "diverges":
+        overrides += ["loss._component_=tests.recipes.test_cleanup.NaNLoss",
+                      "max_consecutive_skipped_steps=1"]
+    monkeypatch.setattr(sys, "argv", [entry, "--config", "grpo/quickstart_cpu", *overrides])
+    recipe_main = importlib.import_module(entry).recipe_main
+    if failure == "none":
+        with pytest.raises(SystemExit) as done:
+            recipe_main()
+        assert not done.value.code
+        assert (step_dir(out, 2) / "CHECKPOINT_COMPLETE").is_file()
+    else:
+        match = "on purpose" if failure == "generator_raises" else "consecutive steps"
+        with pytest.raises(RuntimeError, match=match):
+            recipe_main()
+    assert closed.read_text() == "closed"
+    if failure == "diverges":  # the divergence stop saves the step it stopped at
+        assert (step_dir(out, 1) / "CHECKPOINT_COMPLETE").is_file()
+        assert not step_dir(out, 2).exists()

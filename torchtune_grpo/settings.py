@@ -1,0 +1,144 @@
+"""Typed settings of the nested config blocks: each field's default and meaning in one place.
+
+A nested block of the config (``advantages:``, ``eval:``) is read into a small frozen
+dataclass by :func:`settings_from_config`, which rejects unknown keys with the closest known
+key suggested (``advantages.scael`` -> ``advantages.scale``) and checks the values in the
+dataclass's ``__post_init__``. :func:`torchtune_grpo.config.validate_config` runs the same
+function on the raw config before anything is built, so a typo in a nested block costs
+seconds; adding a key to a block means adding one field here.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from torchtune_grpo.rlhf.advantages import ADVANTAGE_SCALES, DEFAULT_EPS, DEFAULT_SCALE
+
+__all__ = ["AdvantageSettings", "EvalSettings", "sampling_problems", "settings_from_config"]
+
+S = TypeVar("S")
+
+
+@dataclass(frozen=True)
+class AdvantageSettings:
+    """The ``advantages:`` block: how rewards become group-relative advantages.
+
+    Attributes:
+        scale: ``group`` divides by each group's std (GRPO), ``batch`` by the std of the whole
+            batch, ``none`` does not divide (Dr. GRPO); see
+            :func:`torchtune_grpo.rlhf.advantages.group_advantages`.
+        eps: added to the standard deviation before dividing (``>= 0``).
+    """
+
+    scale: str = DEFAULT_SCALE
+    eps: float = DEFAULT_EPS
+
+    def __post_init__(self) -> None:
+        if self.scale not in ADVANTAGE_SCALES:
+            raise ValueError(f"scale must be one of {list(ADVANTAGE_SCALES)}, got {self.scale!r}")
+        if not float(self.eps) >= 0:
+            raise ValueError(f"eps must be >= 0, got {self.eps!r}")
+
+
+def sampling_problems(num_samples: int, temperature: float, k: list[int]) -> dict[str, str]:
+    """What is wrong with evaluation sampling settings, by key (empty when they are fine).
+
+    Shared by :class:`EvalSettings` (the training recipe's ``eval:`` block) and the
+    ``grpo_eval`` config check in :func:`torchtune_grpo.config.validate_config`.
+    """
+    problems = {}
+    if num_samples < 1:
+        problems["num_samples"] = f"num_samples must be >= 1, got {num_samples}"
+    elif num_samples > 1 and temperature <= 0:
+        problems["num_samples"] = (
+            "num_samples > 1 needs 'temperature' > 0 (greedy decoding repeats itself)"
+        )
+    bad = [v for v in k if not 1 <= int(v) <= num_samples]
+    if bad:
+        problems["k"] = f"k values {bad} must lie in 1..num_samples={num_samples}"
+    return problems
+
+
+@dataclass
+class EvalSettings:
+    """How to sample during evaluation (the ``eval:`` block of a training config; the
+    top-level keys of a ``grpo_eval`` config take their defaults from here).
+
+    Attributes:
+        num_samples: completions per problem (1 with ``temperature: 0`` is greedy pass@1).
+        temperature: 0 for greedy decoding.
+        top_k: top-k sampling (None: off).
+        k: budgets reported as ``pass@k`` and ``maj@k`` (each ``<= num_samples``).
+        max_generated_tokens: generation budget per completion. In a training config's
+            ``eval:`` block, unset or null means the training ``max_generated_tokens``.
+        forward_batch_size: sequences per generation micro-batch. In a training config's
+            ``eval:`` block, unset or null means the training ``forward_batch_size``.
+        seed: base seed of the per-sample random numbers (the run's ``seed``; not a key of
+            the ``eval:`` block).
+    """
+
+    num_samples: int = 1
+    temperature: float = 0.0
+    top_k: int | None = None
+    k: list[int] = field(default_factory=lambda: [1])
+    max_generated_tokens: int = 256
+    forward_batch_size: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        problems = sampling_problems(self.num_samples, self.temperature, self.k)
+        if problems:
+            raise ValueError("eval " + "; ".join(problems.values()))
+
+
+def _plain(node: Any) -> dict[str, Any]:
+    if node is None:
+        return {}
+    if isinstance(node, (DictConfig, ListConfig)):
+        node = OmegaConf.to_container(node, resolve=True)
+    if not isinstance(node, dict):
+        raise ValueError(f"must be a mapping of keys to values, got {node!r}")
+    return dict(node)
+
+
+def settings_from_config(cls: type[S], node: Any, where: str, *,
+                         fallbacks: dict[str, Any] | None = None,
+                         fixed: dict[str, Any] | None = None) -> S:
+    """Build the settings dataclass ``cls`` from the config block ``node``.
+
+    Args:
+        cls: a settings dataclass (:class:`AdvantageSettings`, :class:`EvalSettings`).
+        node: the block (a mapping, a ``DictConfig``, or None for all defaults).
+        where: the block's config key, for error messages (``"advantages"``).
+        fallbacks: values for keys the block leaves unset or null (e.g. the training
+            ``max_generated_tokens`` for ``eval.max_generated_tokens``).
+        fixed: values set by the recipe, not by the block (e.g. ``seed``); the block may not
+            name them.
+
+    Returns:
+        The settings.
+
+    Raises:
+        ValueError: naming ``where.key``: an unknown key (with the closest known key
+            suggested) or a value the settings reject.
+    """
+    fixed = fixed or {}
+    values = _plain(node)
+    allowed = [f.name for f in fields(cls) if f.init and f.name not in fixed]
+    for key in values:
+        if key not in allowed:
+            close = difflib.get_close_matches(str(key), allowed, n=1)
+            hint = f" Did you mean '{where}.{close[0]}'?" if close else ""
+            known = ", ".join(allowed)
+            raise ValueError(f"unknown config key '{where}.{key}' (known: {known}).{hint}")
+    for key, value in (fallbacks or {}).items():
+        if values.get(key) is None:
+            values[key] = value
+    try:
+        return cls(**values, **fixed)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"config key '{where}': {e}") from e
