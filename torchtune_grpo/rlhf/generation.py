@@ -39,9 +39,6 @@ from torchtune_grpo.rlhf.trajectory import (
     position_ids,
 )
 
-# recipe.py still imports GenerationContext and mix_seeds from this module; once it imports
-# them from torchtune_grpo.rlhf.generator and .seeding, nothing relies on these re-exports.
-
 
 # ---------------------------------------------------------------------------- vocabulary
 def stop_token_ids(tokenizer) -> list[int]:
