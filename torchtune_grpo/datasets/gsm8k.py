@@ -108,16 +108,6 @@ def gsm8k_dataset(
         FileNotFoundError: when a local source does not exist.
     """
     return build_prompt_dataset(
-        tokenizer,
-        builder="gsm8k_dataset",
-        read_row=_read_row,
-        default_template=GSM8K_TEMPLATE,
-        source=source,
-        split=split,
-        data_files=data_files,
-        name=name,
-        template=template,
-        max_prompt_tokens=max_prompt_tokens,
-        invalid_rows=invalid_rows,
-        load_kwargs=load_kwargs,
-    )
+        tokenizer, builder="gsm8k_dataset", read_row=_read_row, default_template=GSM8K_TEMPLATE,
+        source=source, split=split, data_files=data_files, name=name, template=template,
+        max_prompt_tokens=max_prompt_tokens, invalid_rows=invalid_rows, load_kwargs=load_kwargs)

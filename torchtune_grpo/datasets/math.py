@@ -205,20 +205,10 @@ def math_dataset(
         FileNotFoundError: when a local source does not exist.
     """
     return build_prompt_dataset(
-        tokenizer,
-        builder="math_dataset",
-        read_row=_read_row,
-        default_template=MATH_TEMPLATE,
-        source=source,
-        split=split,
-        data_files=data_files,
-        name=name,
-        configurations=partial(_subjects, source=source, data_files=data_files),
-        template=template,
-        max_prompt_tokens=max_prompt_tokens,
-        invalid_rows=invalid_rows,
-        load_kwargs=load_kwargs,
-    )
+        tokenizer, builder="math_dataset", read_row=_read_row, default_template=MATH_TEMPLATE,
+        source=source, split=split, data_files=data_files, name=name,
+        configurations=partial(_subjects, source=source, data_files=data_files), template=template,
+        max_prompt_tokens=max_prompt_tokens, invalid_rows=invalid_rows, load_kwargs=load_kwargs)
 
 
 def deepscaler_dataset(
@@ -257,15 +247,7 @@ def deepscaler_dataset(
         FileNotFoundError: when a local source does not exist.
     """
     return build_prompt_dataset(
-        tokenizer,
-        builder="deepscaler_dataset",
-        read_row=_read_row,
-        default_template=MATH_TEMPLATE,
-        source=source,
-        split=split,
-        data_files=data_files,
-        template=template,
-        max_prompt_tokens=max_prompt_tokens,
-        invalid_rows=invalid_rows,
-        load_kwargs=load_kwargs,
-    )
+        tokenizer, builder="deepscaler_dataset", read_row=_read_row,
+        default_template=MATH_TEMPLATE, source=source, split=split, data_files=data_files,
+        template=template, max_prompt_tokens=max_prompt_tokens, invalid_rows=invalid_rows,
+        load_kwargs=load_kwargs)

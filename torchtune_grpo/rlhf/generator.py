@@ -96,15 +96,19 @@ class Generator(Protocol):
         prompt_tokens: torch.Tensor,
         prompt_mask: torch.Tensor,
         *,
+        # what to produce: G samples per prompt, at most this many new tokens each, ending
+        # at a stop token and padded with pad_id
         group_size: int,
-        forward_batch_size: int,
         max_generated_tokens: int,
-        temperature: float,
-        top_k: int | None,
         stop_tokens: torch.Tensor,
         pad_id: int,
+        # the sampling distribution and its random numbers
+        temperature: float,
+        top_k: int | None,
         logit_bias: torch.Tensor | None = None,
         prompt_seeds: torch.Tensor | None = None,
+        # how: rows per forward, lockstep across ranks, KV-cache dtype
+        forward_batch_size: int,
         all_done: Callable[[bool], bool] | None = None,
         cache_dtype: torch.dtype | None = None,
     ) -> Trajectory:
