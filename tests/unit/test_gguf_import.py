@@ -529,7 +529,7 @@ def test_real_greedy_generation_identical(real):
 
 
 @pytest.mark.slow
-def test_real_torchtune_model_logits_match_gguf(real):
+def test_real_torchtune_model_logits_match_gguf(real, capsys):
     """The torchtune model that ``hf_model`` builds from the converted folder (weights loaded
     by ``hf_checkpointer``, prompts rendered by ``hf_tokenizer`` with the model's own chat
     template) gives transformers-from-GGUF's next-token logits within 1e-4."""
@@ -557,4 +557,7 @@ def test_real_torchtune_model_logits_match_gguf(real):
         assert ref.std() > 1.0  # real logits, not a degenerate model
         worst = max(worst, float((ours - ref).abs().max()))
         assert int(ours.argmax()) == int(ref.argmax())
+    with capsys.disabled():
+        print(f"\n[gguf] torchtune model (hf_model) next-token logits, max |diff| vs "
+              f"transformers GGUF: {worst:.3g}")
     assert worst < 1e-4, worst
