@@ -7,10 +7,14 @@ import subprocess
 import pytest
 
 from tests.recipes._helpers import (
+    LENGTH_REWARD_OVERRIDE,
+    assert_not_degenerate,
     free_port,
+    launch,
     metrics,
     quickstart_overrides,
     recipe_env,
+    run_overrides,
     run_tune,
     tune_cmd,
 )
@@ -50,8 +54,8 @@ def test_yaml_path_and_two_processes(base_model, tmp_path):
     config = tmp_path / "my.yaml"
     config.write_text(resolve_config_path("grpo/quickstart_cpu").read_text())
     out = tmp_path / "run"
-    args = quickstart_overrides(base_model, out, "num_steps=2", "batch_size=4")
-    args[1] = str(config)
+    args = ["--config", str(config), *run_overrides(base_model, out, "num_steps=2",
+                                                     "batch_size=4")]
     run_tune(["run", "--nproc_per_node", "2", "grpo_full_finetune_distributed", *args],
              cwd=tmp_path)
     assert len(metrics(out)) == 2
@@ -95,18 +99,18 @@ def _first_step(base_model, tmp_path, name, nproc, *extra):
     args = quickstart_overrides(
         base_model, out, "num_steps=1", "global_batch_size=4", "batch_size=null",
         "group_size=4", "loss.aggregation=token_mean", "loss.entropy_coeff=0.01",
-        "temperature=1.5", *extra,
+        "temperature=1.5", LENGTH_REWARD_OVERRIDE, *extra,
     )
-    launcher = ["run"] + (["--nproc_per_node", str(nproc)] if nproc > 1 else [])
-    run_tune([*launcher, "grpo_full_finetune_distributed", *args], cwd=tmp_path, threads=1)
-    (row,) = metrics(out)
-    return row
+    run_tune([*launch(nproc), *args], cwd=tmp_path, threads=1)
+    return out
 
 
 def test_first_step_equal_across_ranks_and_micro_batches(base_model, tmp_path):
-    one = _first_step(base_model, tmp_path, "one", 1)
-    micro = _first_step(base_model, tmp_path, "micro", 1, "forward_batch_size=4")
-    two = _first_step(base_model, tmp_path, "two", 2, "forward_batch_size=4")
+    runs = [_first_step(base_model, tmp_path, "one", 1),
+            _first_step(base_model, tmp_path, "micro", 1, "forward_batch_size=4"),
+            _first_step(base_model, tmp_path, "two", 2, "forward_batch_size=4")]
+    assert_not_degenerate(*runs, weights=(base_model, runs[0] / "step_1"))
+    (one,), (micro,), (two,) = (metrics(out) for out in runs)
     assert one["loss"] != 0 and one["grad_norm"] > 0
     for other in (micro, two):
         assert other["reward/mean"] == one["reward/mean"]

@@ -7,8 +7,20 @@ import torch
 from safetensors.torch import load_file
 from torchtune.models.convert_weights import hf_to_tune
 
-from tests.recipes._helpers import metrics, quickstart_overrides, run_tune
-from tests.recipes.test_single_device import LENGTH_REWARD, train_in_process
+from tests.recipes._helpers import (
+    LENGTH_REWARD,
+    LENGTH_REWARD_OVERRIDE,
+    assert_not_degenerate,
+    assert_same_metrics,
+    assert_same_weights,
+    expect_killed,
+    launch,
+    metrics,
+    quickstart_overrides,
+    run_tune,
+    train_in_process,
+    train_metrics,
+)
 from torchtune_grpo.rlhf.forward import response_logprobs
 from torchtune_grpo.rlhf.trajectory import attention_mask, position_ids
 from torchtune_grpo.tiny import tiny_llama
@@ -41,7 +53,7 @@ def test_lora_trains_adapters_only_and_uses_base_as_reference(base_model, tmp_pa
             frozen += 1
     assert adapters > 0 and frozen > 0
     assert any("lora_b" in n and p.abs().sum() > 0 for n, p in recipe.model.named_parameters())
-    assert recipe.last_metrics["kl"] > 0  # the adapted policy moved away from the base
+    assert train_metrics(tmp_path / "lora")[-1]["kl"] > 0  # the adapted policy left the base
 
     # reference log-probs (adapters disabled) equal a plain base model's
     plain = tiny_llama()
@@ -56,7 +68,8 @@ def test_lora_trains_adapters_only_and_uses_base_as_reference(base_model, tmp_pa
     ref = recipe.reference_logprobs(traj)
     expected, _ = response_logprobs(plain, prompts, prompt_len=5, mask=attention_mask(padding),
                                     input_pos=position_ids(padding),
-                                    temperature=recipe.temperature, logit_bias=recipe.logit_bias)
+                                    temperature=recipe.cfg.temperature,
+                                    logit_bias=recipe.logit_bias)
     torch.testing.assert_close(ref, expected, rtol=1e-5, atol=1e-5)
 
     # the saved merged weights reproduce the adapted policy
@@ -70,13 +83,23 @@ def test_lora_trains_adapters_only_and_uses_base_as_reference(base_model, tmp_pa
 
 
 def test_lora_resume_and_two_processes(base_model, tmp_path):
+    """Two processes; killed after step 3 and resumed from step_2, a run saves the same adapters
+    and merged weights, bitwise, as one that was never interrupted."""
+    def args(out, *extra):
+        return quickstart_overrides(base_model, out, *LORA, "num_steps=3", "batch_size=4",
+                                    "loss.kl_coeff=0.02", "save_every_n_steps=2",
+                                    LENGTH_REWARD_OVERRIDE, *extra)
+
+    full = tmp_path / "full"
+    run_tune([*launch(2), *args(full)], cwd=tmp_path)
     out = tmp_path / "run"
-    args = quickstart_overrides(base_model, out, *LORA, "num_steps=2", "batch_size=4",
-                                "loss.kl_coeff=0.02")
-    run_tune(["run", "--nproc_per_node", "2", "grpo_full_finetune_distributed", *args],
-             cwd=tmp_path)
+    expect_killed([*launch(2), *args(
+        out, "metric_logger._component_=crash_helpers.KillAfterStepLogger",
+        "metric_logger.kill_at_step=3")], tmp_path)
     assert (out / "step_2" / "adapter_config.json").is_file()
-    args[args.index("num_steps=2")] = "num_steps=3"
-    run_tune(["run", "--nproc_per_node", "2", "grpo_full_finetune_distributed", *args,
-              "resume_from_checkpoint=true"], cwd=tmp_path)
+    assert not (out / "step_3").exists()
+    run_tune([*launch(2), *args(out, "resume_from_checkpoint=true")], cwd=tmp_path)
     assert [int(r["step"]) for r in metrics(out)] == [1, 2, 3]
+    assert_same_weights(full / "step_3", out / "step_3")  # adapters and merged weights
+    assert_same_metrics(full, out, steps=[3])
+    assert_not_degenerate(full, weights=(base_model, full / "step_2", full / "step_3"))

@@ -8,18 +8,23 @@ import time
 
 import pytest
 
-from tests.recipes._helpers import quickstart_overrides, recipe_env, tune_cmd
-from tests.recipes.test_single_device import LENGTH_REWARD, train_in_process
+from tests.recipes._helpers import (
+    LENGTH_REWARD,
+    quickstart_config,
+    quickstart_overrides,
+    recipe_env,
+    train_in_process,
+    train_metrics,
+    tune_cmd,
+)
 from torchtune_grpo.checkpointing import latest_step_checkpoint, load_recipe_state
-from torchtune_grpo.config import load_config
 from torchtune_grpo.recipe import GRPORecipe
 
 pytestmark = pytest.mark.slow
 
 
 def _setup(base, out, *overrides):
-    recipe = GRPORecipe(load_config("grpo/quickstart_cpu",
-                                    quickstart_overrides(base, out, *overrides)[2:]))
+    recipe = GRPORecipe(quickstart_config(base, out, *overrides))
     recipe.setup()
     return recipe
 
@@ -52,10 +57,9 @@ def test_bad_rows_error_or_are_skipped_and_counted(base_model, tmp_path):
                "model.max_seq_len=1024"]
     with pytest.raises(ValueError, match="row 3"):
         _setup(base_model, tmp_path / "a", *dataset)
-    recipe = train_in_process(base_model, tmp_path / "b", *dataset, "dataset.invalid_rows=skip",
-                              "num_steps=1", "batch_size=4", "group_size=2",
-                              "max_generated_tokens=3")
-    assert recipe.last_metrics["data/skipped_rows"] == 1.0
+    train_in_process(base_model, tmp_path / "b", *dataset, "dataset.invalid_rows=skip",
+                     "num_steps=1", "batch_size=4", "group_size=2", "max_generated_tokens=3")
+    assert train_metrics(tmp_path / "b")[-1]["data/skipped_rows"] == 1.0
 
 
 def test_consecutive_non_finite_steps_stop_after_saving(base_model, tmp_path):

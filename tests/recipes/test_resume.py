@@ -7,93 +7,81 @@ import subprocess
 import time
 
 import pytest
-from safetensors.torch import load_file
 
-from tests.recipes._helpers import metrics, quickstart_overrides, recipe_env, run_tune, tune_cmd
+from tests.recipes._helpers import (
+    LENGTH_REWARD_OVERRIDE,
+    assert_not_degenerate,
+    assert_same_metrics,
+    assert_same_weights,
+    expect_killed,
+    launch,
+    metrics,
+    quickstart_overrides,
+    recipe_env,
+    run_tune,
+    tune_cmd,
+)
 
 pytestmark = pytest.mark.slow
 
-WEIGHTS = "model-00001-of-00001.safetensors"
-# measurements of the machine, not of the run: they differ between any two runs
-TIMING = ("time/", "tokens_per_second", "peak_memory_gb")
-
-
-def _launch(nproc: int) -> list[str]:
-    return ["run"] + (["--nproc_per_node", str(nproc)] if nproc > 1 else []) + [
-        "grpo_full_finetune_distributed"]
-
 
 def _args(base, out, *extra):
-    # ppo_epochs=2 and an LR schedule make optimizer and scheduler state matter
+    # ppo_epochs=2 and an LR schedule make optimizer and scheduler state matter; the length
+    # reward makes every step update the weights, and the low learning rate keeps its groups
+    # varied for all four steps (at 1e-3 every completion has the maximal length by step 3)
     return quickstart_overrides(
         base, out, "num_steps=4", "global_batch_size=8", "batch_size=null", "group_size=4",
         "ppo_epochs=2", "lr_scheduler._component_=torchtune.training.lr_schedulers."
-        "get_cosine_schedule_with_warmup", "lr_scheduler.num_warmup_steps=2", *extra)
-
-
-def _expect_killed(args, cwd, nproc):
-    proc = subprocess.run(tune_cmd(*_launch(nproc), *args), cwd=cwd, env=recipe_env(),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode != 0, "the run was supposed to be killed"
-
-
-def _same_weights(a, b):
-    wa, wb = load_file(str(a)), load_file(str(b))
-    assert wa.keys() == wb.keys()
-    for key in wa:
-        assert wa[key].equal(wb[key]), key
-
-
-def _same_metrics(rows_a, rows_b, steps):
-    a = {int(r["step"]): r for r in rows_a}
-    b = {int(r["step"]): r for r in rows_b}
-    for step in steps:
-        keys = {k for k in a[step] if not k.startswith(TIMING)}
-        assert keys == {k for k in b[step] if not k.startswith(TIMING)}
-        for key in keys:
-            assert a[step][key] == b[step][key], (step, key)
+        "get_cosine_schedule_with_warmup", "lr_scheduler.num_warmup_steps=2",
+        LENGTH_REWARD_OVERRIDE, "optimizer.lr=1e-4", *extra)
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_resume_after_sigkill_is_bitwise_exact(base_model, tmp_path, nproc):
     full = tmp_path / "full"
-    run_tune([*_launch(nproc), *_args(base_model, full, "save_every_n_steps=2")], cwd=tmp_path)
+    run_tune([*launch(nproc), *_args(base_model, full, "save_every_n_steps=2")], cwd=tmp_path)
 
     out = tmp_path / "killed"
-    _expect_killed(_args(base_model, out, "save_every_n_steps=2",
-                         "metric_logger._component_=crash_helpers.KillAfterStepLogger",
-                         "metric_logger.kill_at_step=3"), tmp_path, nproc)
+    expect_killed([*launch(nproc), *_args(
+        base_model, out, "save_every_n_steps=2",
+        "metric_logger._component_=crash_helpers.KillAfterStepLogger",
+        "metric_logger.kill_at_step=3")], tmp_path)
     assert (out / "step_2" / "CHECKPOINT_COMPLETE").is_file()
     assert not (out / "step_4").exists()
-    run_tune([*_launch(nproc), *_args(base_model, out, "save_every_n_steps=2",
-                                      "resume_from_checkpoint=true")], cwd=tmp_path)
-    _same_weights(full / "step_4" / WEIGHTS, out / "step_4" / WEIGHTS)
-    _same_metrics(metrics(full), metrics(out), steps=[3, 4])
+    run_tune([*launch(nproc), *_args(base_model, out, "save_every_n_steps=2",
+                                     "resume_from_checkpoint=true")], cwd=tmp_path)
+    assert_same_weights(full / "step_4", out / "step_4")
+    assert_same_metrics(full, out, steps=[3, 4])
+    assert_not_degenerate(full, weights=(base_model, full / "step_2", full / "step_4"))
 
 
 def test_crash_during_save_keeps_previous_checkpoint(base_model, tmp_path):
     reference = tmp_path / "reference"
-    run_tune([*_launch(1), *_args(base_model, reference)], cwd=tmp_path, threads=2)
+    run_tune([*launch(1), *_args(base_model, reference, "save_every_n_steps=2")],
+             cwd=tmp_path, threads=2)
 
     out = tmp_path / "crashed"
-    _expect_killed(_args(base_model, out, "save_every_n_steps=1",
-                         "checkpointer._component_=crash_helpers.CrashingCheckpointer",
-                         "checkpointer.crash_at_step=3"), tmp_path, 1)
+    expect_killed([*launch(1), *_args(
+        base_model, out, "save_every_n_steps=1",
+        "checkpointer._component_=crash_helpers.CrashingCheckpointer",
+        "checkpointer.crash_at_step=3")], tmp_path, threads=2)
     assert (out / "step_2" / "CHECKPOINT_COMPLETE").is_file()
     assert not (out / "step_3").exists() and (out / ".step_3.partial").exists()
     from torchtune_grpo.checkpointing import latest_step_checkpoint
 
     assert latest_step_checkpoint(out).name == "step_2"
-    run_tune([*_launch(1), *_args(base_model, out, "save_every_n_steps=1",
-                                  "resume_from_checkpoint=true")], cwd=tmp_path, threads=2)
-    _same_weights(reference / "step_4" / WEIGHTS, out / "step_4" / WEIGHTS)
+    run_tune([*launch(1), *_args(base_model, out, "save_every_n_steps=1",
+                                 "resume_from_checkpoint=true")], cwd=tmp_path, threads=2)
+    assert_same_weights(reference / "step_4", out / "step_4")
     assert not list(out.glob(".step_*"))
+    assert_not_degenerate(reference, weights=(base_model, reference / "step_2",
+                                              reference / "step_4"))
 
 
 def test_sigterm_saves_at_step_boundary_and_exits_cleanly(base_model, tmp_path):
     out = tmp_path / "run"
     args = quickstart_overrides(base_model, out, "num_steps=500")
-    proc = subprocess.Popen(tune_cmd(*_launch(1), *args), cwd=tmp_path, env=recipe_env(2),
+    proc = subprocess.Popen(tune_cmd(*launch(1), *args), cwd=tmp_path, env=recipe_env(2),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
