@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.recipes._helpers import QUICKSTART, run_overrides
 from torchtune_grpo.checkpointing import step_dir
 from torchtune_grpo.rlhf.generation import NativeGenerator
 from torchtune_grpo.rlhf.loss import GRPOLoss
@@ -49,17 +50,15 @@ def test_recipes_clean_up_on_success_and_failure(base_model, tmp_path, monkeypat
                                                  failure):
     closed = tmp_path / "closed"
     out = tmp_path / "run"
-    overrides = [
-        f"model_dir={base_model}", f"output_dir={out}", "progress_bar=false",
-        "eval_every_n_steps=null", "eval_at_start=false", "num_steps=2",
+    overrides = run_overrides(
+        base_model, out, "num_steps=2",
         "generator._component_=tests.recipes.test_cleanup.RecordingGenerator",
         f"generator.closed_file={closed}",
-        f"generator.fail_at={2 if failure == 'generator_raises' else 0}",
-    ]
+        f"generator.fail_at={2 if failure == 'generator_raises' else 0}")
     if failure == "diverges":
         overrides += ["loss._component_=tests.recipes.test_cleanup.NaNLoss",
                       "max_consecutive_skipped_steps=1"]
-    monkeypatch.setattr(sys, "argv", [entry, "--config", "grpo/quickstart_cpu", *overrides])
+    monkeypatch.setattr(sys, "argv", [entry, "--config", QUICKSTART, *overrides])
     recipe_main = importlib.import_module(entry).recipe_main
     if failure == "none":
         with pytest.raises(SystemExit) as done:
