@@ -10,19 +10,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.recipes._helpers import QUICKSTART, run_overrides
+from tests.recipes._helpers import QUICKSTART, run_overrides, train_metrics
 from torchtune_grpo.checkpointing import step_dir
 from torchtune_grpo.rlhf.generation import NativeGenerator
 from torchtune_grpo.rlhf.loss import GRPOLoss
 
 
 class RecordingGenerator(NativeGenerator):
-    """The native engine; writes ``closed_file`` on close and raises in ``generate`` from
-    call ``fail_at`` on (0: never)."""
+    """The native engine; writes ``closed_file`` on close, raises in ``generate`` from call
+    ``fail_at`` on (0: never), and with ``recompute`` asks the recipe to recompute the old
+    log-probs with the policy (as vLLM with ``top_k`` does)."""
 
-    def __init__(self, closed_file: str, fail_at: int = 0) -> None:
+    def __init__(self, closed_file: str, fail_at: int = 0, recompute: bool = False) -> None:
         super().__init__()
         self.closed_file, self.fail_at, self.calls = Path(closed_file), fail_at, 0
+        self.recompute = recompute
+
+    def needs_policy_logprobs(self, *, top_k):
+        return self.recompute
 
     def generate(self, *args, **kwargs):
         self.calls += 1
@@ -54,7 +59,8 @@ def test_recipes_clean_up_on_success_and_failure(base_model, tmp_path, monkeypat
         base_model, out, "num_steps=2",
         "generator._component_=tests.recipes.test_cleanup.RecordingGenerator",
         f"generator.closed_file={closed}",
-        f"generator.fail_at={2 if failure == 'generator_raises' else 0}")
+        f"generator.fail_at={2 if failure == 'generator_raises' else 0}",
+        f"generator.recompute={failure == 'none'}")
     if failure == "diverges":
         overrides += ["loss._component_=tests.recipes.test_cleanup.NaNLoss",
                       "max_consecutive_skipped_steps=1"]
@@ -65,6 +71,10 @@ def test_recipes_clean_up_on_success_and_failure(base_model, tmp_path, monkeypat
             recipe_main()
         assert not done.value.code
         assert (step_dir(out, 2) / "CHECKPOINT_COMPLETE").is_file()
+        # the policy's recompute of the old log-probs has its own timer: time/reference (no
+        # KL term here) does not include it
+        for row in train_metrics(out):
+            assert row["time/old_logprobs"] > 20 * row["time/reference"], row
     else:
         match = "on purpose" if failure == "generator_raises" else "consecutive steps"
         with pytest.raises(RuntimeError, match=match):
