@@ -120,6 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         world_size = args.world_size or intended_world_size(name)
         cfg = load_config(name, args.overrides if args.config else [])
+        folder = cfg.get("model", {}).get("model_dir")
+        if len(names) > 1 and folder is not None and not Path(str(folder)).is_dir():
+            # an hf_model config reads its dimensions from the model's folder
+            print(f"skipped {name}: its model folder {folder} does not exist (for SmolLM2: "
+                  "tune-grpo prepare-model smollm2)", file=sys.stderr)
+            continue
         estimates.append(estimate_memory(cfg, world_size, prompt_tokens=args.prompt_tokens,
                                          name=name))
     if len(estimates) == 1:

