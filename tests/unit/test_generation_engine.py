@@ -261,3 +261,116 @@ def test_attached_installs_grouped_forward_and_restores_an_instance_forward(setu
     with gen._attached(storage, 1, None):
         assert attn.__dict__["forward"] is not marker
     assert attn.__dict__["forward"] is marker
+
+
+# ---------------------------------------------------------------------------- finished rows
+def _decode_batch_sizes(model):
+    """Record the rows of every model call (``[b, s]`` token ids reach the embedding)."""
+    shapes = []
+    hook = model.tok_embeddings.register_forward_hook(
+        lambda _m, inputs, _o: shapes.append(tuple(inputs[0].shape)))
+    return shapes, hook
+
+
+@pytest.mark.parametrize("forward_batch_size,top_k,stop_bias", [(32, None, 3.0), (8, 20, 1.0)])
+def test_dropping_finished_rows_gives_the_same_outputs(tokenizer, setup, forward_batch_size,
+                                                       top_k, stop_bias):
+    """Shrinking the decode batch changes nothing: tokens, masks, stops and log-probs."""
+    _, bias, stops = setup
+    torch.manual_seed(0)
+    model = tiny_llama(tie_word_embeddings=False).eval()  # near-uniform: varied samples
+    bias = bias.clone()
+    bias[tokenizer.eot_id] = stop_bias  # stopping is likely: rows stop at many different steps
+    tokens, mask = _left_pad(_prompts(tokenizer, 4), tokenizer.pad_id)
+    kw = _kwargs(tokenizer, bias, stops, temperature=1.0, top_k=top_k, max_generated_tokens=40)
+    runs = {}
+    for shrink in (False, True):
+        shapes, hook = _decode_batch_sizes(model)
+        try:
+            runs[shrink] = generate_trajectory(
+                model, tokens, mask, group_size=8, forward_batch_size=forward_batch_size,
+                prompt_seeds=torch.tensor([7, 8, 9, 10]), shrink_finished=shrink, **kw)
+        finally:
+            hook.remove()
+        runs[shrink, "rows"] = sum(b for b, s in shapes if s == 1)
+    old, new = runs[False], runs[True]
+    lengths = old.response_mask.sum(1)
+    # non-degenerate: rows stop at many different steps, some run to the limit
+    assert old.stopped.sum() >= 16 and lengths[old.stopped].unique().numel() >= 8
+    assert not old.stopped.all()
+    assert old.tokens.shape == new.tokens.shape and old.logprobs.shape == new.logprobs.shape
+    assert torch.equal(old.tokens, new.tokens)
+    assert torch.equal(old.response_mask, new.response_mask)
+    assert torch.equal(old.stopped, new.stopped)
+    assert torch.equal(old.prompt_mask, new.prompt_mask)
+    # the model's matmuls see a smaller batch, and CPU GEMM kernels round differently for a
+    # few rows than for many: log-probs agree to ~2 float32 ulps (measured <= 9.6e-7)
+    torch.testing.assert_close(old.logprobs, new.logprobs, atol=1e-6, rtol=1e-6)
+    assert (new.logprobs[~new.response_mask] == 0).all()
+    assert runs[True, "rows"] < 0.75 * runs[False, "rows"]  # far fewer rows decoded
+
+
+def test_model_called_on_fewer_rows_after_rows_finish(tokenizer, setup):
+    """Decode batch sizes only go down, and by at least a quarter each time they do."""
+    model, bias, stops = setup
+    torch.manual_seed(0)
+    model = tiny_llama(tie_word_embeddings=False).eval()
+    bias = bias.clone()
+    bias[tokenizer.eot_id] = 3.0
+    tokens, mask = _left_pad(_prompts(tokenizer, 8), tokenizer.pad_id)
+    kw = _kwargs(tokenizer, bias, stops, temperature=1.0, max_generated_tokens=40)
+    sizes = {}
+    for shrink in (False, True):
+        shapes, hook = _decode_batch_sizes(model)
+        try:
+            traj = generate_micro_batch(model, tokens, mask, seeds=torch.arange(8) + 5,
+                                        shrink_finished=shrink, **kw)
+        finally:
+            hook.remove()
+        assert shapes[0] == (8, tokens.shape[1])  # the prefill: every row
+        sizes[shrink] = [b for b, _ in shapes[1:]]
+        assert len(sizes[shrink]) == traj.response_len - 1  # one forward per decode step
+    assert set(sizes[False]) == {8}
+    assert sizes[True][0] == 8 and len(sizes[True]) == len(sizes[False])
+    assert all(a >= b for a, b in zip(sizes[True], sizes[True][1:]))
+    changes = [(a, b) for a, b in zip(sizes[True], sizes[True][1:]) if a != b]
+    assert len(changes) >= 2 and all(4 * (a - b) >= a for a, b in changes)
+    assert sizes[True][-1] < 8
+
+
+def test_rank_with_every_row_stopped_keeps_calling_the_model_on_one_row(tokenizer, setup):
+    """Lockstep survives shrinking: a finished rank still runs one forward per step."""
+    model, _, stops = setup
+    only_stop = torch.full((320,), float("-inf"))
+    only_stop[tokenizer.eot_id] = 0.0
+    votes = []
+
+    def all_done(local: bool) -> bool:  # another rank finishes at step 5
+        votes.append(local)
+        return local and len(votes) >= 5
+
+    tokens, mask = _left_pad(_prompts(tokenizer, 4), tokenizer.pad_id)
+    shapes, hook = _decode_batch_sizes(model)
+    try:
+        traj = generate_micro_batch(model, tokens, mask, max_generated_tokens=20,
+                                    temperature=0.0, top_k=None, stop_tokens=stops,
+                                    pad_id=tokenizer.pad_id, logit_bias=only_stop,
+                                    all_done=all_done)
+    finally:
+        hook.remove()
+    assert [b for b, _ in shapes] == [4, 1, 1, 1, 1]  # prefill, then 4 steps on one row
+    assert traj.response_len == 5 and traj.stopped.all()
+    assert traj.response_mask[:, 0].all() and not traj.response_mask[:, 1:].any()
+    assert (traj.response_tokens[:, 1:] == tokenizer.pad_id).all()
+    assert (traj.logprobs[:, 1:] == 0).all()
+
+
+def test_rows_to_keep_policy():
+    """Shrink once a quarter of the batch stopped; keep one row when every row stopped."""
+    t, f = True, False
+    assert gen._rows_to_keep(torch.tensor([f, f, f, f])) is None
+    assert gen._rows_to_keep(torch.tensor([f, t, f, f, f, f, f, f])) is None  # 1/8
+    assert gen._rows_to_keep(torch.tensor([f, t, f, f, f, f, f, t])).tolist() == [0, 2, 3, 4, 5, 6]
+    assert gen._rows_to_keep(torch.tensor([t, f])).tolist() == [1]
+    assert gen._rows_to_keep(torch.tensor([t, t, t])).tolist() == [0]
+    assert gen._rows_to_keep(torch.tensor([t])) is None  # nothing left to drop
