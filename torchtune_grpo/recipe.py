@@ -62,7 +62,7 @@ from torchtune_grpo.evaluation import EvalResult, evaluate
 from torchtune_grpo.metrics import PhaseTimer, peak_memory_gb
 from torchtune_grpo.modeling import DTYPES, build_model, has_adapters, meta_model, token_rules
 from torchtune_grpo.rlhf.advantages import AdvantageOutput, group_advantages, loss_token_mask
-from torchtune_grpo.rlhf.forward import response_logprobs
+from torchtune_grpo.rlhf.forward import micro_batch_logprobs
 from torchtune_grpo.rlhf.generation import NativeGenerator
 from torchtune_grpo.rlhf.generator import GenerationContext, Generator
 from torchtune_grpo.rlhf.logprobs import auto_chunk_size
@@ -70,13 +70,7 @@ from torchtune_grpo.rlhf.loss import summarize_loss_stats
 from torchtune_grpo.rlhf.reward_set import RewardOutput, build_reward_set
 from torchtune_grpo.rlhf.scoring import concat_reward_outputs, score_rollout
 from torchtune_grpo.rlhf.seeding import mix_seeds
-from torchtune_grpo.rlhf.trajectory import (
-    Trajectory,
-    attention_mask,
-    concat_trajectories,
-    position_ids,
-    prompt_mask,
-)
+from torchtune_grpo.rlhf.trajectory import Trajectory, concat_trajectories, prompt_mask
 from torchtune_grpo.settings import AdvantageSettings, EvalSettings, settings_from_config
 
 log = utils.get_logger("INFO")
@@ -352,23 +346,20 @@ class GRPORecipe:
 
     def _response_logprobs(self, model: nn.Module, traj: Trajectory) -> torch.Tensor:
         """``[N, T]`` log-probs of ``traj``'s responses under ``model``, micro-batch by
-        micro-batch (call under ``torch.no_grad``)."""
-        mask, pos = self._forward_inputs(traj)
-        out = []
-        for i in range(0, traj.num_sequences, self.forward_batch_size):
-            sl = slice(i, i + self.forward_batch_size)
-            lp, _ = response_logprobs(
-                model, traj.tokens[sl], prompt_len=traj.prompt_len, mask=mask[sl],
-                input_pos=pos[sl], temperature=self.cfg.temperature,
-                logit_bias=self.logit_bias, chunk_size=self.chunk_size,
-            )
-            out.append(lp)
-        return torch.cat(out)
+        micro-batch (call under ``torch.no_grad``), each on its own extent (0 past it)."""
+        size = self.forward_batch_size
+        return torch.cat([self._micro_batch_logprobs(model, traj, slice(i, i + size))[0]
+                          for i in range(0, traj.num_sequences, size)])
 
-    @staticmethod
-    def _forward_inputs(traj: Trajectory) -> tuple[torch.Tensor, torch.Tensor]:
-        padding = traj.padding_mask
-        return attention_mask(padding), position_ids(padding)
+    def _micro_batch_logprobs(self, model: nn.Module, traj: Trajectory,
+                             rows: slice | torch.Tensor,
+                             **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(logprobs [n, T], entropy [n, T] or None)`` of ``traj``'s ``rows``, the model run
+        only on the columns that are not padding in all of them (``trim_to_extent``)."""
+        return micro_batch_logprobs(
+            model, traj.tokens[rows], traj.prompt_mask[rows], traj.response_mask[rows],
+            temperature=self.cfg.temperature, logit_bias=self.logit_bias,
+            chunk_size=self.chunk_size, **kwargs)
 
     def update(self, traj: Trajectory, advantages: torch.Tensor,
                ref_logprobs: torch.Tensor | None,
@@ -391,7 +382,6 @@ class GRPORecipe:
         """
         cfg = self.cfg
         old = traj.logprobs if old_logprobs is None else old_logprobs
-        mask, pos = self._forward_inputs(traj)
         response_mask = traj.response_mask if loss_mask is None else loss_mask
         normalizer = self.loss_fn.normalizer_contribution(response_mask).to(
             self.device, torch.float32)
@@ -406,12 +396,9 @@ class GRPORecipe:
             for i in range(0, traj.num_sequences, self.forward_batch_size):
                 idx = order[i : i + self.forward_batch_size].to(self.device)
                 with self.activation_offloading:
-                    logprobs, entropy = response_logprobs(
-                        self.model, traj.tokens[idx], prompt_len=traj.prompt_len,
-                        mask=mask[idx], input_pos=pos[idx], temperature=cfg.temperature,
-                        logit_bias=self.logit_bias, chunk_size=self.chunk_size,
-                        return_entropy=True, entropy_grad=self.loss_fn.needs_entropy,
-                    )
+                    logprobs, entropy = self._micro_batch_logprobs(
+                        self.model, traj, idx, return_entropy=True,
+                        entropy_grad=self.loss_fn.needs_entropy)
                 if epoch == 0:
                     diff = (logprobs.detach() - traj.logprobs[idx]).abs()[traj.response_mask[idx]]
                     if diff.numel():

@@ -21,9 +21,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from torchtune_grpo.rlhf.logprobs import chunked_token_logprobs
+from torchtune_grpo.rlhf.trajectory import attention_mask, position_ids, trim_to_extent
 
 _MODE_ATTR = "_grpo_output_mode"
 
@@ -154,3 +156,51 @@ def response_logprobs(
         # The last position predicts nothing we score: drop it from the input.
         out = model(tokens[:, :-1], mask=mask[:, :-1, :-1], input_pos=input_pos[:, :-1])
     return out
+
+
+def micro_batch_logprobs(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    trim: bool = True,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`response_logprobs` of one micro-batch, run on its own extent only.
+
+    With ``trim`` the model sees only the columns :func:`trim_to_extent` keeps (no column that
+    is padding in every row), and the ``[n, T_mb]`` results are put back into ``[n, T]`` with
+    zeros past ``T_mb``, where ``response_mask`` is False in every row. Positions and the
+    attention mask come from the (trimmed) padding mask, so they equal those of the untrimmed
+    rows: the results match ``trim=False`` up to float rounding, at the cost of the real
+    tokens only.
+
+    Args:
+        model: a torchtune decoder.
+        tokens: ``[n, P + T]`` left-padded prompts followed by right-padded responses.
+        prompt_mask: ``[n, P]`` True on real prompt tokens.
+        response_mask: ``[n, T]`` True on generated tokens.
+        trim: run on the trimmed slice (False: on the whole ``[n, P + T]`` rectangle).
+        **kwargs: ``temperature``, ``logit_bias``, ``chunk_size``, ``return_entropy``,
+            ``entropy_grad`` of :func:`response_logprobs`.
+
+    Returns:
+        ``(logprobs [n, T] float32, entropy [n, T] or None)``.
+    """
+    full_response_len = response_mask.shape[1]
+    if trim:
+        tokens, padding, prompt_len, response_len = trim_to_extent(
+            tokens, prompt_mask, response_mask)
+    else:
+        padding = torch.cat([prompt_mask, response_mask], dim=1)
+        prompt_len, response_len = prompt_mask.shape[1], full_response_len
+    logprobs, entropy = response_logprobs(
+        model, tokens, prompt_len=prompt_len, mask=attention_mask(padding),
+        input_pos=position_ids(padding), **kwargs,
+    )
+    missing = full_response_len - response_len
+    if missing:
+        logprobs = F.pad(logprobs, (0, missing))
+        entropy = None if entropy is None else F.pad(entropy, (0, missing))
+    return logprobs, entropy

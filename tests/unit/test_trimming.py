@@ -1,0 +1,188 @@
+"""Tests for trimming micro-batches to their own extent (``trim_to_extent``,
+``micro_batch_logprobs``): the model runs on fewer columns and computes the same thing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchtune_grpo.rlhf.forward import micro_batch_logprobs
+from torchtune_grpo.rlhf.loss import GRPOLoss
+from torchtune_grpo.rlhf.trajectory import (
+    attention_mask,
+    position_ids,
+    prompt_mask,
+    trim_to_extent,
+)
+from torchtune_grpo.tiny import tiny_llama
+
+PAD = 0
+N, P, T, MB = 12, 20, 24, 4  # rows, padded prompt and response lengths, micro-batch size
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    """Tiny tensors gain nothing from intra-op threads on a busy 2-core machine."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _batch(prompt_lengths: list[int], response_lengths: list[int], prompt_len: int = P,
+           response_len: int = T, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """``(tokens [n, P + T], prompt_mask [n, P], response_mask [n, T])`` with left-padded
+    prompts and right-padded responses of the given lengths (real ids in 1..299)."""
+    gen = torch.Generator().manual_seed(seed)
+    n = len(prompt_lengths)
+    p_mask = prompt_mask(torch.zeros(n, prompt_len, dtype=torch.long),
+                         torch.tensor(prompt_lengths))
+    r_mask = torch.arange(response_len)[None, :] < torch.tensor(response_lengths)[:, None]
+    mask = torch.cat([p_mask, r_mask], dim=1)
+    tokens = torch.randint(1, 300, mask.shape, generator=gen)
+    return torch.where(mask, tokens, PAD), p_mask, r_mask
+
+
+def test_trim_drops_all_padding_columns_and_keeps_positions_and_mask() -> None:
+    tokens, p_mask, r_mask = _batch([3, 7, 5], [2, 9, 4])
+    trimmed = trim_to_extent(tokens, p_mask, r_mask)
+    assert (trimmed.prompt_len, trimmed.response_len) == (7, 9)
+    start, stop = P - 7, P + 9
+    assert trimmed.tokens.shape == trimmed.padding_mask.shape == (3, 16)
+    torch.testing.assert_close(trimmed.tokens, tokens[:, start:stop], rtol=0, atol=0)
+    full = torch.cat([p_mask, r_mask], dim=1)
+    # Every dropped column is padding in every row; no real token is lost.
+    assert not full[:, :start].any() and not full[:, stop:].any()
+    assert trimmed.padding_mask.sum() == full.sum()
+    # Positions and the attention mask of the kept columns are those of the untrimmed rows.
+    torch.testing.assert_close(position_ids(trimmed.padding_mask),
+                               position_ids(full)[:, start:stop], rtol=0, atol=0)
+    assert torch.equal(attention_mask(trimmed.padding_mask),
+                       attention_mask(full)[:, start:stop, start:stop])
+
+
+def test_trim_edge_cases() -> None:
+    # Full rows: nothing to drop.
+    tokens, p_mask, r_mask = _batch([P, 4], [3, T])
+    trimmed = trim_to_extent(tokens, p_mask, r_mask)
+    assert (trimmed.prompt_len, trimmed.response_len) == (P, T)
+    assert torch.equal(trimmed.tokens, tokens)
+    # No response token at all: one response (and one prompt) column is still kept.
+    tokens, p_mask, r_mask = _batch([0, 0], [0, 0])
+    trimmed = trim_to_extent(tokens, p_mask, r_mask)
+    assert (trimmed.prompt_len, trimmed.response_len) == (1, 1)
+    assert trimmed.tokens.shape == (2, 2)
+    with pytest.raises(ValueError, match="columns"):
+        trim_to_extent(tokens[:, 1:], p_mask, r_mask)
+
+
+def _workload() -> tuple[torch.Tensor, ...]:
+    """Rows of varied prompt and response lengths; micro-batches of ``MB`` rows."""
+    prompt_lengths = [3, 9, 6, 4,  12, 20, 15, 8,  5, 11, 2, 7]
+    response_lengths = [5, 2, 8, 1,  24, 10, 3, 17,  12, 6, 9, 4]
+    return _batch(prompt_lengths, response_lengths, seed=1)
+
+
+def _update(model: torch.nn.Module, trim: bool, order: torch.Tensor):
+    """The update's inner loop: per micro-batch, log-probs, GRPOLoss over a global
+    normaliser, backward. Returns ``(logprobs [N, T], summed loss, {name: grad})``."""
+    tokens, p_mask, r_mask = _workload()
+    gen = torch.Generator().manual_seed(2)
+    old = torch.randn(N, T, generator=gen) * 0.1 - 5.0
+    ref = torch.randn(N, T, generator=gen) * 0.1 - 5.0
+    advantages = torch.randn(N, generator=gen)
+    loss_fn = GRPOLoss(kl_coeff=0.05, entropy_coeff=0.01, aggregation="token_mean")
+    normalizer = loss_fn.normalizer_contribution(r_mask).float()
+    model.zero_grad(set_to_none=True)
+    all_logprobs = torch.zeros(N, T)
+    total = 0.0
+    for i in range(0, N, MB):
+        idx = order[i : i + MB]
+        logprobs, entropy = micro_batch_logprobs(
+            model, tokens[idx], p_mask[idx], r_mask[idx], trim=trim, temperature=0.7,
+            chunk_size=7, return_entropy=True, entropy_grad=True,
+        )
+        assert logprobs.shape == entropy.shape == (MB, T)
+        loss, _ = loss_fn(logprobs, old[idx], advantages[idx], r_mask[idx],
+                          normalizer=normalizer, ref_logprobs=ref[idx], entropy=entropy)
+        loss.backward()
+        total += float(loss.detach())
+        all_logprobs[idx] = logprobs.detach()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    return all_logprobs, total, grads
+
+
+def test_trimmed_update_equals_untrimmed() -> None:
+    torch.manual_seed(0)
+    model = tiny_llama()
+    order = torch.randperm(N, generator=torch.Generator().manual_seed(3))
+    tokens, p_mask, r_mask = _workload()
+    # Non-degenerate: lengths differ within micro-batches and they do get narrower.
+    widths = []
+    for i in range(0, N, MB):
+        idx = order[i : i + MB]
+        assert len(set(p_mask[idx].sum(1).tolist())) > 1
+        assert len(set(r_mask[idx].sum(1).tolist())) > 1
+        trimmed = trim_to_extent(tokens[idx], p_mask[idx], r_mask[idx])
+        widths.append((trimmed.prompt_len, trimmed.response_len))
+    assert any(p < P for p, _ in widths) and any(t < T for _, t in widths)
+    assert sum(p + t for p, t in widths) < 0.8 * (N // MB) * (P + T)
+
+    lp_trim, loss_trim, grads_trim = _update(model, True, order)
+    lp_full, loss_full, grads_full = _update(model, False, order)
+    # Past a micro-batch's extent the trimmed log-probs are 0; on response tokens they match.
+    assert (lp_trim[~r_mask] == 0).sum() > 0
+    torch.testing.assert_close(lp_trim[r_mask], lp_full[r_mask], rtol=1e-5, atol=1e-5)
+    assert loss_full != 0.0
+    assert abs(loss_trim - loss_full) <= 1e-5 * abs(loss_full)
+    assert grads_trim.keys() == grads_full.keys()
+    for name, full in grads_full.items():
+        assert full.abs().max() > 0, name
+        torch.testing.assert_close(grads_trim[name], full, rtol=1e-5,
+                                   atol=1e-5 * full.abs().max().item(), msg=name)
+
+
+def test_trimmed_logprobs_match_on_kept_columns() -> None:
+    """Within a micro-batch's extent every column (padding included) is computed as before."""
+    torch.manual_seed(0)
+    model = tiny_llama()
+    tokens, p_mask, r_mask = _workload()
+    with torch.no_grad():
+        for i in range(0, N, MB):
+            rows = slice(i, i + MB)
+            kept = trim_to_extent(tokens[rows], p_mask[rows], r_mask[rows]).response_len
+            trim, _ = micro_batch_logprobs(model, tokens[rows], p_mask[rows], r_mask[rows])
+            full, _ = micro_batch_logprobs(model, tokens[rows], p_mask[rows], r_mask[rows],
+                                           trim=False)
+            torch.testing.assert_close(trim[:, :kept], full[:, :kept], rtol=1e-5, atol=1e-5)
+            assert (trim[:, kept:] == 0).all()
+
+
+class _Spy(torch.nn.Module):
+    """Wraps a decoder and records the ``input_pos`` and ``mask`` it is called with."""
+
+    def __init__(self, decoder: torch.nn.Module) -> None:
+        super().__init__()
+        self.decoder = decoder
+        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def forward(self, tokens, *, mask, input_pos):
+        self.calls.append((input_pos.clone(), mask.clone()))
+        return self.decoder(tokens, mask=mask, input_pos=input_pos)
+
+
+def test_model_sees_untrimmed_positions_and_mask() -> None:
+    """The trimmed call passes the model exactly the kept block of the untrimmed position ids
+    and attention mask (RoPE only sees position differences, so a per-row shift of the
+    positions would not change the log-probs: check the inputs themselves)."""
+    torch.manual_seed(0)
+    spy = _Spy(tiny_llama())
+    tokens, p_mask, r_mask = _batch([3, 9, 6, 4], [5, 2, 8, 1])
+    with torch.no_grad():
+        micro_batch_logprobs(spy, tokens, p_mask, r_mask)
+        micro_batch_logprobs(spy, tokens, p_mask, r_mask, trim=False)
+    (pos_trim, mask_trim), (pos_full, mask_full) = spy.calls
+    start, stop = P - 9, P + 8 - 1  # the model never sees the last kept column
+    assert pos_trim.shape == (4, stop - start) and pos_full.shape == (4, P + T - 1)
+    assert torch.equal(pos_trim, pos_full[:, start:stop])
+    assert torch.equal(mask_trim, mask_full[:, start:stop, start:stop])
