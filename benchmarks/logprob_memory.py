@@ -63,14 +63,9 @@ def _peak_rss_bytes() -> int:
 
 
 def _mem_available_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    from torchtune_grpo.memory import proc_field_bytes
+
+    return proc_field_bytes("/proc/meminfo", "MemAvailable")
 
 
 def _worker(args: argparse.Namespace) -> None:

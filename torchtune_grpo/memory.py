@@ -404,6 +404,19 @@ def dump_json(estimates: list[MemoryEstimate], path: str) -> None:
 
 
 # ---------------------------------------------------------------------------- measurement
+def proc_field_bytes(path: str, field: str) -> int | None:
+    """A ``kB`` field of a Linux ``/proc`` file (``/proc/self/status``'s ``VmHWM``,
+    ``/proc/meminfo``'s ``MemAvailable``) in bytes; None where the file or field is missing."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process in bytes.
 
@@ -415,13 +428,9 @@ def peak_rss_bytes() -> int:
     """
     import sys
 
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    peak = proc_field_bytes("/proc/self/status", "VmHWM")
+    if peak is not None:
+        return peak
     import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

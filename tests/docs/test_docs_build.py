@@ -41,13 +41,19 @@ def test_sphinx_build_has_no_warnings(tmp_path):
         assert name in api, f"{name} not documented in api.html"
 
 
-def test_config_table_lists_every_key_in_schema_order():
-    _require_sphinx()
+def _config_table():
+    """The docs' ``config_table`` extension module (docs/_ext)."""
     sys.path.insert(0, str(DOCS / "_ext"))
     try:
         import config_table
     finally:
         sys.path.remove(str(DOCS / "_ext"))
+    return config_table
+
+
+def test_config_table_lists_every_key_in_schema_order():
+    _require_sphinx()
+    config_table = _config_table()
     from torchtune_grpo.config import EVAL_KEYS, RECIPE_KEYS
 
     for name, schema in (("RECIPE_KEYS", RECIPE_KEYS), ("EVAL_KEYS", EVAL_KEYS)):
@@ -64,11 +70,7 @@ def test_settings_tables_list_every_key_of_the_nested_blocks():
     _require_sphinx()
     import dataclasses
 
-    sys.path.insert(0, str(DOCS / "_ext"))
-    try:
-        import config_table
-    finally:
-        sys.path.remove(str(DOCS / "_ext"))
+    config_table = _config_table()
     from torchtune_grpo.config import RECIPE_KEYS
 
     for name, key in config_table.SETTINGS.items():

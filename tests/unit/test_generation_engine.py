@@ -183,15 +183,23 @@ def test_early_exit_when_every_row_stopped(tokenizer, setup):
     assert len(calls) == 1  # the prefill only
 
 
-def test_lockstep_keeps_decoding_until_all_ranks_done(tokenizer, setup):
-    model, _, stops = setup
+def _stop_at_once_other_rank_at_step_5(tokenizer):
+    """A logit bias that makes this rank's rows stop at once, and an ``all_done`` that says
+    another rank finishes at step 5; returns ``(bias, all_done, votes)``."""
     only_stop = torch.full((320,), float("-inf"))
     only_stop[tokenizer.eot_id] = 0.0
-    votes = []
+    votes: list[bool] = []
 
-    def all_done(local: bool) -> bool:  # another rank finishes at step 5
+    def all_done(local: bool) -> bool:
         votes.append(local)
         return local and len(votes) >= 5
+
+    return only_stop, all_done, votes
+
+
+def test_lockstep_keeps_decoding_until_all_ranks_done(tokenizer, setup):
+    model, _, stops = setup
+    only_stop, all_done, votes = _stop_at_once_other_rank_at_step_5(tokenizer)
 
     tokens, mask = _left_pad(_prompts(tokenizer, 2), tokenizer.pad_id)
     traj = generate_micro_batch(model, tokens, mask, max_generated_tokens=20, temperature=0.0,
@@ -341,13 +349,7 @@ def test_model_called_on_fewer_rows_after_rows_finish(tokenizer, setup):
 def test_rank_with_every_row_stopped_keeps_calling_the_model_on_one_row(tokenizer, setup):
     """Lockstep survives shrinking: a finished rank still runs one forward per step."""
     model, _, stops = setup
-    only_stop = torch.full((320,), float("-inf"))
-    only_stop[tokenizer.eot_id] = 0.0
-    votes = []
-
-    def all_done(local: bool) -> bool:  # another rank finishes at step 5
-        votes.append(local)
-        return local and len(votes) >= 5
+    only_stop, all_done, votes = _stop_at_once_other_rank_at_step_5(tokenizer)
 
     tokens, mask = _left_pad(_prompts(tokenizer, 4), tokenizer.pad_id)
     shapes, hook = _decode_batch_sizes(model)
