@@ -134,6 +134,7 @@ class Budget:
     """Wall-clock guard: :meth:`allow` says whether a part still fits ``--time-budget``."""
 
     def __init__(self, seconds: float) -> None:
+        """Start the clock for a budget of ``seconds``."""
         self.seconds = seconds
         self.start = time.perf_counter()
         self.skipped: list[str] = []
@@ -379,6 +380,7 @@ def bench_native_generation(model, dims: dict, w: Workload, device: str) -> dict
     model.eval()
 
     def go(new_tokens: int) -> float:
+        """Seconds to generate ``new_tokens`` per row (checks that every row got them)."""
         _sync(device)
         t0 = time.perf_counter()
         traj = generate_trajectory(

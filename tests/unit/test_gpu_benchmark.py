@@ -52,6 +52,7 @@ def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 
 def test_help():
+    """``--help`` exits 0 and names the flags and torchtune's builders."""
     proc = _run("--help")
     assert proc.returncode == 0, proc.stderr
     for flag in ("--out", "--device", "--shapes", "--tiny", "--time-budget", "--peak-tflops"):
@@ -67,6 +68,7 @@ def test_help():
     (["--dtype", "fp8"], "invalid choice: 'fp8'"),
 ])
 def test_argument_errors_are_clear(argv, message, capsys):
+    """A bad argument exits 2 with a message naming the value (and the choices)."""
     gpu = _gpu_module()
     with pytest.raises(SystemExit) as info:
         gpu.parse_args(argv)
@@ -76,6 +78,7 @@ def test_argument_errors_are_clear(argv, message, capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_requested_without_cuda(capsys):
+    """The default ``--device cuda`` on a machine without CUDA says what to do instead."""
     assert _gpu_module().main(["--time-budget", "10"]) == 2
     assert "torch.cuda.is_available() is False" in capsys.readouterr().err
 
@@ -96,12 +99,14 @@ def test_shapes_are_torchtunes_qwen2_5():
 
 
 def test_step_flops_formula():
+    """6 N per trained token plus 2 N per prefill, generated and reference token."""
     gpu = _gpu_module()
     tokens = {"trained": 10, "prefill": 3, "generated": 5, "reference": 10}
     assert gpu.step_flops(7, tokens) == 6 * 7 * 10 + 2 * 7 * (3 + 5 + 10)
 
 
 def test_peak_table(monkeypatch):
+    """``--peak-tflops`` wins; otherwise the table by device name; none for CPU."""
     gpu = _gpu_module()
     assert gpu.peak_tflops("cpu", 123.0) == (123.0, "--peak-tflops")
     assert gpu.peak_tflops("cpu", None)[0] is None
@@ -135,6 +140,7 @@ def test_hf_folder_is_the_same_model(tmp_path):
 
 
 def _check_report(report: dict) -> None:
+    """The JSON of a tiny CPU run has every key, every part ran, the numbers are positive."""
     for key in ("device", "device_name", "torch", "dtype", "peak_tflops", "peak_tflops_source",
                 "matmul_tflops", "shapes", "skipped", "elapsed_s", "markdown", "time_budget_s"):
         assert key in report, key
