@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from torchtune_grpo.rlhf.forward import response_logprobs
@@ -218,3 +219,24 @@ def test_samples_depend_only_on_row_seed_and_step():
     assert torch.equal(full, torch.cat(halves))
     other_step, _ = sample_next_token(logits, temperature=1.0, seeds=seeds, counter=4)
     assert not torch.equal(full, other_step)
+
+
+@pytest.mark.parametrize("vocab", [7, 256, 1000, 128256 // 16])
+def test_inverse_cdf_sample_equals_full_cumulative_sum(vocab):
+    """The two-level search picks the same id as one float64 cumulative sum over the row,
+    never an id of probability 0 (forbidden ids, the padding of a last partial block)."""
+    from torchtune_grpo.rlhf.generation import inverse_cdf_sample
+
+    torch.manual_seed(vocab)
+    n = 512
+    logits = torch.randn(n, vocab) * 3
+    logits[:, torch.rand(vocab) < 0.3] = float("-inf")  # forbidden ids
+    logits[:, 0] = 0.0  # at least one allowed id per row
+    probs = torch.softmax(logits, -1)
+    u = torch.rand(n, dtype=torch.float64).clamp(1e-12, 1 - 1e-12)
+    u[:4] = torch.tensor([1e-12, 1 - 1e-12, 0.5, 1 - 1e-9], dtype=torch.float64)
+    cdf = probs.double().cumsum(-1)
+    want = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).squeeze(1)
+    got = inverse_cdf_sample(probs, u)
+    assert torch.equal(got, want)
+    assert (probs.gather(1, got.unsqueeze(1)) > 0).all()

@@ -153,24 +153,27 @@ def test_no_grad_and_empty_inputs() -> None:
     assert empty.shape == (2, 0) and ent is not None and ent.shape == (2, 0)
 
 
-def test_checkpoint_saves_no_logits_for_backward() -> None:
-    # Count the tensors autograd keeps for the backward pass outside the checkpointed regions.
+@pytest.mark.parametrize("fused", [True, False])
+def test_checkpoint_saves_no_logits_for_backward(fused: bool) -> None:
+    # The tensors autograd keeps for the backward pass (outside checkpointed regions): with
+    # checkpointing (fused or not) none is a block of logits; the weight itself is allowed.
     head, hidden, targets, _, _ = _setup()
-    big = 4 * V  # a chunk of 4 tokens times the vocabulary
 
-    def largest_saved(checkpoint: bool) -> int:
-        sizes: list[int] = []
+    def saved_logit_blocks(checkpoint: bool) -> list[tuple[int, ...]]:
+        shapes: list[tuple[int, ...]] = []
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            sizes.append(t.numel())
+            if t.data_ptr() != head.weight.data_ptr() and V in t.shape:
+                shapes.append(tuple(t.shape))
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            chunked_token_logprobs(hidden, head, targets, chunk_size=4, checkpoint=checkpoint)
-        return max(sizes, default=0)
+            chunked_token_logprobs(hidden, head, targets, chunk_size=4, checkpoint=checkpoint,
+                                   fused=fused)
+        return shapes
 
-    assert largest_saved(False) >= big
-    assert largest_saved(True) < big
+    assert saved_logit_blocks(False)  # the plain path keeps [chunk, V] blocks
+    assert saved_logit_blocks(True) == []
 
 
 @pytest.mark.parametrize(
@@ -231,3 +234,61 @@ def test_auto_chunk_size_bounds_the_logits_block():
         assert chunk % 16 == 0 and chunk * vocab <= max(CHUNK_LOGITS_BUDGET, 16 * vocab)
     with pytest.raises(ValueError, match="vocab_size"):
         auto_chunk_size(0)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 21, 1024])
+@pytest.mark.parametrize("forbid", [False, True])
+@pytest.mark.parametrize("entropy", [False, True])
+def test_fused_path_matches_naive_values_and_grads(chunk_size, forbid, entropy, monkeypatch):
+    """The fused autograd function (plain linear head, metric-only entropy) against full logits:
+    log-probs, entropies, and the gradients of hidden states and weight."""
+    from torchtune_grpo.rlhf import logprobs as lp
+
+    calls = []
+    original = lp._FusedLinearLogProbs.apply
+    monkeypatch.setattr(lp._FusedLinearLogProbs, "apply",
+                        lambda *a: calls.append(1) or original(*a))
+    head, hidden, targets, bias, weights = _setup(forbid=forbid)
+    fused = chunked_token_logprobs(hidden, head, targets, temperature=0.7, logit_bias=bias,
+                                   chunk_size=chunk_size, return_entropy=entropy,
+                                   entropy_grad=False)
+    assert calls, "the fused path was not taken"
+    naive = naive_token_logprobs(head(hidden), targets, 0.7, bias, entropy)
+    torch.testing.assert_close(fused[0], naive[0], rtol=1e-5, atol=1e-6)
+    if entropy:
+        assert not fused[1].requires_grad
+        torch.testing.assert_close(fused[1], naive[1].detach(), rtol=1e-5, atol=1e-5)
+    else:
+        assert fused[1] is None
+    got = torch.autograd.grad((fused[0] * weights).sum(), (hidden, head.weight))
+    want = torch.autograd.grad((naive[0] * weights).sum(), (hidden, head.weight))
+    for a, b in zip(got, want):
+        assert b.abs().max() > 0
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+
+
+def test_fused_path_forbidden_target_and_tied_bf16_weights():
+    """A forbidden target gets -inf (as without fusion); a tied bf16 head keeps float32
+    outputs and bf16 gradients close to the float32 reference."""
+    torch.manual_seed(1)
+    embed = nn.Embedding(V, D)
+    hidden = torch.randn(N, T, D)
+    targets = torch.randint(0, V, (N, T))
+    bias = torch.zeros(V)
+    bias[targets[0, 0]] = float("-inf")
+    logp, _ = chunked_token_logprobs(hidden, TiedLinear(embed), targets, logit_bias=bias)
+    assert logp[0, 0] == float("-inf") and torch.isfinite(logp.flatten()[1:]).all()
+
+    embed16 = nn.Embedding(V, D).bfloat16()
+    embed16.weight.data.copy_(embed.weight.data)
+    h16 = hidden.bfloat16().requires_grad_(True)
+    lp16, ent16 = chunked_token_logprobs(h16, TiedLinear(embed16), targets, chunk_size=4,
+                                         return_entropy=True, entropy_grad=False)
+    assert lp16.dtype == torch.float32 and ent16.dtype == torch.float32
+    lp16.sum().backward()
+    assert embed16.weight.grad.dtype == torch.bfloat16 and h16.grad.dtype == torch.bfloat16
+    h32 = hidden.bfloat16().float().requires_grad_(True)
+    ref, _ = naive_token_logprobs(h32 @ embed16.weight.detach().float().T, targets)
+    ref.sum().backward()
+    torch.testing.assert_close(lp16, ref.detach(), rtol=0.02, atol=0.05)
+    torch.testing.assert_close(h16.grad.float(), h32.grad, rtol=0.05, atol=0.05)

@@ -25,6 +25,7 @@ import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torchtune.modules import MultiHeadAttention
 from torchtune.modules.common_utils import delete_kv_caches
@@ -155,7 +156,9 @@ def sample_next_token(
         distribution over the whole (allowed) vocabulary, the same quantity the training
         forward computes, whether or not ``top_k`` truncated the sampling.
     """
-    scores = logits.float() / (temperature if temperature > 0 else 1.0)
+    scores = logits.float()
+    if temperature > 0 and temperature != 1.0:
+        scores = scores / temperature
     if logit_bias is not None:
         scores = scores + logit_bias
     logprobs = torch.log_softmax(scores, dim=-1)
@@ -169,11 +172,48 @@ def sample_next_token(
             kth = torch.topk(logprobs, top_k, dim=-1).values[:, -1:]
             sample_scores = logprobs.masked_fill(logprobs < kth, float("-inf"))
         # softmax rather than exp(): exp() of the very negative tail is slow on CPU
-        cdf = torch.softmax(sample_scores, dim=-1).double().cumsum(dim=-1)
-        u = counter_uniform(seeds, counter).to(cdf.device) * cdf[:, -1]
-        tokens = torch.searchsorted(cdf, u.unsqueeze(1)).squeeze(1)
-        tokens = tokens.clamp_(max=scores.shape[-1] - 1)
+        probs = torch.softmax(sample_scores, dim=-1)
+        tokens = inverse_cdf_sample(probs, counter_uniform(seeds, counter).to(probs.device))
     return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+#: Ids per block of :func:`inverse_cdf_sample`'s two-level search.
+CDF_BLOCK = 256
+
+
+def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The id where ``u`` falls in each row's cumulative distribution, in two levels.
+
+    Row ``i`` gets the smallest id ``j`` with ``sum(probs[i, :j + 1]) >= u[i] * sum(probs[i])``
+    (sums in float64), so an id of probability 0 is never returned for ``u`` in ``(0, 1)``.
+    Instead of a float64 cumulative sum over the whole vocabulary, the rows are cut into blocks
+    of :data:`CDF_BLOCK` ids: one pass sums the blocks, a search over the ``V / CDF_BLOCK``
+    block totals picks the block, and only that block is accumulated and searched. Same result
+    as the full cumulative sum up to float64 rounding at a boundary.
+
+    Args:
+        probs: ``[n, V]`` non-negative weights (float32), each row with a positive sum.
+        u: ``[n]`` uniform numbers in ``(0, 1)``.
+
+    Returns:
+        ``[n]`` int64 ids in ``[0, V)``.
+    """
+    n, v = probs.shape
+    num_blocks = -(-v // CDF_BLOCK)
+    if num_blocks * CDF_BLOCK != v:
+        probs = F.pad(probs, (0, num_blocks * CDF_BLOCK - v))
+    blocks = probs.view(n, num_blocks, CDF_BLOCK)
+    block_cdf = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # [n, num_blocks]
+    target = u.double() * block_cdf[:, -1]
+    k = torch.searchsorted(block_cdf, target.unsqueeze(1)).squeeze(1).clamp_(max=num_blocks - 1)
+    before = torch.where(k > 0, block_cdf.gather(1, (k - 1).clamp(min=0).unsqueeze(1)).squeeze(1),
+                         torch.zeros((), dtype=torch.float64, device=probs.device))
+    inner = blocks[torch.arange(n, device=probs.device), k].double().cumsum(-1)  # [n, block]
+    # rounding may leave the residual a hair above the block's own total: cap it there, so the
+    # search lands on the block's last id of positive probability
+    residual = torch.minimum(target - before, inner[:, -1])
+    j = torch.searchsorted(inner, residual.unsqueeze(1)).squeeze(1).clamp_(max=CDF_BLOCK - 1)
+    return (k * CDF_BLOCK + j).clamp_(max=v - 1)
 
 
 # ---------------------------------------------------------------------------- KV cache

@@ -8,14 +8,22 @@ chunk's logits during the backward pass, so at most one chunk of logits is alive
 
 :func:`naive_token_logprobs` does the same computation on full logits; it is the reference for
 tests and benchmarks, and fine when the logits exist anyway.
+
+When the projection is a plain linear map (``nn.Linear`` without bias, or torchtune's
+``TiedLinear``) and the entropy is not differentiated, :func:`chunked_token_logprobs` runs a fused
+autograd function instead of the checkpointed chunks: one reused ``[chunk, V]`` block per pass
+(no fresh multi-hundred-megabyte allocation per chunk, no saved log-softmax), the forward keeps
+only the hidden states, and the backward recomputes each chunk's logits and forms the gradient of
+the log-softmax in place (``g * (onehot(y) - softmax(z)) / temperature``) before its two matmuls.
 """
+
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 __all__ = ["auto_chunk_size", "chunked_token_logprobs", "naive_token_logprobs"]
@@ -46,6 +54,120 @@ def auto_chunk_size(vocab_size: int, budget: int = CHUNK_LOGITS_BUDGET) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return max(16, budget // vocab_size // 16 * 16)
+
+
+#: ``logit_bias`` entries of ``-inf`` become this inside the fused path: ``exp`` still gives exactly
+#: 0 in float32, while ``p * z`` stays finite (0) for the entropy.
+_FORBIDDEN_LOGIT = -1.0e30
+
+
+def _linear_weight(project: Callable[[Tensor], Tensor]) -> Tensor | None:
+    """``W [V, D]`` when ``project(h)`` is exactly ``h @ W.T`` (else None: use the generic path)."""
+    from torchtune.modules import TiedLinear
+
+    if isinstance(project, TiedLinear):
+        return project.tied_module.weight
+    if isinstance(project, nn.Linear) and project.bias is None and type(project).forward in (
+        nn.Linear.forward,
+    ):
+        return project.weight
+    return None
+
+
+def _chunk_scores(h: Tensor, weight: Tensor, temperature: float, bias: Tensor | None,
+                  out: Tensor, low: Tensor | None) -> Tensor:
+    """``out[:m] = (h @ W.T).float() / temperature + bias`` written into reused buffers.
+
+    ``h [m, D]``, ``weight [V, D]``, ``out [>= m, V]`` float32, ``low [>= m, V]`` in ``h``'s dtype
+    (None for float32). Returns the ``[m, V]`` view.
+    """
+    m = h.shape[0]
+    z = out[:m]
+    if low is None:
+        torch.mm(h, weight.t(), out=z)
+    else:
+        torch.mm(h, weight.t(), out=low[:m])
+        z.copy_(low[:m])
+    if temperature != 1.0:
+        z.div_(temperature)
+    if bias is not None:
+        z.add_(bias)
+    return z
+
+
+class _FusedLinearLogProbs(torch.autograd.Function):
+    """Log-probs of ``targets`` under ``softmax((h @ W.T) / temperature + bias)``, chunked.
+
+    Forward inputs: ``hidden [M, D]``, ``weight [V, D]``, ``targets [M]``, ``bias [V]`` float32
+    (finite; forbidden ids at ``_FORBIDDEN_LOGIT``) or None, ``temperature``, ``chunk_size``,
+    ``want_entropy``. Outputs ``logp [M]`` float32 and ``entropy [M]`` float32 (empty when not
+    wanted; never differentiable). Saves ``hidden``, ``weight`` and ``targets`` only.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, bias, temperature, chunk_size, want_entropy):
+        m_total, v = hidden.shape[0], weight.shape[0]
+        rows = min(chunk_size, m_total)
+        buf = hidden.new_empty((rows, v), dtype=torch.float32)
+        low = None if hidden.dtype == torch.float32 else hidden.new_empty((rows, v))
+        probs = hidden.new_empty((rows, v), dtype=torch.float32) if want_entropy else None
+        logp = hidden.new_empty(m_total, dtype=torch.float32)
+        entropy = hidden.new_empty(m_total if want_entropy else 0, dtype=torch.float32)
+        for s in range(0, m_total, chunk_size):
+            e = min(s + chunk_size, m_total)
+            z = _chunk_scores(hidden[s:e], weight, temperature, bias, buf, low)
+            y = targets[s:e].unsqueeze(1)
+            if want_entropy:
+                # H = logsumexp(z) - sum_v p_v z_v; logsumexp(z) = max(z) - max(log_softmax(z))
+                p = probs[: e - s]
+                torch._softmax(z, 1, False, out=p)
+                expected_z = torch.linalg.vecdot(p, z)
+                z_max = z.amax(1)
+            torch._log_softmax(z, 1, False, out=z)
+            logp[s:e] = z.gather(1, y).squeeze(1)
+            if want_entropy:
+                entropy[s:e] = (z_max - z.amax(1)) - expected_z
+        # a forbidden target has log-prob -inf, as in the unfused path
+        logp.masked_fill_(logp < _FORBIDDEN_LOGIT / 2, float("-inf"))
+        ctx.save_for_backward(hidden, weight, targets, bias)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        hidden, weight, targets, bias = ctx.saved_tensors
+        temperature, chunk_size = ctx.temperature, ctx.chunk_size
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        m_total, v = hidden.shape[0], weight.shape[0]
+        rows = min(chunk_size, m_total)
+        buf = hidden.new_empty((rows, v), dtype=torch.float32)
+        low = None if hidden.dtype == torch.float32 else hidden.new_empty((rows, v))
+        probs = hidden.new_empty((rows, v), dtype=torch.float32)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if need_w else None
+        # d logp_i / d z_i = onehot(y_i) - softmax(z_i); d z / d logits = 1 / temperature
+        g = grad_logp.float() / temperature
+        for s in range(0, m_total, chunk_size):
+            e = min(s + chunk_size, m_total)
+            z = _chunk_scores(hidden[s:e], weight, temperature, bias, buf, low)
+            p = probs[: e - s]
+            torch._softmax(z, 1, False, out=p)
+            gs = g[s:e]
+            p.mul_(-gs.unsqueeze(1))
+            p.scatter_add_(1, targets[s:e].unsqueeze(1), gs.unsqueeze(1))
+            grad_z = p if low is None else low[: e - s].copy_(p)
+            if need_h:
+                torch.mm(grad_z, weight, out=grad_h[s:e])
+            if need_w:
+                if low is None:
+                    grad_w.addmm_(grad_z.t(), hidden[s:e])
+                else:
+                    grad_w.add_((grad_z.t() @ hidden[s:e]).float())
+        if grad_w is not None:
+            grad_w = grad_w.to(weight.dtype)
+        return grad_h, grad_w, None, None, None, None, None
 
 
 def _check_common(temperature: float, logit_bias: Tensor | None) -> None:
@@ -174,6 +296,7 @@ def chunked_token_logprobs(
     checkpoint: bool = True,
     return_entropy: bool = False,
     entropy_grad: bool = True,
+    fused: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs computed chunk by chunk from the final hidden states.
 
@@ -201,6 +324,10 @@ def chunked_token_logprobs(
         entropy_grad (bool): the entropy is differentiated (an entropy bonus). ``False``
             (entropy as a metric only) computes it once per chunk without a graph and skips
             it when the checkpoint recomputes the chunk in the backward pass.
+        fused (bool): with ``checkpoint`` and a plain linear ``project`` (``nn.Linear`` without
+            bias or ``TiedLinear``), and no entropy gradient, use the fused autograd function
+            (same values and gradients to float rounding, reused buffers, no saved logits);
+            ``False`` forces the checkpointed chunks.
 
     Returns:
         tuple[Tensor, Tensor | None]: ``[N, T]`` float32 log-probs and, if ``return_entropy``,
@@ -223,6 +350,15 @@ def chunked_token_logprobs(
     flat_hidden = hidden.reshape(n * t, d)
     flat_targets = targets.reshape(n * t)
     temperature = float(temperature)
+    weight = _linear_weight(project) if fused and checkpoint and n * t else None
+    if weight is not None and not (return_entropy and entropy_grad and torch.is_grad_enabled()):
+        bias = None
+        if logit_bias is not None:
+            bias = logit_bias.to(device=hidden.device, dtype=torch.float32).clamp(
+                min=_FORBIDDEN_LOGIT)
+        logp, ent = _FusedLinearLogProbs.apply(
+            flat_hidden, weight, flat_targets, bias, temperature, chunk_size, return_entropy)
+        return logp.view(n, t), (ent.view(n, t) if return_entropy else None)
 
     def chunk_fn(h: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         logp, ent = _logprobs_from_logits(project(h), y, temperature, logit_bias, return_entropy)
