@@ -267,6 +267,13 @@ RECIPE_KEYS: dict[str, Key] = {
         "steps after a compile delay at start and on new shapes."),
     "fsdp_cpu_offload": Key("bool", False, "Keep FSDP parameters and optimizer state on CPU."),
     "fsdp_reshard_after_forward": Key("bool", True, "FSDP2 ``reshard_after_forward``."),
+    "rollout_gather_weights": Key(
+        "bool", True,
+        "Several ranks (FSDP2): all-gather the policy's weights once for the whole rollout "
+        "(and for the no-grad reference/old log-prob passes and the evaluation) and free them "
+        "before the update, instead of once per forward, i.e. per decode step. Costs one "
+        "unsharded copy of the weights during those phases; false: FSDP's per-forward "
+        "gathering. No effect on one device."),
     "save_adapter_weights_only": Key(
         "bool", False,
         "LoRA: save only the adapters (PEFT format), not the merged weights as well."),

@@ -3,15 +3,20 @@
 Without torchrun's environment (``RANK``/``WORLD_SIZE``) nothing is initialised and every
 reduction is the identity, so the single-device recipe and a one-process run of the
 distributed recipe execute the same code. gloo has no ``ReduceOp.AVG``: means are SUM / n.
+:func:`gathered_for_inference` holds an FSDP2 model's full weights through a no-grad phase
+(rollout, reference log-probs, evaluation) instead of gathering them on every forward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 
 def launched_by_torchrun() -> bool:
@@ -77,3 +82,77 @@ def destroy() -> None:
     """Tear the process group down, if any."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _fsdp_modules(models: tuple[nn.Module | None, ...]) -> list[nn.Module]:
+    """Every FSDP2-wrapped module (``fully_shard``) inside ``models``, outermost first."""
+    from torch.distributed.fsdp import FSDPModule
+
+    seen: set[int] = set()
+    found = []
+    for model in models:
+        for module in () if model is None else model.modules():
+            if isinstance(module, FSDPModule) and id(module) not in seen:
+                seen.add(id(module))
+                found.append(module)
+    return found
+
+
+@contextlib.contextmanager
+def gathered_for_inference(*models: nn.Module | None, enabled: bool = True) -> Iterator[None]:
+    """All-gather the FSDP2-sharded ``models``' weights once and hold them for the block.
+
+    FSDP2 gathers a layer's weights before each forward through it and, with
+    ``reshard_after_forward`` (the config's ``fsdp_reshard_after_forward``, default true),
+    frees them after. A rollout runs one forward per decode step, so it would all-gather every
+    layer ``max_generated_tokens`` times. Inside this block every FSDP module of ``models`` is
+    unsharded once (``FSDPModule.unshard``) and set not to reshard after forward
+    (``set_reshard_after_forward(False)``), so the forwards in it reuse the gathered weights;
+    on exit (also on an exception) every module is resharded (``FSDPModule.reshard``: the full
+    weights are freed before the update) and its own ``reshard_after_forward`` setting is
+    restored. The cost is one full, unsharded copy of the weights for the block's duration
+    (``tune-grpo estimate-memory`` counts it in the rollout and reference phases).
+
+    A no-op when ``enabled`` is False or no model is FSDP-sharded (one device), and for
+    ``None`` entries (e.g. no reference model). Works with LoRA (adapters are parameters of the
+    same FSDP modules), activation checkpointing (a no-grad forward recomputes nothing) and
+    CPU offload (the gathered copy lives on the device). Use it only around no-grad work: a
+    backward inside would find the parameters in the wrong state. A collective: every rank
+    must enter and leave the block together.
+
+    Args:
+        models: FSDP2 roots (as built by :func:`torchtune_grpo.modeling.build_model`) or
+            plain modules or None.
+        enabled: False keeps FSDP's per-forward gathering (``rollout_gather_weights: false``).
+    """
+    modules = _fsdp_modules(models) if enabled else []
+    if not modules:
+        yield
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for model in models:  # decide the roots first, as their first forward would
+        if isinstance(model, FSDPModule):
+            model._get_fsdp_state()._lazy_init()
+    # set_reshard_after_forward is public but has no getter: remember the exact per-group
+    # setting (the root's special "never reshard" included) to put it back afterwards
+    saved = []
+    for module in modules:
+        state = module._get_fsdp_state()
+        saved.append((state, state._auto_reshard_after_forward,
+                      [(g, g.post_forward_mesh_info) for g in state._fsdp_param_groups]))
+    try:
+        for module in modules:
+            module.set_reshard_after_forward(False, recurse=False)
+        handles = [module.unshard(async_op=True) for module in modules]
+        for handle in handles:
+            if handle is not None:
+                handle.wait()
+        yield
+    finally:
+        for module in modules:
+            module.reshard()
+        for state, auto, groups in saved:
+            state._auto_reshard_after_forward = auto
+            for group, mesh_info in groups:
+                group.post_forward_mesh_info = mesh_info

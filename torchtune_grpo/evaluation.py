@@ -334,6 +334,7 @@ def evaluate(
     cache_dtype: torch.dtype | None = None,
     progress: bool = False,
     partial_dir: str | Path | None = None,
+    gather_weights: bool = True,
 ) -> EvalResult:
     """Evaluate ``model`` on every problem of ``dataset`` (a :class:`PromptDataset`).
 
@@ -357,6 +358,9 @@ def evaluate(
             scored, to ``partial_dir/eval_samples.rank{r}.partial.jsonl`` (flushed), so a later
             failure loses no finished work; :meth:`EvalResult.write` removes these files after
             writing the final ones. ``None``: rows are kept in memory only.
+        gather_weights: hold an FSDP2 model's full weights for the whole evaluation
+            (:func:`~torchtune_grpo.distributed.gathered_for_inference`) instead of gathering
+            them on every decode step; no effect on an unsharded model.
 
     Raises:
         RuntimeError: computing the metrics failed; the message says where the partial
@@ -383,16 +387,17 @@ def evaluate(
     partial = _PartialSamples(partial_files[rank] if partial_files else None)
     bar = tqdm(total=per_rank, disable=not (progress and rank == 0), desc="eval")
     try:
-        for offset in range(0, per_rank, prompts_per_batch):
-            chunk = padded[offset : offset + prompts_per_batch]
-            rows.extend(_evaluate_chunk(
-                model, tokenizer, dataset, rewards, settings, chunk,
-                num_real=max(0, min(len(chunk), len(mine) - offset)), extract=extract,
-                partial=partial, device=device, logit_bias=logit_bias,
-                allowed_tokens=allowed_tokens, stop_tokens=stop_tokens, pad_id=pad_id,
-                cache_dtype=cache_dtype,
-            ))
-            bar.update(len(chunk))
+        with D.gathered_for_inference(model, enabled=gather_weights):
+            for offset in range(0, per_rank, prompts_per_batch):
+                chunk = padded[offset : offset + prompts_per_batch]
+                rows.extend(_evaluate_chunk(
+                    model, tokenizer, dataset, rewards, settings, chunk,
+                    num_real=max(0, min(len(chunk), len(mine) - offset)), extract=extract,
+                    partial=partial, device=device, logit_bias=logit_bias,
+                    allowed_tokens=allowed_tokens, stop_tokens=stop_tokens, pad_id=pad_id,
+                    cache_dtype=cache_dtype,
+                ))
+                bar.update(len(chunk))
     finally:
         partial.close()
         bar.close()

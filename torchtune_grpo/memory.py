@@ -6,6 +6,10 @@ recipe keeps alive, component by component:
 
 * **weights**: every parameter in the config's ``dtype``, divided by ``world_size`` under FSDP2
   (plus the unsharded layers FSDP gathers around the one it is computing).
+* **gathered weights**: under FSDP2 with ``rollout_gather_weights`` (the default), the rollout
+  of the native engine and the no-grad reference pass hold one full, unsharded copy of the
+  weights for their whole duration (gathered once instead of once per decode step,
+  :func:`torchtune_grpo.distributed.gathered_for_inference`); freed before the update.
 * **gradients**: trainable parameters only (LoRA: the adapters), sharded like the weights.
 * **optimizer state**: ``torch.optim.AdamW``/``Adam`` keep two states per trainable parameter
   (three with ``amsgrad``) *in the parameter's dtype* (``torch.zeros_like(param)``), SGD one
@@ -14,7 +18,7 @@ recipe keeps alive, component by component:
   and the model is not LoRA (a LoRA reference is the policy with its adapters disabled).
 * **KV cache**: ``2 x layers x kv_heads x head_dim x (P + T)`` values per sequence for the
   ``forward_batch_size`` sequences of one generation micro-batch, in ``dtype``; it lives only
-  during the rollout.
+  during the rollout (next to the gathered weights).
 * **activations**: what autograd saves for the backward pass of one update micro-batch of
   ``forward_batch_size`` sequences of ``P + T`` tokens (per layer and token: the two RMSNorms'
   float32 inputs, the float32 RoPE inputs, the attention's q/k/v/output, the MLP's four
@@ -149,7 +153,9 @@ class MemoryEstimate:
         world_size: ranks the estimate is for.
         components: device bytes by component (``weights``, ``gradients``,
             ``optimizer_state``, ``reference_model``, ``kv_cache``, ``activations``,
-            ``logits``, ``other``).
+            ``logits``, ``gathered_weights``, ``other``); ``gathered_weights`` is the full
+            copy a no-grad phase holds under FSDP2 (``rollout_gather_weights``), counted in the
+            rollout and reference phases only.
         phases: device bytes at the peak of each phase (``load`` only on CPU).
         peak_bytes: the largest phase.
         peak_phase: which phase it is.
@@ -272,6 +278,9 @@ def estimate_memory(cfg: DictConfig, world_size: int = 1, *,
     fsdp = world_size > 1
     offload = fsdp and bool(cfg.get("fsdp_cpu_offload", False))
     reshard = bool(cfg.get("fsdp_reshard_after_forward", True))
+    gather_once = fsdp and bool(cfg.get("rollout_gather_weights", True))
+    native = str((cfg.get("generator") or {}).get("_component_", "NativeGenerator")).endswith(
+        "NativeGenerator")
     ac = bool(cfg.get("enable_activation_checkpointing", False))
     kl = float((cfg.get("loss") or {}).get("kl_coeff", 0.0) or 0.0) != 0.0
 
@@ -305,6 +314,11 @@ def estimate_memory(cfg: DictConfig, world_size: int = 1, *,
     else:  # fused kernel, or the per-parameter loop used on CPU
         opt_temp = 2 * min(dims.largest_param, dims.trainable_params) * b / shard
     reference = dims.num_params * b / shard if kl and not dims.is_lora else 0.0
+    # rollout_gather_weights: a no-grad phase holds one full copy (policy or reference) instead
+    # of FSDP's per-forward layers
+    full_copy = dims.num_params * b if gather_once else 0.0
+    rollout_gathered = full_copy if native and gather_once else gathered
+    reference_gathered = full_copy if gather_once else gathered
 
     # ---- rollout: KV cache of one generation micro-batch, prefill and sampling temporaries
     kv_cache = gen_rows * dims.num_layers * 2 * dims.num_kv_heads * dims.head_dim * seq * b
@@ -312,7 +326,7 @@ def estimate_memory(cfg: DictConfig, world_size: int = 1, *,
     act = activation_bytes_per_token(dims, b)
     prefill = prompts_per_micro * p * (act["layer"] + b * dims.num_heads * p)
     sampling = gen_rows * vocab * 4 * 4
-    generation = kv_cache + prefill + sampling + gathered
+    generation = kv_cache + prefill + sampling + rollout_gathered
 
     # ---- update: one micro-batch of `micro` rows of `seq` tokens
     tokens = micro * seq
@@ -328,7 +342,7 @@ def estimate_memory(cfg: DictConfig, world_size: int = 1, *,
     buffers = rows * seq * seq + rows * seq * 8 + rows * t_gen * 4 * 4 + micro * seq * seq
     update = grads + max(activations + logits, opt_temp) + buffers + gathered
     reference_pass = (act["layer"] * tokens + mask_layer + 3 * min(chunk, response_tokens)
-                      * vocab * 4 + buffers + gathered) if kl else 0.0
+                      * vocab * 4 + buffers + reference_gathered) if kl else 0.0
 
     host = 0.0
     if offload:  # FSDP keeps shards, gradients and optimizer state on the host
@@ -352,6 +366,7 @@ def estimate_memory(cfg: DictConfig, world_size: int = 1, *,
         "kv_cache": kv_cache,
         "activations": activations,
         "logits": logits,
+        "gathered_weights": full_copy if native or kl else 0.0,
         "other": buffers + gathered + sampling + prefill,
     }
     estimate = MemoryEstimate(
@@ -365,6 +380,7 @@ def estimate_memory(cfg: DictConfig, world_size: int = 1, *,
         settings={
             "dtype": dtype, "device": device, "lora": dims.is_lora, "kl": kl,
             "activation_checkpointing": ac, "fsdp_cpu_offload": offload,
+            "rollout_gather_weights": gather_once,
             "rows": rows, "micro_batch": micro, "generation_rows": gen_rows,
             "prompt_tokens": p, "max_generated_tokens": t_gen, "logprob_chunk_size": chunk,
             "optimizer_states_per_param": states,
@@ -386,8 +402,8 @@ def training_configs() -> list[str]:
 def summary_table(estimates: list[MemoryEstimate]) -> str:
     """One Markdown row per estimate: the components and the peak, in GiB."""
     cols = ["weights", "gradients", "optimizer_state", "reference_model", "kv_cache",
-            "activations", "logits", "other"]
-    short = ["weights", "grads", "optim", "ref", "KV", "acts", "logits", "other"]
+            "activations", "logits", "gathered_weights", "other"]
+    short = ["weights", "grads", "optim", "ref", "KV", "acts", "logits", "gathered", "other"]
     head = "| config | ranks | " + " | ".join(short) + " | peak (phase) |"
     lines = [head, "|" + "---|" * (len(cols) + 3)]
     for e in estimates:

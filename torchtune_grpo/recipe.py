@@ -290,17 +290,26 @@ class GRPORecipe:
         cfg = self.cfg
         tokens = batch["tokens"].to(self.device)
         self.model.eval()
-        traj = self.generator.generate(
-            self.model, tokens, prompt_mask(tokens, batch["prompt_lengths"]),
-            group_size=self.group_size, forward_batch_size=self.forward_batch_size,
-            max_generated_tokens=cfg.max_generated_tokens, temperature=cfg.temperature,
-            top_k=cfg.top_k, stop_tokens=self.stop_tokens, pad_id=self.pad_id,
-            logit_bias=self.logit_bias,
-            prompt_seeds=mix_seeds(self.seed, self.step, batch["indices"]),
-            all_done=partial(D.all_ranks_true, device=self.device), cache_dtype=self.dtype,
-        )
+        # the native engine runs the policy once per decode step: gather its shards once
+        with self._gathered(self.model if isinstance(self.generator, NativeGenerator) else None):
+            traj = self.generator.generate(
+                self.model, tokens, prompt_mask(tokens, batch["prompt_lengths"]),
+                group_size=self.group_size, forward_batch_size=self.forward_batch_size,
+                max_generated_tokens=cfg.max_generated_tokens, temperature=cfg.temperature,
+                top_k=cfg.top_k, stop_tokens=self.stop_tokens, pad_id=self.pad_id,
+                logit_bias=self.logit_bias,
+                prompt_seeds=mix_seeds(self.seed, self.step, batch["indices"]),
+                all_done=partial(D.all_ranks_true, device=self.device), cache_dtype=self.dtype,
+            )
         self.model.train()
         return traj
+
+    def _gathered(self, model: nn.Module | None) -> contextlib.AbstractContextManager:
+        """Under FSDP2, ``model``'s weights all-gathered once for a no-grad phase and freed at
+        its end (:func:`~torchtune_grpo.distributed.gathered_for_inference`), not once per
+        forward; off with ``rollout_gather_weights: false``, a no-op on one device or for
+        None."""
+        return D.gathered_for_inference(model, enabled=self.cfg.rollout_gather_weights)
 
     def score(self, traj: Trajectory, batch: dict[str, Any]) -> RewardOutput:
         """Step 3: decode the completions and apply the reward components."""
@@ -332,7 +341,7 @@ class GRPORecipe:
         """
         model = self.model if self.is_lora else self.ref_model
         context = disable_adapter(self.model) if self.is_lora else contextlib.nullcontext()
-        with context:
+        with context, self._gathered(model):
             return self._response_logprobs(model, traj)
 
     @torch.no_grad()
@@ -342,7 +351,8 @@ class GRPORecipe:
         ``needs_policy_logprobs``, e.g. vLLM with ``top_k``); None: use ``traj.logprobs``."""
         if not self.generator.needs_policy_logprobs(top_k=self.cfg.top_k):
             return None
-        return self._response_logprobs(self.model, traj) * traj.response_mask
+        with self._gathered(self.model):
+            return self._response_logprobs(self.model, traj) * traj.response_mask
 
     def _response_logprobs(self, model: nn.Module, traj: Trajectory) -> torch.Tensor:
         """``[N, T]`` log-probs of ``traj``'s responses under ``model``, micro-batch by
@@ -569,6 +579,7 @@ class GRPORecipe:
             self.model, self.tokenizer, self.eval_dataset, self.rewards, self.eval_settings,
             device=self.device, logit_bias=self.logit_bias, allowed_tokens=self.allowed_tokens,
             stop_tokens=self.stop_tokens, pad_id=self.pad_id, cache_dtype=self.dtype,
+            gather_weights=self.cfg.rollout_gather_weights,
         )
         metrics = {f"eval/{k}": v for k, v in result.metrics.items()}
         metrics["eval/problems_per_second"] = len(result.samples) / max(result.seconds, 1e-9)

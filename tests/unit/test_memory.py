@@ -218,3 +218,31 @@ def test_child_peak_is_its_own_not_the_parents():
 
     assert peak_rss_bytes() > 1024**3
     assert child < 700 * 1024**2, child  # torch alone: ~250 MB
+
+
+def test_rollout_holds_the_gathered_weights_under_fsdp():
+    """``rollout_gather_weights`` (default): the rollout and reference phases of a sharded run
+    hold one full copy of the weights; off, FSDP's two gathered layers; no effect on 1 rank."""
+    name = "grpo/qwen2_5_3B_full"
+    dims = model_dims(load_config(name).model)
+    full_copy = dims.num_params * 2  # bf16
+    layers = 2 * dims.layer_params * 2
+    on = estimate_memory(load_config(name, ["loss.kl_coeff=0.05"]), 8)
+    off = estimate_memory(load_config(name, ["loss.kl_coeff=0.05",
+                                             "rollout_gather_weights=false"]), 8)
+    assert on.settings["rollout_gather_weights"] and not off.settings["rollout_gather_weights"]
+    assert on.components["gathered_weights"] == full_copy
+    assert off.components["gathered_weights"] == 0
+    for phase in ("rollout", "reference"):
+        assert on.phases[phase] - off.phases[phase] == pytest.approx(full_copy - layers, abs=8)
+    assert on.phases["update"] == off.phases["update"]  # freed before the update
+    assert on.peak_phase in ("rollout", "reference") and on.peak_bytes > off.peak_bytes
+    # a vLLM engine does not run the policy during the rollout: only the reference pass gathers
+    vllm = estimate_memory(load_config(name, [
+        "loss.kl_coeff=0.05",
+        "generator._component_=torchtune_grpo.rlhf.vllm_generation.VLLMGenerator"]), 8)
+    assert vllm.phases["rollout"] == off.phases["rollout"]
+    assert vllm.phases["reference"] == on.phases["reference"]
+    one = [estimate_memory(load_config(name, ["batch_size=4", f"rollout_gather_weights={g}"]), 1)
+           for g in ("true", "false")]
+    assert one[0].phases == one[1].phases and one[0].components["gathered_weights"] == 0
