@@ -164,6 +164,7 @@ def micro_batch_logprobs(
     prompt_mask: torch.Tensor,
     response_mask: torch.Tensor,
     *,
+    tool_mask: torch.Tensor | None = None,
     trim: bool = True,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -176,11 +177,17 @@ def micro_batch_logprobs(
     rows: the results match ``trim=False`` up to float rounding, at the cost of the real
     tokens only.
 
+    Tool-result tokens of a multi-turn rollout (``tool_mask``) are real tokens of the sequence:
+    the attention mask and position ids come from ``prompt_mask | response_mask | tool_mask``,
+    so later tokens attend to them. They are not actions: their log-probs (and entropies) are
+    returned as 0, through a ``torch.where`` that passes them no gradient.
+
     Args:
         model: a torchtune decoder.
         tokens: ``[n, P + T]`` left-padded prompts followed by right-padded responses.
         prompt_mask: ``[n, P]`` True on real prompt tokens.
         response_mask: ``[n, T]`` True on generated tokens.
+        tool_mask: ``[n, T]`` True on tool-result tokens (None: none, single-turn).
         trim: run on the trimmed slice (False: on the whole ``[n, P + T]`` rectangle).
         **kwargs: ``temperature``, ``logit_bias``, ``chunk_size``, ``return_entropy``,
             ``entropy_grad`` of :func:`response_logprobs`.
@@ -191,9 +198,10 @@ def micro_batch_logprobs(
     full_response_len = response_mask.shape[1]
     if trim:
         tokens, padding, prompt_len, response_len = trim_to_extent(
-            tokens, prompt_mask, response_mask)
+            tokens, prompt_mask, response_mask, tool_mask)
     else:
-        padding = torch.cat([prompt_mask, response_mask], dim=1)
+        present = response_mask if tool_mask is None else response_mask | tool_mask
+        padding = torch.cat([prompt_mask, present], dim=1)
         prompt_len, response_len = prompt_mask.shape[1], full_response_len
     logprobs, entropy = response_logprobs(
         model, tokens, prompt_len=prompt_len, mask=attention_mask(padding),
@@ -203,4 +211,9 @@ def micro_batch_logprobs(
     if missing:
         logprobs = F.pad(logprobs, (0, missing))
         entropy = None if entropy is None else F.pad(entropy, (0, missing))
+    if tool_mask is not None:  # no host sync: a where on every micro-batch that has the mask
+        tool = tool_mask.to(logprobs.device)
+        logprobs = torch.where(tool, torch.zeros_like(logprobs), logprobs)
+        entropy = None if entropy is None else torch.where(
+            tool, torch.zeros_like(entropy), entropy)
     return logprobs, entropy

@@ -5,6 +5,19 @@ had: prompts are left-padded to a common ``P`` and responses right-padded to a c
 Micro-batches generated separately (each may stop at a different step) are merged with
 :func:`concat_trajectories`, which pads before concatenating; the original torchtune recipe
 crashed there (``torch.cat`` of ``[16, 512]`` and ``[16, 300]``).
+
+Multi-turn rollouts with tools (:mod:`torchtune_grpo.rlhf.multiturn`) add a third kind of
+response token: a tool's result, appended to the sequence as context. Three masks over the
+response part then say what each position holds, and they never overlap:
+
+* ``response_mask [N, T]``: tokens the **policy produced** (sampled). Every log-prob, loss,
+  normaliser, entropy, KL and length metric uses this mask, so tool tokens are never scored.
+* ``tool_mask [N, T]``: tokens a **tool produced** (its result text). They exist: later tokens
+  attend to them and their positions count; they carry log-prob 0 and no loss.
+* neither: right padding.
+
+Attention masks and position ids come from :attr:`Trajectory.padding_mask`, which is
+``prompt_mask | response_mask | tool_mask`` (every token that exists).
 """
 
 from __future__ import annotations
@@ -28,6 +41,9 @@ class Trajectory:
             (tempered, with forbidden ids removed), 0 where ``response_mask`` is False.
         stopped: ``[N]`` True where the completion ended on a stop token.
         pad_id: the id used for padding.
+        tool_mask: ``[N, T]`` True on tool-result tokens inside the response part (context
+            the policy attends to, never scored; disjoint from ``response_mask``). Optional:
+            None (the default) becomes all False, so single-turn rollouts are unchanged.
     """
 
     tokens: torch.Tensor
@@ -36,6 +52,16 @@ class Trajectory:
     logprobs: torch.Tensor
     stopped: torch.Tensor
     pad_id: int
+    tool_mask: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.tool_mask is None:
+            self.tool_mask = torch.zeros_like(self.response_mask, dtype=torch.bool)
+        elif self.tool_mask.shape != self.response_mask.shape:
+            raise ValueError(
+                f"tool_mask must have the shape of response_mask {tuple(self.response_mask.shape)}"
+                f", got {tuple(self.tool_mask.shape)}"
+            )
 
     @property
     def prompt_len(self) -> int:
@@ -59,13 +85,25 @@ class Trajectory:
 
     @property
     def response_lengths(self) -> torch.Tensor:
-        """``[N]`` number of generated tokens, stop token included."""
+        """``[N]`` number of tokens the policy generated, stop token included (tool-result
+        tokens excluded)."""
         return self.response_mask.sum(dim=1)
 
     @property
+    def tool_lengths(self) -> torch.Tensor:
+        """``[N]`` number of tool-result tokens in each response."""
+        return self.tool_mask.sum(dim=1)
+
+    @property
+    def present_mask(self) -> torch.Tensor:
+        """``[N, T]`` True on response positions that hold a token: generated or tool result."""
+        return self.response_mask | self.tool_mask
+
+    @property
     def padding_mask(self) -> torch.Tensor:
-        """``[N, P + T]`` True on real tokens (prompt and generated)."""
-        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+        """``[N, P + T]`` True on real tokens (prompt, generated and tool-result): the mask
+        attention and position ids are built from."""
+        return torch.cat([self.prompt_mask, self.present_mask], dim=1)
 
     def to(self, device: torch.device | str) -> "Trajectory":
         """Move every tensor to ``device``."""
@@ -85,6 +123,7 @@ class Trajectory:
             response_mask=self.response_mask[index],
             logprobs=self.logprobs[index],
             stopped=self.stopped[index],
+            tool_mask=self.tool_mask[index],
         )
 
 
@@ -145,7 +184,8 @@ class Trimmed(NamedTuple):
 
 
 def trim_to_extent(tokens: torch.Tensor, prompt_mask: torch.Tensor,
-                   response_mask: torch.Tensor) -> Trimmed:
+                   response_mask: torch.Tensor,
+                   tool_mask: torch.Tensor | None = None) -> Trimmed:
     """Drop the columns of a micro-batch that hold padding in every one of its rows.
 
     On the prompt side these are the leading columns before the longest prompt of the
@@ -163,6 +203,8 @@ def trim_to_extent(tokens: torch.Tensor, prompt_mask: torch.Tensor,
             (right-padded to ``T``).
         prompt_mask: ``[n, P]`` True on real prompt tokens.
         response_mask: ``[n, T]`` True on generated tokens.
+        tool_mask: ``[n, T]`` True on tool-result tokens (None: none). They are real tokens:
+            the padding mask (hence attention and positions) and the kept extent include them.
 
     Returns:
         :class:`Trimmed` with tokens and padding mask ``[n, P_mb + T_mb]``, ``P_mb`` and
@@ -173,6 +215,8 @@ def trim_to_extent(tokens: torch.Tensor, prompt_mask: torch.Tensor,
         raise ValueError(
             f"tokens have {tokens.shape[1]} columns, masks {prompt_len} + {response_len}"
         )
+    if tool_mask is not None:
+        response_mask = response_mask | tool_mask  # every response token that exists
     used_prompt = prompt_mask.any(dim=0).nonzero()  # [k, 1] columns with a real prompt token
     used_response = response_mask.any(dim=0).nonzero()
     start = min(int(used_prompt[0]), prompt_len - 1) if used_prompt.numel() else prompt_len - 1
@@ -214,6 +258,7 @@ def pad_trajectory(traj: Trajectory, prompt_len: int, response_len: int) -> Traj
         logprobs=_pad_right(traj.logprobs, response_len, 0.0),
         stopped=traj.stopped,
         pad_id=traj.pad_id,
+        tool_mask=_pad_right(traj.tool_mask, response_len, False),
     )
 
 
@@ -235,4 +280,5 @@ def concat_trajectories(parts: list[Trajectory]) -> Trajectory:
         logprobs=torch.cat([p.logprobs for p in padded]),
         stopped=torch.cat([p.stopped for p in padded]),
         pad_id=parts[0].pad_id,
+        tool_mask=torch.cat([p.tool_mask for p in padded]),
     )
