@@ -392,10 +392,10 @@ def calling_model(tmp_path_factory):
     return model.eval(), tokenizer
 
 
-def _calling_rollout(model, tokenizer, **overrides):
+def _calling_rollout(model, tokenizer, keys=tuple(TRANSCRIPTS), inner=None, **overrides):
     bias = logit_bias_from_mask(allowed_token_mask(tokenizer, 320))
-    tokens, mask = _prompts(tokenizer, list(TRANSCRIPTS))
-    gen = ToolUseGenerator([Calculator()], tokenizer=tokenizer, max_tool_calls=2)
+    tokens, mask = _prompts(tokenizer, list(keys))
+    gen = ToolUseGenerator([Calculator()], tokenizer=tokenizer, max_tool_calls=2, inner=inner)
     kwargs = dict(group_size=1, max_generated_tokens=60, temperature=0.0, top_k=None,
                   stop_tokens=torch.tensor(stop_token_ids(tokenizer)), pad_id=tokenizer.pad_id,
                   logit_bias=bias, forward_batch_size=2)
@@ -431,6 +431,79 @@ def test_native_rollout_runs_the_tool_and_logprobs_match_the_training_forward(ca
     # the result would be scored in another context
     after = policy[0] & (torch.arange(traj.response_len) > start + len(result))
     assert (blind[0][after] - traj.logprobs[0][after]).abs().max() > 1e-3
+
+
+def _fsdp_worker(rank: int, port: int, state_path: str, tok_dir: str, out_dir: str) -> None:
+    """One of 2 ranks: shard the calling model with FSDP2 (every forward is a collective) and
+    roll out this rank's prompts; save the rollout and the inner engine's call count."""
+    import os
+
+    from omegaconf import OmegaConf
+
+    from torchtune_grpo import distributed as D
+    from torchtune_grpo.modeling import build_model
+    from torchtune_grpo.tiny import tiny_tokenizer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    D.init_distributed(torch.device("cpu"))
+    try:
+        tokenizer = tiny_tokenizer(tok_dir)
+        model = build_model(OmegaConf.create({"_component_": "torchtune_grpo.tiny.tiny_llama"}),
+                            torch.load(state_path), device=torch.device("cpu"),
+                            dtype=torch.float32, world_size=2, trainable=False)
+        counter = _CountingNative()
+        traj, _, _ = _calling_rollout(
+            model, tokenizer, keys=FSDP_KEYS[rank], inner=counter,
+            all_done=lambda local: D.all_ranks_true(local, torch.device("cpu")))
+        torch.save({"tokens": traj.tokens, "tool_mask": traj.tool_mask,
+                    "response_mask": traj.response_mask, "logprobs": traj.logprobs,
+                    "calls": counter.calls}, f"{out_dir}/rank{rank}.pt")
+    finally:
+        D.destroy()
+
+
+class _CountingNative(NativeGenerator):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def generate(self, *args, **kwargs):
+        self.calls += 1
+        return super().generate(*args, **kwargs)
+
+
+#: every '>' ends a turn: Q7 takes 3 turns (a false alarm, the call, the end), Q8 4 (three
+#: false alarms: "no>", "<result>", "</result>", then the end), so rank 0 idles in turn 4
+FSDP_KEYS = {0: ["Q7:", "Q7:"], 1: ["Q8:", "Q7:"]}
+
+
+@pytest.mark.distributed
+def test_two_fsdp_ranks_with_different_turns_match_one_process(calling_model, tmp_path):
+    import torch.multiprocessing as mp
+
+    from tests.recipes._helpers import free_port
+
+    model, tokenizer = calling_model
+    state_path = tmp_path / "state.pt"
+    torch.save(model.state_dict(), state_path)
+    tok_dir = tmp_path / "tok"
+    from torchtune_grpo.tiny import write_tiny_tokenizer
+
+    write_tiny_tokenizer(tok_dir)
+    mp.spawn(_fsdp_worker, args=(free_port(), str(state_path), str(tok_dir), str(tmp_path)),
+             nprocs=2, join=True)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        alone, _, _ = _calling_rollout(model, tokenizer, keys=FSDP_KEYS[rank])
+        k = alone.response_len
+        assert torch.equal(got["tokens"][:, : alone.tokens.shape[1]], alone.tokens)
+        assert not got["response_mask"][:, k:].any()
+        assert torch.equal(got["tool_mask"][:, :k], alone.tool_mask)
+        torch.testing.assert_close(got["logprobs"][:, :k], alone.logprobs, atol=1e-5, rtol=0)
+    calls = [torch.load(tmp_path / f"rank{r}.pt")["calls"] for r in range(2)]
+    assert calls[0] == calls[1] == 4  # rank 0 followed rank 1's fourth turn
 
 
 # ---------------------------------------------------------------------------- masking in the loss

@@ -29,7 +29,8 @@ tag, which arithmetic text rarely has.
 
 **Budgets.** A completion holds at most ``max_generated_tokens`` response tokens, model and
 tool tokens together, and at most ``max_tool_calls`` tool results; a result longer than the
-room left is cut to it and the row ends (truncated, ``stopped`` False). Once a row has made
+room left is cut to it and the row ends (truncated, ``stopped`` False); a call completed by
+the budget's last token is not run (no room for a result). Once a row has made
 ``max_tool_calls`` calls, further close tags it writes are ordinary text. A turn is generated
 with the largest budget left among the pending rows of all ranks; a row's tokens past its own
 budget are dropped (a token never depends on the tokens after it, so this is what a per-row
