@@ -3,7 +3,8 @@
 Shape (the "whole step" shape of the issue): a 2-layer, dim-128 Llama 3.2 decoder with the
 full Llama 3 vocabulary of 128,256 ids (tied embeddings, ~16.5M parameters, almost all of them
 in the embedding), 4 GSM8K prompts x 8 samples x 32 new tokens, ``kl_coeff: 0.01`` (so the
-reference model runs), fp32 on CPU, ``ppo_epochs: 1``, one micro-batch of 32 rows.
+reference model runs), fp32 on CPU, ``ppo_epochs: 1``, one micro-batch of 32 rows, AdamW with
+``fused: True`` (as the dev recipe's own config has it; the peer runs with the same).
 
 Tokenizer: a Llama 3 tokenizer of 128,256 ids cannot be had offline, so the byte-level tiny
 tokenizer (269 ids, :mod:`torchtune_grpo.tiny`) is used with the 128,256-id model. The
@@ -30,15 +31,31 @@ Peak memory is the process's peak resident set size (``VmHWM``, see
 ``torchtune_grpo.memory.peak_rss_bytes``) on CPU, or ``torch.cuda.max_memory_allocated`` on
 CUDA.
 
-External anchors (not measured here): torchtune's dev GRPO recipe at this shape was reported
-at ~97 s/step and 12.7 GB peak memory; the table prints the optimized variant's ratios against
-those figures as well as against the same-run baseline.
+Peer, in the same invocation (``--peer torchtune-dev``): torchtune's original dev GRPO recipe
+(``recipes/dev/grpo_full_finetune_distributed.py`` of a torchtune source tree, run unchanged
+by ``benchmarks/peers/torchtune_dev_step.py`` with its own Python, see
+``benchmarks/peers/setup_torchtune_dev.sh``) at the same shape, on the same prompt token ids
+step by step, with the same model weights. The table prints the optimized variant's ratio
+against it: only ratios measured this way are quoted in the docs. When the peer's Python
+cannot import the recipe, the script says how to install it and exits with status 2.
+
+Bounds: every phase is printed next to its FLOP count and the time that count takes at this
+machine's fp32 rate, measured in the same invocation (best of 8 square ``1024^3`` matmuls,
+as in ``benchmarks/generation.py``). FLOPs count real tokens only (no padding): the body's
+linear layers (``2 x body params`` per token), the output projection (``2 x V x D``) where a
+log-prob or a sample is needed, and causal attention (``4 x layers x D_attn`` per query-key
+pair). Generation prefills each distinct prompt once and decodes every row; reference is one
+forward; update is the forward plus a backward of twice its cost (``3x``; the recomputation
+of the output projection in the backward is not counted, so the bound is optimistic).
+Generation also gets a decode bound: its decode steps at the rate this model's own weights
+reach as ``[rows, D] @ W`` matmuls (``decode_matmul_flops_per_second``).
 
 Usage::
 
     python benchmarks/step.py                 # 1 warm-up + 2 timed steps per variant
     python benchmarks/step.py --quick         # 1 warm-up + 1 timed step, 16 new tokens
     python benchmarks/step.py --out step.json --device cuda
+    python benchmarks/step.py --threads 2 --variants optimized --peer torchtune-dev
 """
 
 from __future__ import annotations
@@ -55,8 +72,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
-ANCHOR_SECONDS = 97.0
-ANCHOR_PEAK_GB = 12.7
+PEER_SCRIPT = REPO / "benchmarks" / "peers" / "torchtune_dev_step.py"
+PEER_SETUP = "bash benchmarks/peers/setup_torchtune_dev.sh /path/to/torchtune-checkout"
 DIMS = {"vocab_size": 128256, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
         "embed_dim": 128, "max_seq_len": 1024}
 
@@ -97,7 +114,8 @@ def build_config(workdir: Path, device: str, new_tokens: int):
                      "weight": 1.0, "success": True}],
         "loss": {"_component_": "torchtune_grpo.rlhf.loss.GRPOLoss", "epsilon": 0.2,
                  "aggregation": "sequence_mean", "kl_coeff": 0.01},
-        "optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-5, "weight_decay": 0.0},
+        "optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-5, "weight_decay": 0.0,
+                      "fused": True},
         "lr_scheduler": None, "metric_logger": None,
         "batch_size": 4, "group_size": 8, "forward_batch_size": 32,
         "max_generated_tokens": new_tokens, "temperature": 1.0, "top_k": None,
@@ -198,7 +216,7 @@ def worker(variant: str, workdir: Path, device: str, steps: int, new_tokens: int
     recipe = GRPORecipe(cfg)
     recipe.setup()
     params = sum(p.numel() for p in recipe.model.parameters())
-    rows = []
+    rows, prompts = [], []
     for step in range(1 + steps):
         batch = recipe.batches.batch(recipe.step)
         times = {}
@@ -219,12 +237,88 @@ def worker(variant: str, workdir: Path, device: str, steps: int, new_tokens: int
         times["prompt_len"] = traj.prompt_len
         times["mean_prompt_tokens"] = float(traj.prompt_mask.sum(1).float().mean())
         times["generated_tokens"] = int(traj.response_mask.sum())
+        times["flops"] = phase_flops(recipe.model, traj, recipe.group_size)
+        lengths = batch["prompt_lengths"].tolist()
+        prompts.append({"tokens": [row[len(row) - n:] for row, n in
+                                   zip(batch["tokens"].tolist(), lengths)],
+                        "answers": list(batch["answers"])})
         if step > 0:
             rows.append(times)
-    mean = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
+    mean = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0] if k != "flops"}
+    mean["flops"] = {k: sum(r["flops"][k] for r in rows) / len(rows) for k in rows[0]["flops"]}
     return {"variant": variant, "params": params, "steps": rows, "mean": mean,
-            "peak_memory_bytes": _peak_bytes(recipe.device),
+            "prompts": prompts, "peak_memory_bytes": _peak_bytes(recipe.device),
             "memory_kind": "cuda_max_allocated" if recipe.device.type == "cuda" else "peak_rss"}
+
+
+def phase_flops(model, traj, group_size: int) -> dict:
+    """FLOPs of generation, reference and update for the real tokens of ``traj``.
+
+    See the module docstring for what is counted. Returns ``{"generation", "generation_decode",
+    "reference", "update"}``; ``generation_decode`` is the decode steps' share of generation.
+    """
+    import torch
+
+    decoder = model
+    emb = decoder.tok_embeddings.weight
+    v, d = emb.shape
+    linear = sum(m.weight.numel() for m in decoder.modules()
+                 if isinstance(m, torch.nn.Linear) and m is not getattr(decoder, "output", None))
+    attn = decoder.layers[0].attn
+    d_attn = attn.num_heads * attn.head_dim
+    layers = len(decoder.layers)
+    prompt_lens = traj.prompt_mask.sum(1).double()  # [N]
+    resp_lens = traj.response_mask.sum(1).double()  # [N]
+    body, out = 2.0 * linear, 2.0 * v * d
+
+    def attention(first: torch.Tensor, last: torch.Tensor) -> float:
+        # query positions first+1 .. last, each attending to itself and all before it
+        return float((4 * layers * d_attn * (last * (last + 1) - first * (first + 1)) / 2).sum())
+
+    distinct = prompt_lens[::group_size]
+    prefill = float(distinct.sum()) * body + len(distinct) * out + attention(
+        torch.zeros_like(distinct), distinct)
+    decode = float(resp_lens.sum()) * (body + out) + attention(prompt_lens,
+                                                               prompt_lens + resp_lens)
+    forward = (float((prompt_lens + resp_lens).sum()) * body + float(resp_lens.sum()) * out
+               + attention(torch.zeros_like(prompt_lens), prompt_lens + resp_lens))
+    return {"generation": prefill + decode, "generation_decode": decode, "reference": forward,
+            "update": 3 * forward}
+
+
+def run_peer(workdir: Path, args, prompts: list[dict]) -> dict:
+    """Run torchtune's dev recipe at this shape in its own Python (``--peer-python``)."""
+    python, source = args.peer_python, args.torchtune_src
+    probe = subprocess.run(
+        [str(python), "-c", "import sys, importlib.util; p = sys.argv[1]; "
+         "s = importlib.util.spec_from_file_location('r', p); "
+         "s.loader.exec_module(importlib.util.module_from_spec(s))",
+         str(Path(source) / "recipes" / "dev" / "grpo_full_finetune_distributed.py")],
+        capture_output=True, text=True) if Path(python).exists() else None
+    if probe is None or probe.returncode != 0:
+        reason = (f"{python} does not exist" if probe is None
+                  else probe.stderr.strip().splitlines()[-1] if probe.stderr.strip()
+                  else f"exit {probe.returncode}")
+        raise PeerUnavailable(
+            f"torchtune's dev GRPO recipe cannot be run with --peer-python {python} and "
+            f"--torchtune-src {source} ({reason}). Install it once with:\n    {PEER_SETUP}\n"
+            "(a torchtune checkout at HEAD, e.g. git clone https://github.com/pytorch/torchtune)")
+    spec = {"model_dir": str(workdir / "model"), "dims": DIMS, "device": args.device,
+            "gsm8k_file": str(GSM8K if GSM8K.exists() else workdir / "synthetic.jsonl"),
+            "batch_size": 4, "group_size": 8, "new_tokens": args.new_tokens,
+            "steps": args.steps, "threads": args.threads, "torchtune_src": str(source),
+            "prompts_per_step": prompts}
+    peer_dir = workdir / "peer"
+    peer_dir.mkdir()
+    (peer_dir / "spec.json").write_text(json.dumps(spec))
+    out = peer_dir / "result.json"
+    subprocess.run([str(python), str(PEER_SCRIPT), "--spec", str(peer_dir / "spec.json"),
+                    "--out", str(out)], check=True)
+    return json.loads(out.read_text())
+
+
+class PeerUnavailable(RuntimeError):
+    """The peer's environment cannot run its recipe (the message says how to install it)."""
 
 
 def _run_variant(variant: str, workdir: Path, args) -> dict:
@@ -239,13 +333,25 @@ def _run_variant(variant: str, workdir: Path, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the variants (and the peer), print the table, the bounds and the ratios."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="1 timed step, 16 new tokens")
     parser.add_argument("--steps", type=int, default=2, help="timed steps after a warm-up")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--variants", nargs="+", default=["optimized", "baseline"])
+    parser.add_argument("--variants", nargs="+", default=["optimized", "baseline"],
+                        choices=["optimized", "baseline"])
+    parser.add_argument("--peer", choices=["torchtune-dev"],
+                        help="also run torchtune's original dev GRPO recipe at this shape")
+    parser.add_argument("--peer-python", type=Path,
+                        default=Path(os.environ.get("TORCHTUNE_DEV_PYTHON",
+                                                    REPO / ".venv-torchtune-dev/bin/python")),
+                        help="Python of the peer's environment (env TORCHTUNE_DEV_PYTHON)")
+    parser.add_argument("--torchtune-src", type=Path,
+                        default=Path(os.environ.get("TORCHTUNE_SRC",
+                                                    REPO / ".venv-torchtune-dev/torchtune")),
+                        help="torchtune source tree holding recipes/dev (env TORCHTUNE_SRC)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
@@ -262,55 +368,96 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from generation import decode_matmul_flops_per_second, matmul_flops_per_second
+
     from torchtune_grpo.tiny import tiny_llama, write_hf_checkpoint
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         torch.manual_seed(0)
-        write_hf_checkpoint(tiny_llama(**DIMS), workdir / "model", DIMS)
+        model = tiny_llama(**DIMS)
+        write_hf_checkpoint(model, workdir / "model", DIMS)
+        flops = matmul_flops_per_second()
+        decode_rate = decode_matmul_flops_per_second(model, rows=32)
+        del model
         for variant in args.variants:
             print(f"running {variant} ...", flush=True)
             results[variant] = _run_variant(variant, workdir, args)
+        if args.peer:
+            print(f"running {args.peer} ...", flush=True)
+            prompts = next(iter(results.values()))["prompts"] if results else None
+            if prompts is None:
+                print("--peer needs at least one of --variants (it replays their prompts)",
+                      file=sys.stderr)
+                return 2
+            try:
+                results[args.peer] = run_peer(workdir, args, prompts)
+            except PeerUnavailable as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
 
     parts = ["generation", "scoring", "reference", "update", "total"]
     first = next(iter(results.values()))
     print(f"\nGRPO step: {first['params'] / 1e6:.1f}M params (vocab {DIMS['vocab_size']}), "
           f"4 prompts x 8 samples x {args.new_tokens} new tokens, padded prompt length "
           f"{first['mean']['prompt_len']:.0f} (mean {first['mean']['mean_prompt_tokens']:.0f} "
-          f"real tokens), kl_coeff 0.01, {args.device}, fp32, mean of {args.steps} step(s)")
-    print(f"{'variant':<10} " + " ".join(f"{p:>11}" for p in parts) + f" {'peak GB':>8}")
+          f"real tokens), kl_coeff 0.01, {args.device}, fp32, mean of {args.steps} step(s), "
+          f"{args.threads or torch.get_num_threads()} thread(s), load average "
+          f"{os.getloadavg()[0]:.1f}")
+    print(f"{'variant':<14} " + " ".join(f"{p:>11}" for p in parts) + f" {'peak GB':>8}")
     for name, r in results.items():
-        print(f"{name:<10} " + " ".join(f"{r['mean'][p]:>10.2f}s" for p in parts)
+        print(f"{name:<14} " + " ".join(f"{r['mean'][p]:>10.2f}s" for p in parts)
               + f" {r['peak_memory_bytes'] / 1e9:>8.2f}")
-    summary = {}
-    if "optimized" in results:
-        opt = results["optimized"]
-        s, gb = opt["mean"]["total"], opt["peak_memory_bytes"] / 1e9
-        summary["vs_anchor"] = {"speedup": ANCHOR_SECONDS / s,
-                                "memory_fraction": gb / ANCHOR_PEAK_GB}
-        print(f"\nvs. external anchor (torchtune dev recipe, {ANCHOR_SECONDS:.0f} s/step, "
-              f"{ANCHOR_PEAK_GB} GB; not measured here): {ANCHOR_SECONDS / s:.1f}x faster, "
-              f"{gb / ANCHOR_PEAK_GB:.1%} of its peak memory")
-        if "baseline" in results:
-            base = results["baseline"]
-            bs, bgb = base["mean"]["total"], base["peak_memory_bytes"] / 1e9
-            summary["vs_baseline"] = {"speedup": bs / s, "memory_fraction": gb / bgb,
-                                      **{f"speedup/{p}": base["mean"][p] / max(opt["mean"][p],
-                                                                              1e-9)
-                                         for p in parts}}
-            print(f"vs. same-run baseline (full logits, torchtune KV cache): {bs / s:.2f}x "
-                  f"faster per step, {gb / bgb:.1%} of its peak memory; generation "
-                  f"{base['mean']['generation'] / opt['mean']['generation']:.2f}x, update "
-                  f"{base['mean']['update'] / opt['mean']['update']:.2f}x, reference "
-                  f"{base['mean']['reference'] / opt['mean']['reference']:.2f}x")
+
+    summary: dict = {"matmul_flops_per_second": flops,
+                     "decode_matmul_flops_per_second": decode_rate}
+    ours = results.get("optimized", first)
+    work = ours["mean"]["flops"]
+    bounds = {"generation": (work["generation"] - work["generation_decode"]) / flops
+              + work["generation_decode"] / decode_rate,
+              "reference": work["reference"] / flops, "update": work["update"] / flops}
+    print(f"\nEach phase against its bound ({flops / 1e9:.0f} GFLOP/s square fp32 matmuls, "
+          f"{decode_rate / 1e9:.0f} GFLOP/s for this model's decode-shaped matmuls, both "
+          "measured now):")
+    print(f"{'phase':<11} {'GFLOP':>8} {'FLOP bound':>11} {'decode-shape bound':>19} "
+          f"{'measured':>9} {'x bound':>8}")
+    summary["bounds"] = {}
+    for phase in ("generation", "reference", "update"):
+        at_rate = work[phase] / flops
+        measured = ours["mean"][phase]
+        shaped = f"{bounds[phase]:>18.2f}s" if phase == "generation" else f"{'':>19}"
+        print(f"{phase:<11} {work[phase] / 1e9:>8.1f} {at_rate:>10.2f}s {shaped} "
+              f"{measured:>8.2f}s {measured / bounds[phase]:>7.1f}x")
+        summary["bounds"][phase] = {"gflop": work[phase] / 1e9, "flop_bound_s": at_rate,
+                                    "bound_s": bounds[phase], "measured_s": measured}
+
+    s, gb = ours["mean"]["total"], ours["peak_memory_bytes"] / 1e9
+    for other, label in (("torchtune-dev", "torchtune's dev GRPO recipe, same invocation"),
+                         ("baseline", "same-run baseline (full logits, torchtune KV cache)")):
+        if other not in results or other == ours["variant"]:
+            continue
+        base = results[other]
+        bs, bgb = base["mean"]["total"], base["peak_memory_bytes"] / 1e9
+        summary[f"vs_{other}"] = {"speedup": bs / s, "memory_fraction": gb / bgb,
+                                  **{f"speedup/{p}": base["mean"][p] / max(ours["mean"][p], 1e-9)
+                                     for p in parts if base["mean"][p] > 0}}
+        print(f"\nvs. {label}: {bs / s:.2f}x faster per step, {gb / bgb:.1%} of its peak "
+              f"memory; generation {base['mean']['generation'] / ours['mean']['generation']:.2f}x"
+              f", reference {base['mean']['reference'] / ours['mean']['reference']:.2f}x, update "
+              f"{base['mean']['update'] / ours['mean']['update']:.2f}x")
     if args.out:
         args.out.write_text(json.dumps({
             "dims": DIMS, "new_tokens": args.new_tokens, "device": args.device,
             "threads": args.threads or torch.get_num_threads(), "load_average": os.getloadavg(),
-            "anchor": {"seconds_per_step": ANCHOR_SECONDS, "peak_gb": ANCHOR_PEAK_GB},
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "prompts": str(GSM8K) if GSM8K.exists() else "synthetic",
-            "results": results, "summary": summary,
+            "results": {k: {kk: vv for kk, vv in v.items() if kk != "prompts"}
+                        for k, v in results.items()},
+            "summary": summary,
         }, indent=2))
     return 0
 
