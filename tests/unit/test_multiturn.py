@@ -239,6 +239,45 @@ def test_seeds_are_per_prompt_sample_and_turn(tokenizer):
     assert inner.calls[3]["seeds"] == mix_seeds(per_row[2:], 3).tolist()
 
 
+def test_generator_builds_from_a_config_node(tokenizer):
+    from omegaconf import OmegaConf
+    from torchtune import config as tt_config
+
+    cfg = OmegaConf.create("""
+    _component_: torchtune_grpo.rlhf.multiturn.ToolUseGenerator
+    max_tool_calls: 3
+    tools:
+      - _component_: torchtune_grpo.rlhf.tools.Calculator
+        max_digits: 12
+      - _component_: _tool_components.WordCount
+    syntax: {call_open: "[{name}:", call_close: "]", result_open: " = ", result_close: ";"}
+    inner: {_component_: torchtune_grpo.rlhf.generation.NativeGenerator}
+    """)
+    gen = tt_config.instantiate(cfg, tokenizer=tokenizer)
+    assert sorted(gen.tools) == ["calculator", "words"] and gen.max_tool_calls == 3
+    assert gen.tools["calculator"].max_digits == 12
+    assert gen.syntax.format_call("words", "a b") == "[words:a b]"
+    assert isinstance(gen.inner, NativeGenerator)
+    # "]" ends a call: the only id that may finish one is the "]" byte
+    allowed = allowed_token_mask(tokenizer, 320)
+    assert gen.close_tag_stop_ids(320, allowed).tolist() == [ord("]")]
+    with pytest.raises(ValueError, match="max_tool_calls"):
+        ToolUseGenerator([Calculator()], max_tool_calls=-1)
+    with pytest.raises(ValueError, match="tokenizer"):
+        ToolUseGenerator([Calculator()], inner=NativeGenerator()).generate(
+            None, torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.bool),
+            group_size=1, max_generated_tokens=2, stop_tokens=torch.tensor([0]), pad_id=0,
+            temperature=0.0, top_k=None, forward_batch_size=1)
+
+
+def test_close_tags_ending_in_a_multibyte_character_stop_on_every_partial_byte(tokenizer):
+    gen = ToolUseGenerator([Calculator()], tokenizer=tokenizer,
+                           syntax={"call_close": "</{name}»"})
+    ids = gen.close_tag_stop_ids(320, allowed_token_mask(tokenizer, 320)).tolist()
+    # byte-level: "»" is two bytes, each decoding alone as U+FFFD
+    assert ids == list(range(128, 256))
+
+
 # ---------------------------------------------------------------------------- lockstep
 class _ThreadRanks:
     """``all_done`` for ranks that are threads: a logical AND over them (with a timeout)."""

@@ -188,7 +188,8 @@ class ToolUseGenerator(Generator):
             :func:`~torchtune_grpo.rlhf.tools.build_tools`).
         tokenizer: the run's tokenizer (``encode(text, add_bos=False, add_eos=False)`` and
             ``decode(ids)``); may be given later with :meth:`set_tokenizer`.
-        inner (Generator | None): the engine that samples each turn (default:
+        inner (Generator | Mapping | None): the engine that samples each turn, or its config
+            node ``{_component_: ...}`` (default:
             :class:`~torchtune_grpo.rlhf.generation.NativeGenerator`).
         syntax (ToolCallSyntax | Mapping | None): the call and result tags (default
             ``<name>...</name>`` and ``<result>...</result>``).
@@ -217,6 +218,12 @@ class ToolUseGenerator(Generator):
             from torchtune_grpo.rlhf.generation import NativeGenerator
 
             inner = NativeGenerator()
+        elif isinstance(inner, Mapping) or hasattr(inner, "_component_"):
+            from omegaconf import DictConfig, OmegaConf
+            from torchtune import config as tt_config  # a config node: {_component_: ...}
+
+            node = inner if isinstance(inner, DictConfig) else OmegaConf.create(dict(inner))
+            inner = tt_config.instantiate(node)
         if not isinstance(inner, Generator):
             raise ValueError(f"inner must be a Generator, got {type(inner).__name__}")
         if syntax is None:
