@@ -128,6 +128,7 @@ class ScriptedGenerator(Generator):
             steps_per_mb.append(steps)
         width = max(steps_per_mb)
         self.calls.append(dict(rows=n, max_generated_tokens=max_generated_tokens,
+                               lengths=mask.sum(1).tolist(),
                                steps=steps_per_mb, stops=sorted(stops),
                                seeds=None if prompt_seeds is None else prompt_seeds.tolist(),
                                bias_finite=None if logit_bias is None

@@ -44,10 +44,13 @@ SCRIPTS = {
     "A:": "x<calculator>2*3</calculator>y.",  # one call
     "B:": "no tools.",  # none
     "C:": "<calculator>1+1</calculator><calculator>1/0</calculator><calculator>3</calculator>z",
+    "D:": "a much longer preamble here<calculator>7</calculator>!",  # for the position cap
 }
+KEYS = ("A:", "B:", "C:")
 RESULTS = {"A:": ["<result>6</result>"], "B:": [],
            "C:": ["<result>2</result>", "<result>error: division by zero</result>",
-                  "<result>3</result>"]}
+                  "<result>3</result>"],
+           "D:": ["<result>7</result>"]}
 
 
 def _left_pad(prompts, pad_id):
@@ -62,15 +65,15 @@ def _prompts(tokenizer, keys):
                      tokenizer.pad_id)
 
 
-def _scripted(tokenizer, keys=tuple(SCRIPTS), *, group_size=2, max_generated_tokens=200,
+def _scripted(tokenizer, keys=KEYS, *, group_size=2, max_generated_tokens=200,
               max_tool_calls=2, forward_batch_size=4, all_done=None, prompt_seeds=None,
-              logit_bias=None):
+              logit_bias=None, model=None):
     inner = ScriptedGenerator(tokenizer, SCRIPTS, tokenizer.eot_id)
     gen = ToolUseGenerator([Calculator()], tokenizer=tokenizer, inner=inner,
                            max_tool_calls=max_tool_calls)
     tokens, mask = _prompts(tokenizer, keys)
     traj = gen.generate(
-        None, tokens, mask, group_size=group_size, max_generated_tokens=max_generated_tokens,
+        model, tokens, mask, group_size=group_size, max_generated_tokens=max_generated_tokens,
         stop_tokens=torch.tensor(stop_token_ids(tokenizer)), pad_id=tokenizer.pad_id,
         temperature=1.0, top_k=None, logit_bias=logit_bias, forward_batch_size=forward_batch_size,
         prompt_seeds=prompt_seeds, all_done=all_done)
@@ -139,7 +142,7 @@ def test_trim_keeps_tool_tokens_as_real_tokens():
 def test_results_are_appended_as_tool_tokens_and_only_they_are_masked(tokenizer):
     traj, gen, inner = _scripted(tokenizer)
     stops = stop_token_ids(tokenizer)
-    keys = [k for k in SCRIPTS for _ in range(2)]
+    keys = [k for k in KEYS for _ in range(2)]
     assert decode_with_tools(tokenizer, traj, stops) == [_expected(k) for k in keys]
     n, width = traj.response_mask.shape
     assert traj.tokens.shape == (n, traj.prompt_len + width) and n == 6
@@ -176,7 +179,7 @@ def test_rows_in_different_turns_share_one_padded_batch(tokenizer):
     # turn 0: all 6 rows; then only the rows still pending (A and C), then C alone
     assert [c["rows"] for c in inner.calls] == [6, 4, 4, 2, 2]
     # each row is what it would be on its own, whatever the others did
-    for i, key in enumerate(SCRIPTS):
+    for i, key in enumerate(KEYS):
         alone, _, _ = _scripted(tokenizer, keys=(key,), group_size=2)
         rows = slice(2 * i, 2 * i + 2)
         k = alone.response_len
@@ -226,6 +229,40 @@ def test_budget_is_per_row_when_rows_of_a_turn_have_used_different_amounts(token
         full = _expected(key)
         assert int((traj.response_mask | traj.tool_mask)[row].sum()) == min(budget, len(full) + 1)
         assert texts[row] == full[: min(budget, len(full))]
+
+
+def test_no_row_decodes_past_the_models_last_position(tokenizer):
+    from types import SimpleNamespace
+
+    # prompts "A:"/"C:" are 3 tokens with BOS; a model of exactly P + max_generated_tokens
+    # A and D reach turn 1 having written 13 and 39 tokens: with 47 tokens left, A's turn
+    # would let D decode to position 3 + 39 + 47 - 2 > 62
+    limit, budget = 3 + 60, 60
+    traj, _, inner = _scripted(tokenizer, keys=("A:", "D:"), group_size=1,
+                               max_generated_tokens=budget,
+                               model=SimpleNamespace(max_seq_len=limit))
+    for call in inner.calls:  # forwarded positions: up to length + max_generated_tokens - 2
+        assert max(call["lengths"]) + call["max_generated_tokens"] - 2 <= limit - 1, call
+    # rows cut by the position cap go on in the next turn: the transcripts are unchanged
+    texts = decode_with_tools(tokenizer, traj, stop_token_ids(tokenizer))
+    assert texts == [_expected(k)[:budget] for k in ("A:", "D:")]
+    assert any(c["max_generated_tokens"] < budget - 13 for c in inner.calls[1:])  # it bound
+
+
+def test_native_rollout_with_a_tight_context_never_indexes_past_it(tokenizer):
+    torch.manual_seed(0)
+    tokens, mask = _prompts(tokenizer, ["13*27=", "5="])
+    model = tiny_llama(tie_word_embeddings=False, max_seq_len=tokens.shape[1] + 24).eval()
+    bias = logit_bias_from_mask(allowed_token_mask(tokenizer, 320))
+    bias[tokenizer.encode(">", add_bos=False, add_eos=False)[0]] = 3.0  # many turns
+    gen = ToolUseGenerator([Calculator()], tokenizer=tokenizer)
+    traj = gen.generate(model, tokens, mask, group_size=4, max_generated_tokens=24,
+                        temperature=1.0, top_k=None,
+                        stop_tokens=torch.tensor(stop_token_ids(tokenizer)),
+                        pad_id=tokenizer.pad_id, logit_bias=bias,
+                        prompt_seeds=torch.tensor([3, 4]), forward_batch_size=8)
+    assert ((traj.response_mask | traj.tool_mask).sum(1) <= 24).all()
+    assert traj.response_len <= 24
 
 
 def test_seeds_are_per_prompt_sample_and_turn(tokenizer):

@@ -27,6 +27,14 @@ finish a tag, then checking the text, is exact (no call is missed, none is inven
 costs one extra turn per false alarm; with the default tags that is a ``>`` written outside a
 tag, which arithmetic text rarely has.
 
+**Positions.** A turn's prompt is a row's whole sequence so far, so a row with little budget
+left can decode, until the turn ends, past ``P + max_generated_tokens``; the turn's budget is
+therefore also capped so that no row of any rank decodes past the model's ``max_seq_len``
+(found with one more :func:`global_max`). When that cap binds (a model whose ``max_seq_len``
+is about the longest prompt plus ``max_generated_tokens``), a row cut by it continues in the
+next turn with the next turn's seed: the rollout stays deterministic, but such a row then
+depends on how long the others in its turn are.
+
 **Budgets.** A completion holds at most ``max_generated_tokens`` response tokens, model and
 tool tokens together, and at most ``max_tool_calls`` tool results; a result longer than the
 room left is cut to it and the row ends (truncated, ``stopped`` False); a call completed by
@@ -44,8 +52,8 @@ turn's token budget and row count are the maxima over ranks, found by a search o
 ``all_done(value <= k)`` questions (:func:`global_max`, about ``2 log2(value)`` calls of a
 one-element all-reduce). A rank with fewer pending rows pads its turn with copies of one of
 them (same prompt and seed: they decode exactly alongside it and are discarded); a rank with
-none runs copies of a finished row under a bias that allows only the stop tokens, so its rows
-stop at once and it just follows the others' decode steps through ``all_done``.
+none runs copies of a finished row's prompt under a bias that allows only the stop tokens, so
+its rows stop at once and it just follows the others' decode steps through ``all_done``.
 
 **Determinism.** Sample ``g`` of prompt ``b`` draws, in its turn ``k``, from the seed
 ``mix_seeds(mix_seeds(prompt_seeds[b], g), k)`` (turn 0: ``mix_seeds(prompt_seeds[b], g)``,
@@ -428,6 +436,7 @@ class ToolUseGenerator(Generator):
             prompt_seeds=prompt_seeds, **options)
         self._collect(out, list(range(n)), rows, stops, candidate_set)
 
+        max_len = _model_max_len(model)
         turn = 0
         while True:
             turn += 1
@@ -437,15 +446,19 @@ class ToolUseGenerator(Generator):
             budget = global_max(max((rows[i].remaining for i in pending), default=0), all_done)
             count = global_max(len(pending), all_done)
             idle = not pending
-            if idle:  # copies of a finished row, made to stop at once (see the module doc)
-                batch = [0] * count
+            if idle:  # a finished row's prompt, made to stop at once (see the module doc)
+                seqs = [rows[0].prompt] * count
             else:
                 batch = pending + [pending[0]] * (count - len(pending))
-            tokens, mask = _left_padded([rows[i].prompt + rows[i].resp for i in batch],
-                                        pad_id, device)
+                seqs = [rows[i].prompt + rows[i].resp for i in batch]
+            if max_len is not None:  # no row may decode past the model's last position
+                longest = global_max(max(len(q) for q in seqs), all_done)
+                budget = max(1, min(budget, max_len - longest + 1))
+            tokens, mask = _left_padded(seqs, pad_id, device)
             turn_seeds = None
             if seeds is not None:
-                turn_seeds = mix_seeds(torch.tensor([rows[i].seed for i in batch]), turn)
+                turn_seeds = mix_seeds(torch.tensor(
+                    [rows[i].seed for i in ([0] * count if idle else batch)]), turn)
             bias = logit_bias
             if idle and logit_bias is not None:
                 bias = torch.full_like(logit_bias, float("-inf"))
@@ -499,6 +512,17 @@ class ToolUseGenerator(Generator):
             pad_id=pad_id,
             tool_mask=tool.to(device),
         )
+
+
+def _model_max_len(model: Any) -> int | None:
+    """The most positions ``model`` embeds (a torchtune decoder's ``max_seq_len``), or None."""
+    try:
+        from torchtune_grpo.rlhf.forward import _decoder
+
+        value = getattr(_decoder(model), "max_seq_len", None)
+    except (ValueError, AttributeError):
+        value = getattr(model, "max_seq_len", None)
+    return int(value) if isinstance(value, int) else None
 
 
 def _left_padded(seqs: list[list[int]], pad_id: int,
