@@ -11,8 +11,9 @@ protocol by wrapping another generator (the *inner* one, by default
 2. After each turn, the rows that ended on such a token are checked on their *decoded text*:
    a close tag (``</calculator>``) that the last token completed is a tool call. The tool runs
    (:func:`~torchtune_grpo.rlhf.tools.run_tool`: never raises), its result is formatted
-   (``<result>84</result>``), encoded without BOS/EOS and appended to the row as **tool
-   tokens** (``tool_mask``). A token that may finish a tag but did not (a ``>`` in other text)
+   (``<result>84</result>``), encoded without BOS/EOS (and without any stop token a tokenizer
+   may parse out of the result's text) and appended to the row as **tool tokens**
+   (``tool_mask``). A token that may finish a tag but did not (a ``>`` in other text)
    is a false alarm: the row just continues.
 3. Every row that has neither stopped (a real stop token) nor used up its budget continues in
    the next turn: one more inner ``generate`` call whose prompt is the row's prompt plus
@@ -91,6 +92,10 @@ __all__ = [
     "global_max",
     "tool_segments",
 ]
+
+
+#: A result longer than this many characters per token of room left is cut before encoding.
+_CHARS_PER_TOKEN_CAP = 64
 
 
 def _local(local_done: bool) -> bool:
@@ -353,9 +358,13 @@ class ToolUseGenerator(Generator):
                 result = self._call_tool(text_after)
                 row.calls += 1
                 row.errors += int(is_error(result))
-                ids = list(self.tokenizer.encode(self.syntax.format_result(result),
-                                                 add_bos=False, add_eos=False))
-                ids = ids[: row.remaining]
+                text = self.syntax.format_result(result)
+                # a huge result is cut before it is encoded (it is cut to the room left anyway)
+                text = text[: _CHARS_PER_TOKEN_CAP * row.remaining]
+                ids = list(self.tokenizer.encode(text, add_bos=False, add_eos=False))
+                # a stop token inside a result (a tokenizer that parses special-token text)
+                # would end the conversation on the tool's say: such ids are left out
+                ids = [t for t in ids if t not in stops][: row.remaining]
                 row.resp += ids
                 row.policy += [False] * len(ids)
                 row.logprobs += [0.0] * len(ids)
@@ -392,7 +401,8 @@ class ToolUseGenerator(Generator):
         docstring for turns, budgets, lockstep and seeds.
 
         Raises:
-            ValueError: no tokenizer was given.
+            ValueError: no tokenizer was given, or no vocabulary size is known (no
+                ``logit_bias``, no :meth:`setup` and no ``tokenizer.vocab_size``).
         """
         if self.tokenizer is None:
             raise ValueError("ToolUseGenerator needs the tokenizer: pass tokenizer= or call "
@@ -410,6 +420,10 @@ class ToolUseGenerator(Generator):
                  else int(getattr(self.tokenizer, "vocab_size", 0)))
         candidates = torch.zeros(0, dtype=torch.long)
         if self.tools and self.max_tool_calls > 0:
+            if vocab <= 0:
+                raise ValueError("ToolUseGenerator cannot tell the vocabulary size: pass "
+                                 "logit_bias, call setup(context) or use a tokenizer with "
+                                 "vocab_size")
             candidates = self.close_tag_stop_ids(vocab, allowed)
         candidate_set = {int(t) for t in candidates.tolist()} - stops
         turn_stops = torch.cat([stop_tokens.cpu().long(), candidates]).unique().to(
