@@ -29,6 +29,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from torchtune_grpo.settings import (
     AdvantageSettings,
+    DynamicSamplingSettings,
     EvalSettings,
     sampling_problems,
     settings_from_config,
@@ -167,6 +168,41 @@ def _optional_positive(v) -> str | None:
     return None if v is None or v > 0 else "must be > 0 or null"
 
 
+def _tools_errors(value: Any, component_errors: list[str]) -> list[str]:
+    """What is wrong with a ``tools:`` list: :func:`~torchtune_grpo.rlhf.tools.build_tools`
+    builds every entry (its error names ``tools[i]`` and the key at fault); nothing more is
+    said about an entry whose component check already failed."""
+    from torchtune_grpo.rlhf.tools import build_tools
+
+    if value is None or any(e.startswith("tools[") or "key tools[" in e
+                            for e in component_errors):
+        return []
+    try:
+        build_tools(value)
+    except ValueError as e:
+        return [str(e)]
+    return []
+
+
+def _tool_syntax_problem(value) -> str | None:
+    """What is wrong with a ``tool_syntax:`` mapping (unknown keys, bad templates)."""
+    import dataclasses
+
+    from torchtune_grpo.rlhf.tools import ToolCallSyntax
+
+    known = [f.name for f in dataclasses.fields(ToolCallSyntax)]
+    unknown = [str(k) for k in value if k not in known]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], known, n=1)
+        hint = f" Did you mean 'tool_syntax.{close[0]}'?" if close else ""
+        return f"has unknown key(s) {unknown} (known: {', '.join(known)}).{hint}"
+    try:
+        ToolCallSyntax(**{str(k): v for k, v in value.items()})
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 #: Every top-level key the GRPO recipes read. ``docs/`` lists this table.
 RECIPE_KEYS: dict[str, Key] = {
     "output_dir": Key("str", REQUIRED, "Folder for checkpoints (``step_{N}/``) and logs."),
@@ -236,6 +272,24 @@ RECIPE_KEYS: dict[str, Key] = {
         "sampling on the policy itself); ``torchtune_grpo.rlhf.vllm_generation.VLLMGenerator``: "
         "a colocated vLLM engine per rank that receives the policy's weights after every "
         "update (``pip install \"torchtune-grpo[vllm]\"``)."),
+    "tools": Key(
+        "list|null", None,
+        "Tools the policy may call inside a rollout (multi-turn): a list of ``{_component_: "
+        "...}`` entries, e.g. ``torchtune_grpo.rlhf.tools.Calculator``. A row pauses when it "
+        "closes a call (``<calculator>12*7</calculator>``), the tool's result is appended as "
+        "tokens that are context, never actions (``tool_mask``: no log-prob, no loss, in no "
+        "normaliser), and the row continues. null or an empty list: single-turn rollouts. "
+        "Built at validation, so a bad entry fails before any model loads. Not supported with "
+        "``VLLMGenerator``."),
+    "max_tool_calls": Key("int", 4,
+                          "Most tool results per completion (``tools`` only; 0: no tool runs).",
+                          _at_least(0)),
+    "tool_syntax": Key(
+        "dict|null", None,
+        "Call and result tags (``tools`` only): ``call_open`` (default ``<{name}>``), "
+        "``call_close`` (``</{name}>``), ``result_open`` (``<result>``), ``result_close`` "
+        "(``</result>``); ``{name}`` is the tool's name (the fields of "
+        ":class:`torchtune_grpo.rlhf.tools.ToolCallSyntax`).", _tool_syntax_problem),
     "optimizer": Key("component", REQUIRED, "Optimizer (``params`` is filled in)."),
     "lr_scheduler": Key("component|null", None, "LR scheduler (``optimizer`` is filled in)."),
     "metric_logger": Key("component|null", None, "torchtune metric logger."),
@@ -251,6 +305,14 @@ RECIPE_KEYS: dict[str, Key] = {
         "bool", False,
         "Groups whose rewards are all equal (zero advantage) add nothing to the loss or its "
         "normaliser; they are always counted in zero_std_group_fraction."),
+    "dynamic_sampling": Key(
+        "dict|null", None,
+        "DAPO's dynamic sampling: groups whose rewards all tie are dropped and up to "
+        "``max_batches`` extra batches of prompts are drawn (a pure function of seed, step and "
+        "draw) and rolled out until every rank has ``batch_size`` groups with a signal; "
+        "short of that, tied groups complete the batch. The field of "
+        ":class:`torchtune_grpo.settings.DynamicSamplingSettings`; null: off.",
+        settings=DynamicSamplingSettings),
     "clip_grad_norm": Key("float|null", None, "Clip the gradient norm (null: no clipping).",
                           _optional_positive),
     "log_every_n_steps": Key("int", 1, "Log metrics every N steps.", _at_least(1)),
@@ -311,6 +373,12 @@ EVAL_KEYS: dict[str, Key] = {
                                 _at_least(1)),
     "forward_batch_size": Key("int", EvalSettings.forward_batch_size,
                               "Sequences per generation micro-batch.", _at_least(1)),
+    "tools": Key(
+        "list|null", None,
+        "Tools of a multi-turn evaluation (as in training). Omitted: the ``tools``, "
+        "``max_tool_calls`` and ``tool_syntax`` the checkpoint was trained with (read from "
+        "its ``recipe_state.pt``); null: single-turn."),
+    **{k: RECIPE_KEYS[k] for k in ("max_tool_calls", "tool_syntax")},
 }
 
 _TYPES: dict[str, Callable[[Any], bool]] = {
@@ -461,6 +529,8 @@ def validate_config(cfg: DictConfig, *, world_size: int = 1,
         if not _type_ok(spec.type, value):
             errors.append(f"config key {key!r} must be {spec.type}, got {value!r}")
             continue
+        if key == "tools":
+            errors.extend(_tools_errors(value, component_errors))
         if spec.check is not None and value is not None and not isinstance(value, bool):
             problem = spec.check(value)
             if problem:
@@ -519,6 +589,32 @@ def _eval_errors(cfg: DictConfig) -> list[str]:
     return [f"config key {key!r}: {text}" for key, text in problems.items()]
 
 
+#: The generator that cannot run tool turns (yet): ``tools:`` with it is a config error.
+VLLM_GENERATOR = "torchtune_grpo.rlhf.vllm_generation.VLLMGenerator"
+
+
+def _tool_errors(cfg: DictConfig) -> list[str]:
+    """``tools:`` with a generator that cannot run tool turns (vLLM, or a subclass of it)."""
+    generator = cfg.get("generator")
+    if not cfg.get("tools") or generator is None:
+        return []
+    path = str(generator.get("_component_"))
+    is_vllm = path == VLLM_GENERATOR
+    if not is_vllm:
+        try:
+            from torchtune_grpo.rlhf.vllm_generation import VLLMGenerator
+
+            obj = import_component(path, "generator")
+            is_vllm = isinstance(obj, type) and issubclass(obj, VLLMGenerator)
+        except ValueError:
+            return []  # reported by the component check
+    if not is_vllm:
+        return []
+    return [f"config key 'tools' is not supported with generator {path} (vLLM runs no tool "
+            "turns yet): use the native generator (generator: null) or remove 'tools' "
+            "(docs/howto_tools.md)"]
+
+
 def _batch_errors(cfg: DictConfig, world_size: int) -> list[str]:
     cfg = with_defaults(cfg)
     errors = []
@@ -529,6 +625,7 @@ def _batch_errors(cfg: DictConfig, world_size: int) -> list[str]:
             "config key 'enable_activation_offloading' needs device: cuda and "
             "enable_activation_checkpointing: true"
         )
+    errors.extend(_tool_errors(cfg))
     if cfg.eval_every_n_steps and cfg.eval_dataset is None:
         errors.append("config key 'eval_every_n_steps' is set but 'eval_dataset' is not")
     global_batch = cfg.get("global_batch_size")

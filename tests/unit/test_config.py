@@ -177,3 +177,83 @@ def test_nested_blocks_read_into_settings_with_defaults_in_one_place():
     filled = with_defaults(load_config("grpo/quickstart_cpu", ["~ppo_epochs"]))
     assert filled.ppo_epochs == RECIPE_KEYS["ppo_epochs"].default
     assert set(RECIPE_KEYS) <= set(filled)
+
+
+# ---------------------------------------------------------------------------- tools
+CALCULATOR = {"_component_": "torchtune_grpo.rlhf.tools.Calculator"}
+
+
+def _tools_override(*entries) -> str:
+    import json
+
+    return "tools=" + json.dumps(list(entries))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ([_tools_override(CALCULATOR, {"max_digits": 3})],
+         "config key 'tools[1]'._component_ is missing"),
+        ([_tools_override({**CALCULATOR, "max_digits": 0})],
+         "config key 'tools[0]'._component_='torchtune_grpo.rlhf.tools.Calculator' could not "
+         "be built: ValueError: Calculator max_digits must be a positive number"),
+        ([_tools_override({"_component_": "torchtune_grpo.rlhf.tools.Calculatr"})],
+         "tools[0]._component_: module 'torchtune_grpo.rlhf.tools' has no 'Calculatr'"),
+        ([_tools_override(CALCULATOR, CALCULATOR)], "config key 'tools[1]'.name='calculator'"),
+        (['tools={"_component_": "torchtune_grpo.rlhf.tools.Calculator"}'],
+         "config key 'tools' must be list|null"),
+        ([_tools_override(CALCULATOR), 'tool_syntax={"call_opn": "["}'],
+         "Did you mean 'tool_syntax.call_open'?"),
+        ([_tools_override(CALCULATOR), 'tool_syntax={"call_close": ""}'],
+         "call_close must not be empty"),
+        (["max_tool_calls=-1"], "config key 'max_tool_calls' must be >= 0"),
+    ],
+)
+def test_bad_tools_fail_validation_naming_the_entry(overrides, message):
+    """``tools:`` entries are built at validation (``build_tools``): a bad one fails before
+    any model loads, naming ``tools[i]`` and the key at fault."""
+    cfg = load_config("grpo/quickstart_cpu", overrides)
+    with pytest.raises(ConfigError) as info:
+        validate_config(cfg)
+    assert message in str(info.value)
+    assert str(info.value).count("\n  - ") == 1  # one problem, said once
+
+
+def test_tools_validate_and_default():
+    from torchtune_grpo.config import EVAL_KEYS, RECIPE_KEYS, with_defaults
+
+    cfg = load_config("grpo/quickstart_cpu", [
+        _tools_override({**CALCULATOR, "name": "calc"}), "max_tool_calls=2",
+        'tool_syntax={"call_open": "[{name}:", "call_close": "]"}'])
+    validate_config(cfg)
+    filled = with_defaults(load_config("grpo/quickstart_cpu"))
+    assert filled.tools is None and filled.tool_syntax is None
+    assert filled.max_tool_calls == RECIPE_KEYS["max_tool_calls"].default == 4
+    assert {"tools", "max_tool_calls", "tool_syntax"} <= set(EVAL_KEYS)
+
+
+@pytest.mark.parametrize("generator", [
+    "torchtune_grpo.rlhf.vllm_generation.VLLMGenerator",
+    "tests.unit.test_config.MyVLLM",  # a subclass is vLLM too
+])
+def test_tools_with_the_vllm_generator_are_rejected(generator):
+    """vLLM runs no tool turns (yet): ``tools:`` with it is a config error (no vLLM needed)."""
+    cfg = load_config("grpo/quickstart_cpu", [
+        _tools_override(CALCULATOR), f"generator._component_={generator}"])
+    with pytest.raises(ConfigError, match="config key 'tools' is not supported with "
+                                          f"generator {generator}"):
+        validate_config(cfg)
+    del cfg.tools  # without tools the same generator validates
+    validate_config(cfg)
+
+
+def _my_vllm():
+    from torchtune_grpo.rlhf.vllm_generation import VLLMGenerator
+
+    class MyVLLM(VLLMGenerator):
+        """A user's subclass of the vLLM engine."""
+
+    return MyVLLM
+
+
+MyVLLM = _my_vllm()
