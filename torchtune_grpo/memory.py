@@ -25,7 +25,8 @@ recipe keeps alive, component by component:
   ``hidden_dim`` tensors, the additive attention mask); with activation checkpointing only each
   layer's input plus one recomputed layer.
 * **logits**: chunked log-probs hold one ``logprob_chunk_size x vocab`` block of float32 logits
-  at a time, times :data:`LOGIT_COPIES` for the log-softmax, entropy and their backward.
+  at a time, times :data:`FUSED_LOGIT_COPIES` for the fused log-prob function (the default), or
+  :data:`LOGIT_COPIES` on the checkpointed path (entropy bonus, LoRA on the output).
 
 The peak is the static part (weights, optimizer state, reference) plus the largest of the
 phases that follow each other: rollout (KV cache), reference pass, update (gradients,
@@ -54,9 +55,16 @@ from torchtune_grpo.rlhf.logprobs import auto_chunk_size
 #: Prompt tokens assumed when the dataset sets no ``max_prompt_tokens`` (GSM8K prompts with a
 #: chat template are ~100-250 tokens).
 DEFAULT_PROMPT_TOKENS = 256
-#: Float32 ``[chunk, V]`` blocks alive at once in the chunked log-prob backward (logits, their
-#: float copy, log-softmax, probabilities for the entropy, and the gradients of the recompute).
+#: Float32 ``[chunk, V]`` blocks alive at once in the checkpointed log-prob backward (logits,
+#: their float copy, log-softmax, probabilities for the entropy, and the gradients of the
+#: recompute): the path taken when the entropy is differentiated (``loss.entropy_coeff != 0``)
+#: or the output projection is not a plain linear map (LoRA on the output).
 LOGIT_COPIES = 6
+#: Float32 ``[chunk, V]`` blocks of the fused log-prob function (``logprobs._FusedLinearLogProbs``),
+#: reused by every chunk: the logits buffer and the probabilities (the metric entropy in the
+#: forward, the softmax gradient in the backward); plus one block in ``dtype`` when that is not
+#: float32 (the matmul's own output).
+FUSED_LOGIT_COPIES = 2
 #: Bytes per element of the config's ``dtype``.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 GIB = 1024**3
@@ -337,12 +345,19 @@ def estimate_memory(cfg: DictConfig, world_size: int = 1, *,
     else:
         activations = dims.num_layers * (act["layer"] * tokens + mask_layer)
     activations += act["final"] * response_tokens
-    logits = LOGIT_COPIES * min(chunk, response_tokens) * vocab * 4
+    loss_cfg = cfg.get("loss") or {}
+    entropy_grad = float(loss_cfg.get("entropy_coeff", 0.0) or 0.0) != 0.0
+    lora_output = bool((cfg.model or {}).get("apply_lora_to_output", False))
+    fused = not (entropy_grad or lora_output)
+    block = min(chunk, response_tokens) * vocab
+    low = block * b if b != 4 else 0  # the fused matmul's own low-precision output block
+    logits = (FUSED_LOGIT_COPIES * block * 4 + low) if fused else LOGIT_COPIES * block * 4
     # rollout buffers kept through the update: the [N, S, S] bool mask, tokens, log-probs
     buffers = rows * seq * seq + rows * seq * 8 + rows * t_gen * 4 * 4 + micro * seq * seq
     update = grads + max(activations + logits, opt_temp) + buffers + gathered
-    reference_pass = (act["layer"] * tokens + mask_layer + 3 * min(chunk, response_tokens)
-                      * vocab * 4 + buffers + reference_gathered) if kl else 0.0
+    ref_logits = (block * 4 + low) if fused else 3 * block * 4  # no grad: one block when fused
+    reference_pass = (act["layer"] * tokens + mask_layer + ref_logits + buffers
+                      + reference_gathered) if kl else 0.0
 
     host = 0.0
     if offload:  # FSDP keeps shards, gradients and optimizer state on the host

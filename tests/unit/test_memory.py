@@ -14,6 +14,7 @@ from tests.conftest import check_instantiates_offline
 from torchtune_grpo.config import load_config, resolve_config_path, validate_config
 from torchtune_grpo.memory import (
     DEFAULT_PROMPT_TOKENS,
+    FUSED_LOGIT_COPIES,
     GIB,
     LOGIT_COPIES,
     estimate_memory,
@@ -118,7 +119,12 @@ def test_kv_cache_logits_and_prompt_length():
     est = estimate_memory(cfg, prompt_tokens=30)
     d = est.dims
     assert est.components["kv_cache"] == 8 * d.num_layers * 2 * d.num_kv_heads * d.head_dim * 50 * 4
-    assert est.components["logits"] == LOGIT_COPIES * 64 * d.vocab_size * 4
+    assert est.components["logits"] == FUSED_LOGIT_COPIES * 64 * d.vocab_size * 4  # fp32
+    # an entropy bonus differentiates the entropy: the checkpointed path's blocks
+    bonus = estimate_memory(_quickstart("batch_size=4", "group_size=8", "forward_batch_size=8",
+                                        "max_generated_tokens=20", "logprob_chunk_size=64",
+                                        "loss.entropy_coeff=0.01"), prompt_tokens=30)
+    assert bonus.components["logits"] == LOGIT_COPIES * 64 * d.vocab_size * 4
     assert estimate_memory(cfg).settings["prompt_tokens"] == 16  # addition prompts are short
     cfg.dataset._component_ = "torchtune_grpo.datasets.gsm8k_dataset"
     assert estimate_memory(cfg).settings["prompt_tokens"] == DEFAULT_PROMPT_TOKENS
