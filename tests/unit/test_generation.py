@@ -223,8 +223,9 @@ def test_samples_depend_only_on_row_seed_and_step():
 
 @pytest.mark.parametrize("vocab", [7, 256, 1000, 128256 // 16])
 def test_inverse_cdf_sample_equals_full_cumulative_sum(vocab):
-    """The two-level search picks the same id as one float64 cumulative sum over the row,
-    never an id of probability 0 (forbidden ids, the padding of a last partial block)."""
+    """The two-level search picks the id of one float64 cumulative sum over the row (apart from
+    draws within float32 rounding of a boundary: none among these), never an id of probability
+    0 (forbidden ids, the padding of a last partial block)."""
     from torchtune_grpo.rlhf.generation import inverse_cdf_sample
 
     torch.manual_seed(vocab)

@@ -187,12 +187,13 @@ CDF_BLOCK = 256
 def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The id where ``u`` falls in each row's cumulative distribution, in two levels.
 
-    Row ``i`` gets the smallest id ``j`` with ``sum(probs[i, :j + 1]) >= u[i] * sum(probs[i])``
-    (sums in float64), so an id of probability 0 is never returned for ``u`` in ``(0, 1)``.
-    Instead of a float64 cumulative sum over the whole vocabulary, the rows are cut into blocks
-    of :data:`CDF_BLOCK` ids: one pass sums the blocks, a search over the ``V / CDF_BLOCK``
-    block totals picks the block, and only that block is accumulated and searched. Same result
-    as the full cumulative sum up to float64 rounding at a boundary.
+    Row ``i`` gets the smallest id ``j`` with ``sum(probs[i, :j + 1]) >= u[i] * sum(probs[i])``,
+    so an id of probability 0 is never returned for ``u`` in ``(0, 1)``. Instead of a float64
+    cumulative sum over the whole vocabulary, the rows are cut into blocks of
+    :data:`CDF_BLOCK` ids: one float32 pass sums the blocks (no float64 copy of the row), a
+    float64 search over the ``V / CDF_BLOCK`` block totals picks the block, and only that block
+    is accumulated (in float64) and searched. The result differs from one float64 cumulative
+    sum only where ``u`` falls within float32 rounding (~1e-7 of a block's mass) of a boundary.
 
     Args:
         probs: ``[n, V]`` non-negative weights (float32), each row with a positive sum.
@@ -206,7 +207,7 @@ def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     if num_blocks * CDF_BLOCK != v:
         probs = F.pad(probs, (0, num_blocks * CDF_BLOCK - v))
     blocks = probs.view(n, num_blocks, CDF_BLOCK)
-    block_cdf = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # [n, num_blocks]
+    block_cdf = blocks.sum(-1).double().cumsum(-1)  # [n, num_blocks]
     target = u.double() * block_cdf[:, -1]
     k = torch.searchsorted(block_cdf, target.unsqueeze(1)).squeeze(1).clamp_(max=num_blocks - 1)
     before = torch.where(k > 0, block_cdf.gather(1, (k - 1).clamp(min=0).unsqueeze(1)).squeeze(1),
