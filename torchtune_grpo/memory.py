@@ -18,7 +18,9 @@ recipe keeps alive, component by component:
   and the model is not LoRA (a LoRA reference is the policy with its adapters disabled).
 * **KV cache**: ``2 x layers x kv_heads x head_dim x (P + T)`` values per sequence for the
   ``forward_batch_size`` sequences of one generation micro-batch, in ``dtype``; it lives only
-  during the rollout (next to the gathered weights).
+  during the rollout (next to the gathered weights). With ``tools:`` a turn re-prefills a
+  row's whole sequence and may decode up to the model's ``max_seq_len``, so the cache is sized
+  for ``max(P + T, max_seq_len)`` positions per row.
 * **activations**: what autograd saves for the backward pass of one update micro-batch of
   ``forward_batch_size`` sequences of ``P + T`` tokens (per layer and token: the two RMSNorms'
   float32 inputs, the float32 RoPE inputs, the attention's q/k/v/output, the MLP's four
@@ -329,7 +331,10 @@ def estimate_memory(cfg: DictConfig, world_size: int = 1, *,
     reference_gathered = full_copy if gather_once else gathered
 
     # ---- rollout: KV cache of one generation micro-batch, prefill and sampling temporaries
-    kv_cache = gen_rows * dims.num_layers * 2 * dims.num_kv_heads * dims.head_dim * seq * b
+    # with tools a turn's prompt is a row's whole sequence so far: up to max_seq_len positions
+    kv_positions = max(seq, dims.max_seq_len) if cfg.get("tools") else seq
+    kv_cache = (gen_rows * dims.num_layers * 2 * dims.num_kv_heads * dims.head_dim
+                * kv_positions * b)
     prompts_per_micro = max(1, -(-gen_rows // group))
     act = activation_bytes_per_token(dims, b)
     prefill = prompts_per_micro * p * (act["layer"] + b * dims.num_heads * p)
@@ -398,7 +403,7 @@ def estimate_memory(cfg: DictConfig, world_size: int = 1, *,
             "rollout_gather_weights": gather_once,
             "rows": rows, "micro_batch": micro, "generation_rows": gen_rows,
             "prompt_tokens": p, "max_generated_tokens": t_gen, "logprob_chunk_size": chunk,
-            "optimizer_states_per_param": states,
+            "optimizer_states_per_param": states, "kv_positions": kv_positions,
         },
         dims=dims,
     )

@@ -252,3 +252,21 @@ def test_rollout_holds_the_gathered_weights_under_fsdp():
     one = [estimate_memory(load_config(name, ["batch_size=4", f"rollout_gather_weights={g}"]), 1)
            for g in ("true", "false")]
     assert one[0].phases == one[1].phases and one[0].components["gathered_weights"] == 0
+
+
+def test_tools_size_the_kv_cache_for_the_models_context():
+    """A multi-turn rollout re-prefills a row's whole sequence each turn, so a turn's cache
+    may hold up to ``max_seq_len`` positions per row, not ``P + T``."""
+    import json
+
+    base = ("batch_size=4", "group_size=8", "forward_batch_size=8", "max_generated_tokens=20")
+    tools = "tools=" + json.dumps([{"_component_": "torchtune_grpo.rlhf.tools.Calculator"}])
+    plain = estimate_memory(_quickstart(*base), prompt_tokens=30)
+    multi = estimate_memory(_quickstart(*base, tools), prompt_tokens=30)
+    d = multi.dims
+    assert d.max_seq_len == 256 and multi.settings["kv_positions"] == 256
+    assert plain.settings["kv_positions"] == 50
+    per_position = 8 * d.num_layers * 2 * d.num_kv_heads * d.head_dim * 4
+    assert plain.components["kv_cache"] == per_position * 50
+    assert multi.components["kv_cache"] == per_position * 256
+    assert multi.peak_bytes >= plain.peak_bytes
