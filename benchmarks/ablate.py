@@ -41,10 +41,17 @@ seconds, and after the last step.
 ``ablate_all.png`` (one panel per knob) and ``ablate_all_steps.png`` / ``ablate_all_tokens.png``
 (the same against optimizer steps and generated tokens).
 
+**Dynamic sampling** (``--grid dynamic_sampling``): the default against DAPO's dynamic
+sampling (``dynamic_sampling: {max_batches: 2}``), same budget and evaluation. Its extra
+rollouts cost training time and tokens, so ``generated_tokens`` counts every generated token,
+dropped groups included (``dynamic_sampling/generated_tokens``), and ``summary_tokens.md``
+gives held-out success at fixed numbers of generated tokens.
+
 Commands::
 
     python benchmarks/ablate.py --out /tmp/ablate --budget-s 20 --seeds 0 1 2 --workers 2
     python benchmarks/ablate.py --quick --out /tmp/ablate_quick          # CI: 2 runs, 6 s each
+    python benchmarks/ablate.py --grid dynamic_sampling --out /tmp/ablate_ds --budget-s 8
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ import csv
 import logging
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -98,6 +106,18 @@ def full_grid() -> list[Setting]:
         Setting("importance", "token, ppo_epochs=2", ("ppo_epochs=2",)),
         Setting("importance", "GSPO, ppo_epochs=2", ("ppo_epochs=2", *gspo)),
     ]
+
+
+def dynamic_sampling_grid() -> list[Setting]:
+    """The default against dynamic sampling with up to 2 extra batches per step."""
+    return [
+        Setting("dynamic_sampling", "off (default)", (), True),
+        Setting("dynamic_sampling", "max_batches=2", ("dynamic_sampling={max_batches: 2}",)),
+    ]
+
+
+#: ``--grid`` choices.
+GRIDS = {"defaults": full_grid, "dynamic_sampling": dynamic_sampling_grid}
 
 
 def quick_grid() -> list[Setting]:
@@ -193,14 +213,17 @@ def _budgeted_recipe_class():
             self.points.append(point)
             return point
 
-        def step_metrics(self, traj, rewards_out, adv_out, loss_metrics, times):
-            metrics = super().step_metrics(traj, rewards_out, adv_out, loss_metrics, times)
+        def train_step(self, batch):
+            metrics = super().train_step(batch)
             self.wall_seconds += time.perf_counter() - self._t_wall
             self.cpu_seconds += time.process_time() - self._t_cpu
-            self.phase_seconds += sum(times.values())
-            # generated tokens of this step: mean response length x completions (global)
-            self.generated_tokens += metrics["response_length/mean"] * traj.num_sequences * \
-                self.world_size
+            self.phase_seconds += sum(v for k, v in metrics.items() if k.startswith("time/"))
+            # generated tokens of this step (global): every rollout's with dynamic sampling,
+            # else mean response length x completions
+            self.generated_tokens += metrics.get(
+                "dynamic_sampling/generated_tokens",
+                metrics["response_length/mean"] * self.batch_size * self.group_size
+                * self.world_size)
             self._last_reward = metrics["reward/mean"]
             if self.train_seconds >= self.budget_s:
                 self._stop_requested = True  # the loop saves and stops after this step
@@ -290,7 +313,8 @@ def _worker_init(threads: int) -> None:
 
 
 def _run_name(overrides: Sequence[str], seed: int) -> str:
-    text = "_".join(o.replace("loss.", "").replace("=", "") for o in overrides) or "default"
+    text = "_".join(re.sub(r"[^\w.-]+", "", o.replace("loss.", "")) for o in overrides) \
+        or "default"
     return f"{text}_seed{seed}"
 
 
@@ -456,6 +480,30 @@ def summary_markdown(summary: Sequence[dict[str, Any]], clock: str, budget_s: fl
     return "\n".join(lines) + "\n"
 
 
+def summary_tokens_markdown(rows: Sequence[dict[str, Any]],
+                            fractions: Sequence[float] = (1 / 8, 1 / 4, 1 / 2, 1)) -> str:
+    """A markdown table of held-out success (mean ± std over seeds, linear between eval
+    points) at fixed numbers of generated tokens: ``fractions`` of the fewest tokens any run
+    generated within its budget, so every run reaches every column."""
+    import numpy as np
+
+    curves = _curves(rows)
+    least = min(max(p["generated_tokens"] for p in points)
+                for runs in curves.values() for points in runs.values())
+    marks = [least * f for f in fractions]
+    lines = ["| knob | setting | " + " | ".join(f"held-out at {m / 1e3:.0f}k tokens"
+                                                  for m in marks) + " | tokens done |",
+             "|" + "---|" * (len(marks) + 3)]
+    for (knob, label), runs in curves.items():
+        at = np.array([_interp(sorted(points, key=lambda p: p["eval_index"]), marks,
+                               x="generated_tokens") for points in runs.values()])
+        done = np.array([max(p["generated_tokens"] for p in points) for points in runs.values()])
+        cells = [f"{at[:, i].mean():.2f} ± {at[:, i].std():.2f}" for i in range(len(marks))]
+        lines.append(f"| {knob} | {label} | " + " | ".join(cells)
+                     + f" | {done.mean() / 1e3:.0f}k ± {done.std() / 1e3:.0f}k |")
+    return "\n".join(lines) + "\n"
+
+
 #: x axes of the plots: CSV column, axis label, file suffix.
 X_AXES = {
     "train_seconds": ("training seconds ({clock} clock, 1 thread)", ""),
@@ -481,7 +529,8 @@ def plot(rows: Sequence[dict[str, Any]], out_dir: Path, budget_s: float, clock: 
 
     label_x, suffix = X_AXES[x]
     curves = _curves(rows)
-    knobs = [k for k in KNOBS if any(key[0] == k for key in curves)]
+    present = list(dict.fromkeys(key[0] for key in curves))
+    knobs = [k for k in KNOBS if k in present] + [k for k in present if k not in KNOBS]
 
     def draw(ax, knob: str) -> None:
         for (k, label), runs in curves.items():
@@ -571,6 +620,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1,
                         help="runs in parallel, each in its own process with --threads threads")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--grid", choices=tuple(GRIDS), default="defaults",
+                        help="the defaults' one-knob grid, or default vs dynamic sampling")
     parser.add_argument("--knobs", nargs="+", choices=KNOBS, default=None,
                         help="only these knobs of the grid")
     parser.add_argument("--quick", action="store_true",
@@ -579,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="re-plot an existing <out>/ablate.csv")
     args = parser.parse_args(argv)
 
-    settings = quick_grid() if args.quick else full_grid()
+    settings = quick_grid() if args.quick else GRIDS[args.grid]()
     if args.knobs:
         settings = [s for s in settings if s.knob in args.knobs]
     seeds = args.seeds[:1] if args.quick else args.seeds
@@ -609,8 +660,11 @@ def main(argv: list[str] | None = None) -> int:
         writer.writerows(summary)
     table = summary_markdown(summary, clock, budget)
     (out / "summary.md").write_text(table)
+    tokens_table = summary_tokens_markdown(rows)
+    (out / "summary_tokens.md").write_text(tokens_table)
     paths = [p for x in X_AXES for p in plot(rows, out, budget, clock, x=x)]
     print(table)
+    print(tokens_table)
     print(f"wrote {csv_path} ({len(rows)} rows), {out / 'summary.csv'}, "
           + ", ".join(str(p) for p in paths))
     print(f"total wall time {time.perf_counter() - t0:.0f} s")

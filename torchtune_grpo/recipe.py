@@ -43,7 +43,13 @@ from torchtune import config, training, utils
 from torchtune.modules.peft import disable_adapter
 
 from torchtune_grpo import distributed as D
-from torchtune_grpo.batching import StepBatches, split_batch
+from torchtune_grpo.batching import (
+    SampledGroups,
+    StepBatches,
+    dynamic_sample,
+    rollout_seeds,
+    split_batch,
+)
 from torchtune_grpo.checkpointing import (
     load_recipe_state,
     lora_checkpoint,
@@ -71,7 +77,12 @@ from torchtune_grpo.rlhf.reward_set import RewardOutput, build_reward_set
 from torchtune_grpo.rlhf.scoring import concat_reward_outputs, score_rollout
 from torchtune_grpo.rlhf.seeding import mix_seeds
 from torchtune_grpo.rlhf.trajectory import Trajectory, concat_trajectories, prompt_mask
-from torchtune_grpo.settings import AdvantageSettings, EvalSettings, settings_from_config
+from torchtune_grpo.settings import (
+    AdvantageSettings,
+    DynamicSamplingSettings,
+    EvalSettings,
+    settings_from_config,
+)
 
 log = utils.get_logger("INFO")
 
@@ -118,6 +129,8 @@ class GRPORecipe:
         self.forward_batch_size = int(cfg.forward_batch_size or self.batch_size * self.group_size)
         self.advantage_settings = settings_from_config(AdvantageSettings, cfg.advantages,
                                                        "advantages")
+        self.dynamic_sampling = (None if cfg.dynamic_sampling is None else settings_from_config(
+            DynamicSamplingSettings, cfg.dynamic_sampling, "dynamic_sampling"))
         self.eval_settings = settings_from_config(
             EvalSettings, cfg.eval, "eval", fixed={"seed": self.seed},
             fallbacks={"max_generated_tokens": cfg.max_generated_tokens,
@@ -255,16 +268,16 @@ class GRPORecipe:
         """Steps 2-6 on this rank's ``batch`` of prompts; returns the step's metrics.
 
         Gradient accumulation rolls out and scores the batch in sequential chunks
-        (``gradient_accumulation_steps``); the update still sees the whole batch.
+        (``gradient_accumulation_steps``); the update still sees the whole batch. With
+        ``dynamic_sampling``, tied groups are replaced by groups of extra draws
+        (:meth:`dynamic_sample`) before the advantages.
         """
         timer = PhaseTimer()
-        trajs, scores = [], []
-        for chunk in split_batch(batch, self.cfg.gradient_accumulation_steps):
-            with timer("generation"):
-                trajs.append(self.rollout(chunk))
-            with timer("scoring"):
-                scores.append(self.score(trajs[-1], chunk))
-        traj, rewards = concat_trajectories(trajs), concat_reward_outputs(scores)
+        traj, rewards = self.rollout_and_score(batch, timer)
+        sampled = None
+        if self.dynamic_sampling is not None:  # DAPO: drop tied groups, draw more prompts
+            sampled = self.dynamic_sample(traj, rewards, timer)
+            traj, rewards = sampled.traj, sampled.rewards
         with timer("scoring"):
             adv = self.advantages(rewards)
         self.generator.before_update()  # e.g. vLLM frees its KV cache for the update
@@ -278,14 +291,59 @@ class GRPORecipe:
         with timer("weight_sync"):
             self.generator.sync_weights(self.model)  # no-op for the native engine
         self.step += 1
-        return self.step_metrics(traj, rewards, adv, loss_metrics, timer.seconds)
+        metrics = self.step_metrics(traj, rewards, adv, loss_metrics, timer.seconds)
+        if sampled is not None:
+            metrics.update(self.dynamic_sampling_metrics(sampled, timer.seconds))
+        return metrics
 
-    def rollout(self, batch: dict[str, Any]) -> Trajectory:
+    def rollout_and_score(self, batch: dict[str, Any], timer: PhaseTimer,
+                          draw: int = 0) -> tuple[Trajectory, RewardOutput]:
+        """Steps 2-3 on ``batch``, in ``gradient_accumulation_steps`` sequential chunks,
+        concatenated; ``draw``: 0 for the step's main batch, ``k`` for extra draw ``k``."""
+        trajs, scores = [], []
+        for chunk in split_batch(batch, self.cfg.gradient_accumulation_steps):
+            with timer("generation"):
+                trajs.append(self.rollout(chunk, draw=draw))
+            with timer("scoring"):
+                scores.append(self.score(trajs[-1], chunk))
+        return concat_trajectories(trajs), concat_reward_outputs(scores)
+
+    def dynamic_sample(self, traj: Trajectory, rewards: RewardOutput,
+                       timer: PhaseTimer) -> SampledGroups:
+        """DAPO's dynamic sampling (``dynamic_sampling:``): the groups of ``traj`` whose
+        rewards tie are dropped and extra batches (:meth:`StepBatches.extra_batch`) rolled
+        out and scored until every rank holds ``batch_size`` groups with a signal, or
+        ``max_batches`` extra batches were drawn; every rank draws as often as the others
+        (:func:`~torchtune_grpo.batching.dynamic_sample`)."""
+        return dynamic_sample(
+            (traj, rewards),
+            lambda k: self.rollout_and_score(self.batches.extra_batch(self.step, k), timer, k),
+            batch_size=self.batch_size, group_size=self.group_size,
+            max_batches=self.dynamic_sampling.max_batches,
+            all_ranks_true=partial(D.all_ranks_true, device=self.device))
+
+    def dynamic_sampling_metrics(self, sampled: SampledGroups,
+                                 seconds: dict[str, float]) -> dict[str, float]:
+        """``dynamic_sampling/...`` over all ranks, and ``tokens_per_second/generation``
+        counting every token the step generated (dropped groups included)."""
+        t = torch.tensor([float(sampled.signal_groups), float(self.batch_size),
+                          float(sampled.generated_tokens)], dtype=torch.float64,
+                         device=self.device)
+        D.all_reduce(t, "sum")
+        return {
+            "dynamic_sampling/extra_rollouts": float(sampled.extra_rollouts),
+            "dynamic_sampling/kept_fraction": float(t[0] / t[1]),
+            "dynamic_sampling/generated_tokens": float(t[2]),
+            "tokens_per_second/generation": float(t[2]) / max(seconds["generation"], 1e-9),
+        }
+
+    def rollout(self, batch: dict[str, Any], draw: int = 0) -> Trajectory:
         """Step 2: ``group_size`` completions per prompt, padded to uniform shapes.
 
         Each completion's random numbers derive from ``(seed, step, prompt index, sample
-        index)`` alone, so the same global batch yields the same rollouts on any number of
-        ranks and with any ``forward_batch_size``, and a resumed run repeats them exactly.
+        index)`` alone (and the extra ``draw`` of dynamic sampling, :func:`rollout_seeds`), so
+        the same global batch yields the same rollouts on any number of ranks and with any
+        ``forward_batch_size``, and a resumed run repeats them exactly.
         """
         cfg = self.cfg
         tokens = batch["tokens"].to(self.device)
@@ -298,7 +356,7 @@ class GRPORecipe:
                 max_generated_tokens=cfg.max_generated_tokens, temperature=cfg.temperature,
                 top_k=cfg.top_k, stop_tokens=self.stop_tokens, pad_id=self.pad_id,
                 logit_bias=self.logit_bias,
-                prompt_seeds=mix_seeds(self.seed, self.step, batch["indices"]),
+                prompt_seeds=rollout_seeds(self.seed, self.step, batch["indices"], draw),
                 all_done=partial(D.all_ranks_true, device=self.device), cache_dtype=self.dtype,
             )
         self.model.train()

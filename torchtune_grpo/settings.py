@@ -18,7 +18,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from torchtune_grpo.rlhf.advantages import ADVANTAGE_SCALES, DEFAULT_EPS, DEFAULT_SCALE
 
-__all__ = ["AdvantageSettings", "EvalSettings", "sampling_problems", "settings_from_config"]
+__all__ = ["AdvantageSettings", "DynamicSamplingSettings", "EvalSettings", "sampling_problems",
+           "settings_from_config"]
 
 S = TypeVar("S")
 
@@ -42,6 +43,29 @@ class AdvantageSettings:
             raise ValueError(f"scale must be one of {list(ADVANTAGE_SCALES)}, got {self.scale!r}")
         if not float(self.eps) >= 0:
             raise ValueError(f"eps must be >= 0, got {self.eps!r}")
+
+
+@dataclass(frozen=True)
+class DynamicSamplingSettings:
+    """The ``dynamic_sampling:`` block (DAPO's dynamic sampling; the block null or absent: off).
+
+    After a step's rollout and scoring, groups whose rewards all tie (no learning signal) are
+    dropped and more prompts are drawn, rolled out and scored until every rank holds
+    ``batch_size`` groups with a signal, or ``max_batches`` extra batches were drawn; the step
+    then completes its batch with tied groups (advantage 0; see
+    :func:`torchtune_grpo.batching.select_groups`) and logs ``dynamic_sampling/...``.
+
+    Attributes:
+        max_batches: most extra batches drawn per step (each ``batch_size`` prompts per rank,
+            rolled out and scored like the main batch); ``>= 1``.
+    """
+
+    max_batches: int = 2
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_batches, bool) or not isinstance(self.max_batches, int) \
+                or self.max_batches < 1:
+            raise ValueError(f"max_batches must be an integer >= 1, got {self.max_batches!r}")
 
 
 def sampling_problems(num_samples: int, temperature: float, k: list[int]) -> dict[str, str]:

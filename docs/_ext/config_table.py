@@ -20,7 +20,8 @@ from sphinx.util.docutils import SphinxDirective
 
 SCHEMAS = ("RECIPE_KEYS", "EVAL_KEYS")
 #: Settings dataclasses of nested blocks (:mod:`torchtune_grpo.settings`) -> their config key.
-SETTINGS = {"AdvantageSettings": "advantages", "EvalSettings": "eval"}
+SETTINGS = {"AdvantageSettings": "advantages", "EvalSettings": "eval",
+            "DynamicSamplingSettings": "dynamic_sampling"}
 
 
 def format_default(value: Any) -> str:

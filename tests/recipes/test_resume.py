@@ -55,6 +55,34 @@ def test_resume_after_sigkill_is_bitwise_exact(base_model, tmp_path, nproc):
     assert_not_degenerate(full, weights=(base_model, full / "step_2", full / "step_4"))
 
 
+def test_resume_with_dynamic_sampling_is_bitwise_exact(base_model, tmp_path):
+    """Extra draws (prompts and rollout seeds) are a pure function of (seed, step, draw):
+    a run killed after step 2 and resumed trains step 3 exactly as the uninterrupted run,
+    on 2 ranks, whose collective decides the number of extra draws."""
+    import json
+
+    from tests.unit.test_dynamic_sampling import PARITY_REWARD
+
+    extra = ("num_steps=3", "save_every_n_steps=2", "rewards=" + json.dumps(PARITY_REWARD),
+             "dynamic_sampling={max_batches: 2}")
+    full = tmp_path / "full"
+    run_tune([*launch(2), *_args(base_model, full, *extra)], cwd=tmp_path)
+    logged = metrics(full)
+    assert any(r["dynamic_sampling/extra_rollouts"] > 0 for r in logged)  # it did draw more
+
+    out = tmp_path / "killed"
+    expect_killed([*launch(2), *_args(
+        base_model, out, *extra, "metric_logger._component_=crash_helpers.KillAfterStepLogger",
+        "metric_logger.kill_at_step=3")], tmp_path)
+    assert (out / "step_2" / "CHECKPOINT_COMPLETE").is_file()
+    assert not (out / "step_3").exists()
+    run_tune([*launch(2), *_args(base_model, out, *extra, "resume_from_checkpoint=true")],
+             cwd=tmp_path)
+    assert_same_weights(full / "step_3", out / "step_3")
+    assert_same_metrics(full, out, steps=[3])
+    assert_not_degenerate(full, weights=(base_model, full / "step_2", full / "step_3"))
+
+
 def test_crash_during_save_keeps_previous_checkpoint(base_model, tmp_path):
     reference = tmp_path / "reference"
     run_tune([*launch(1), *_args(base_model, reference, "save_every_n_steps=2")],
