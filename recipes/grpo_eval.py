@@ -13,17 +13,29 @@ While it runs, each rank appends every scored problem to
 ``checkpoint_dir/eval_samples.rank{r}.partial.jsonl``; if anything fails after generation
 (a metric, serialising or writing the results) those files keep the finished samples and the
 error says where they are. They are removed once the final files are in place.
+
+Tools: a checkpoint trained with ``tools:`` is evaluated with the same multi-turn rollout
+(:class:`~torchtune_grpo.rlhf.multiturn.ToolUseGenerator`): when the eval config has no
+``tools`` key, ``tools``, ``max_tool_calls`` and ``tool_syntax`` are read from the
+checkpoint's ``recipe_state.pt`` (the training config it holds); ``tools: null`` evaluates
+single-turn. ``eval_samples.jsonl`` then stores each completion's ``transcripts`` with the
+tool results marked.
 """
 
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torchtune import config, training, utils
 
 from torchtune_grpo import distributed as D
 from torchtune_grpo.config import EVAL_KEYS, parse, validate_config, with_defaults
-from torchtune_grpo.evaluation import EvalResult, evaluate, partial_samples_path
+from torchtune_grpo.evaluation import (
+    EvalResult,
+    evaluate,
+    partial_samples_path,
+    tool_settings_from_checkpoint,
+)
 from torchtune_grpo.modeling import DTYPES, build_model, token_rules
 from torchtune_grpo.rlhf.reward_set import build_reward_set
 from torchtune_grpo.settings import EvalSettings
@@ -54,6 +66,12 @@ def write_results(result: EvalResult, cfg: DictConfig) -> list[Path]:
 @parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: ``--config NAME checkpoint_dir=DIR [key=value ...]``."""
+    if ("tools" not in cfg and "checkpoint_dir" in cfg
+            and not OmegaConf.is_missing(cfg, "checkpoint_dir")):
+        # the tools the checkpoint was trained with
+        for key, value in tool_settings_from_checkpoint(cfg.checkpoint_dir).items():
+            if key == "tools" or key not in cfg:
+                cfg[key] = value
     validate_config(cfg, schema=EVAL_KEYS)
     cfg = with_defaults(cfg, EVAL_KEYS)
     settings = EvalSettings(
@@ -82,11 +100,19 @@ def _evaluate_checkpoint(cfg: DictConfig, settings: EvalSettings, device: torch.
                         world_size=world_size, trainable=False)
     del state_dict
     rules = token_rules(tokenizer, model, device)
+    tool_generator = None
+    if cfg.tools:
+        from torchtune_grpo.rlhf.multiturn import ToolUseGenerator
+
+        tool_generator = ToolUseGenerator(cfg.tools, tokenizer=tokenizer,
+                                          syntax=cfg.tool_syntax,
+                                          max_tool_calls=int(cfg.max_tool_calls))
     result = evaluate(
         model, tokenizer, dataset, rewards, settings, device=device,
         logit_bias=rules.logit_bias, allowed_tokens=rules.allowed,
         stop_tokens=rules.stop_tokens, pad_id=rules.pad_id, cache_dtype=dtype,
         progress=cfg.progress_bar, partial_dir=cfg.checkpoint_dir,
+        tool_generator=tool_generator,
     )
     if rank == 0:
         paths = write_results(result, cfg)  # on failure the partial files stay

@@ -7,7 +7,13 @@ folder they describe:
 * ``eval_results.json``: dataset, split, number of problems, metrics, sampling settings, model
   path, timestamp;
 * ``eval_samples.jsonl``: one line per problem with its prompt, completions, extracted answers,
-  gold answer and per-sample correctness.
+  gold answer and per-sample correctness; with tools, also each completion's ``transcripts``:
+  its text as ``{"source": "model" | "tool", "text": ...}`` segments, so the tool results are
+  marked.
+
+With tools (``tool_generator``: a :class:`~torchtune_grpo.rlhf.multiturn.ToolUseGenerator`) the
+evaluation runs the same multi-turn rollout as training, and a completion's text (what the
+rewards read) is the model's and the tools' tokens in order.
 
 Finished work is never lost: given ``partial_dir``, :func:`evaluate` appends each problem's row
 to ``eval_samples.rank{r}.partial.jsonl`` (one file per rank, flushed) as soon as it is scored,
@@ -53,6 +59,39 @@ RESULTS_FILE = "eval_results.json"
 SAMPLES_FILE = "eval_samples.jsonl"
 #: Per-rank file that :func:`evaluate` appends each scored problem to (``{rank}``: the rank).
 PARTIAL_SAMPLES_FILE = "eval_samples.rank{rank}.partial.jsonl"
+
+
+#: Keys of a training config that make its evaluation multi-turn (see
+#: :func:`tool_settings_from_checkpoint`).
+TOOL_KEYS = ("tools", "max_tool_calls", "tool_syntax")
+
+
+def tool_settings_from_checkpoint(checkpoint_dir: str | Path) -> dict[str, Any]:
+    """The ``tools``, ``max_tool_calls`` and ``tool_syntax`` a step folder was trained with.
+
+    Read from the training config saved in its ``recipe_state.pt`` (memory-mapped, so its
+    optimizer state is not read). A folder without that file (a downloaded model), or one
+    trained without tools, gives ``{"tools": None}``.
+
+    Args:
+        checkpoint_dir: a ``step_{N}`` folder.
+
+    Returns:
+        ``{"tools": [...] | None, ...}``: only the keys the training config had.
+    """
+    from omegaconf import OmegaConf
+
+    from torchtune_grpo.checkpointing import RECIPE_STATE_FILE
+
+    path = Path(str(checkpoint_dir)) / RECIPE_STATE_FILE
+    if not path.is_file():
+        return {"tools": None}
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    config = state.get("config") or {}
+    found = {k: config[k] for k in TOOL_KEYS if config.get(k) is not None}
+    found.setdefault("tools", None)
+    return {k: (OmegaConf.create(v) if isinstance(v, (list, dict)) else v)
+            for k, v in found.items()}
 
 
 def partial_samples_path(directory: str | Path, rank: int) -> Path:
@@ -335,6 +374,7 @@ def evaluate(
     progress: bool = False,
     partial_dir: str | Path | None = None,
     gather_weights: bool = True,
+    tool_generator: Any = None,
 ) -> EvalResult:
     """Evaluate ``model`` on every problem of ``dataset`` (a :class:`PromptDataset`).
 
@@ -361,6 +401,12 @@ def evaluate(
         gather_weights: hold an FSDP2 model's full weights for the whole evaluation
             (:func:`~torchtune_grpo.distributed.gathered_for_inference`) instead of gathering
             them on every decode step; no effect on an unsharded model.
+        tool_generator: a :class:`~torchtune_grpo.rlhf.multiturn.ToolUseGenerator` whose
+            tools run between turns (its inner engine must sample with ``model``, as
+            :class:`~torchtune_grpo.rlhf.generation.NativeGenerator` does); None: single-turn
+            :func:`~torchtune_grpo.rlhf.generation.generate_trajectory`. With it, every row
+            holds ``transcripts`` and the metrics add ``tools/calls_per_completion`` and
+            ``tools/errors``.
 
     Raises:
         RuntimeError: computing the metrics failed; the message says where the partial
@@ -395,7 +441,7 @@ def evaluate(
                     num_real=max(0, min(len(chunk), len(mine) - offset)), extract=extract,
                     partial=partial, device=device, logit_bias=logit_bias,
                     allowed_tokens=allowed_tokens, stop_tokens=stop_tokens, pad_id=pad_id,
-                    cache_dtype=cache_dtype,
+                    cache_dtype=cache_dtype, tool_generator=tool_generator,
                 ))
                 bar.update(len(chunk))
     finally:
@@ -437,6 +483,7 @@ def _evaluate_chunk(
     stop_tokens: torch.Tensor,
     pad_id: int,
     cache_dtype: torch.dtype | None,
+    tool_generator: Any = None,
 ) -> list[dict[str, Any]]:
     """Generate, score and record one micro-batch of problems.
 
@@ -455,7 +502,8 @@ def _evaluate_chunk(
     items = [dataset[i] for i in chunk]
     batch = collate_prompts(items, pad_id=pad_id)
     tokens = batch["tokens"].to(device)
-    traj = generate_trajectory(
+    generate = generate_trajectory if tool_generator is None else tool_generator.generate
+    traj = generate(
         model, tokens, prompt_mask(tokens, batch["prompt_lengths"]), group_size=n,
         forward_batch_size=min(settings.forward_batch_size, len(chunk) * n),
         prompt_seeds=mix_seeds(settings.seed, batch["indices"]),
@@ -466,7 +514,14 @@ def _evaluate_chunk(
     )
     completions, scored = score_rollout(
         rewards, tokenizer, traj, batch, group_size=n, allowed_tokens=allowed_tokens,
-        max_generated_tokens=settings.max_generated_tokens)
+        max_generated_tokens=settings.max_generated_tokens,
+        with_tools=tool_generator is not None)
+    transcripts = None
+    if tool_generator is not None:
+        from torchtune_grpo.rlhf.multiturn import tool_segments
+
+        tool_generator.pop_stats()  # the metrics are counted from the transcripts
+        transcripts = tool_segments(tokenizer, traj, stop_tokens.tolist())
     rows: list[dict[str, Any]] = []
     for j, dataset_index in enumerate(chunk):
         if j >= num_real:
@@ -484,6 +539,8 @@ def _evaluate_chunk(
             "correct": [bool(x) for x in scored.success[sl].tolist()],
             "rewards": {k: v[sl].tolist() for k, v in scored.components.items()},
         }
+        if transcripts is not None:
+            row["transcripts"] = transcripts[sl]
         partial.append(row)
         rows.append(row)
     return rows
@@ -506,4 +563,16 @@ def _metrics(rows: list[dict[str, Any]], settings: EvalSettings) -> dict[str, fl
     metrics["response_chars/mean"] = sum(len(c) for r in rows for c in r["completions"]) / (
         len(rows) * n
     )
+    if "transcripts" in rows[0]:  # a multi-turn evaluation: tool results per completion
+        results = [s["text"] for r in rows for t in r["transcripts"] for s in t
+                   if s["source"] == "tool"]
+        metrics["tools/calls_per_completion"] = len(results) / (len(rows) * n)
+        metrics["tools/errors"] = sum(_is_tool_error(t) for t in results) / (len(rows) * n)
     return metrics
+
+
+def _is_tool_error(segment: str) -> bool:
+    """Whether a tool segment's text (``<result>error: ...</result>``) reports an error."""
+    from torchtune_grpo.rlhf.tools import ERROR_PREFIX
+
+    return ERROR_PREFIX in segment

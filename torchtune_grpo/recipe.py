@@ -73,6 +73,7 @@ from torchtune_grpo.rlhf.generation import NativeGenerator
 from torchtune_grpo.rlhf.generator import GenerationContext, Generator
 from torchtune_grpo.rlhf.logprobs import auto_chunk_size
 from torchtune_grpo.rlhf.loss import summarize_loss_stats
+from torchtune_grpo.rlhf.multiturn import ToolStats, ToolUseGenerator, runs_policy
 from torchtune_grpo.rlhf.reward_set import RewardOutput, build_reward_set
 from torchtune_grpo.rlhf.scoring import concat_reward_outputs, score_rollout
 from torchtune_grpo.rlhf.seeding import mix_seeds
@@ -154,6 +155,16 @@ class GRPORecipe:
         self.loss_fn = config.instantiate(cfg.loss)
         self.generator: Generator = (config.instantiate(cfg.generator)
                                      if cfg.generator is not None else NativeGenerator())
+        self.tools_on = bool(cfg.tools)
+        if self.tools_on:  # multi-turn: the engine samples each turn, tools run in between
+            self.generator = ToolUseGenerator(
+                cfg.tools, tokenizer=self.tokenizer, inner=self.generator,
+                syntax=cfg.tool_syntax, max_tool_calls=int(cfg.max_tool_calls))
+        # evaluation runs the same tools on the native engine (its own counts)
+        self.eval_tool_generator = None if not self.tools_on else ToolUseGenerator(
+            list(self.generator.tools.values()), tokenizer=self.tokenizer,
+            syntax=self.generator.syntax, max_tool_calls=int(cfg.max_tool_calls))
+        self._tool_stats = ToolStats()
         shape = meta_model(cfg.model)  # dims and adapters before any weight is loaded
         self.max_seq_len = getattr(shape, "max_seq_len", None)
         self.is_lora = has_adapters(shape)
@@ -348,8 +359,9 @@ class GRPORecipe:
         cfg = self.cfg
         tokens = batch["tokens"].to(self.device)
         self.model.eval()
-        # the native engine runs the policy once per decode step: gather its shards once
-        with self._gathered(self.model if isinstance(self.generator, NativeGenerator) else None):
+        # the native engine (alone or under the tool loop) runs the policy once per decode
+        # step: gather its shards once
+        with self._gathered(self.model if runs_policy(self.generator) else None):
             traj = self.generator.generate(
                 self.model, tokens, prompt_mask(tokens, batch["prompt_lengths"]),
                 group_size=self.group_size, forward_batch_size=self.forward_batch_size,
@@ -359,6 +371,8 @@ class GRPORecipe:
                 prompt_seeds=rollout_seeds(self.seed, self.step, batch["indices"], draw),
                 all_done=partial(D.all_ranks_true, device=self.device), cache_dtype=self.dtype,
             )
+        if self.tools_on:  # summed over the step's rollouts, logged by step_metrics
+            self._tool_stats = self._tool_stats + self.generator.pop_stats()
         self.model.train()
         return traj
 
@@ -370,10 +384,12 @@ class GRPORecipe:
         return D.gathered_for_inference(model, enabled=self.cfg.rollout_gather_weights)
 
     def score(self, traj: Trajectory, batch: dict[str, Any]) -> RewardOutput:
-        """Step 3: decode the completions and apply the reward components."""
+        """Step 3: decode the completions (with tools: model and tool text in order) and
+        apply the reward components."""
         return score_rollout(self.rewards, self.tokenizer, traj, batch,
                              group_size=self.group_size, allowed_tokens=self.allowed_tokens,
-                             max_generated_tokens=self.cfg.max_generated_tokens)[1]
+                             max_generated_tokens=self.cfg.max_generated_tokens,
+                             with_tools=self.tools_on)[1]
 
     def advantages(self, rewards: RewardOutput) -> AdvantageOutput:
         """Step 4: group-relative advantages ``[N]`` of the rewards (``advantages:`` block)."""
@@ -423,11 +439,12 @@ class GRPORecipe:
                              rows: slice | torch.Tensor,
                              **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(logprobs [n, T], entropy [n, T] or None)`` of ``traj``'s ``rows``, the model run
-        only on the columns that are not padding in all of them (``trim_to_extent``)."""
+        only on the columns that are not padding in all of them (``trim_to_extent``); tool
+        tokens (``traj.tool_mask``) are attended but get log-prob 0."""
         return micro_batch_logprobs(
             model, traj.tokens[rows], traj.prompt_mask[rows], traj.response_mask[rows],
-            temperature=self.cfg.temperature, logit_bias=self.logit_bias,
-            chunk_size=self.chunk_size, **kwargs)
+            tool_mask=traj.tool_mask[rows], temperature=self.cfg.temperature,
+            logit_bias=self.logit_bias, chunk_size=self.chunk_size, **kwargs)
 
     def update(self, traj: Trajectory, advantages: torch.Tensor,
                ref_logprobs: torch.Tensor | None,
@@ -546,6 +563,10 @@ class GRPORecipe:
         D.all_reduce(generated, "sum")
         metrics["tokens_per_second/generation"] = (
             float(generated) / max(seconds["generation"], 1e-9))
+        if self.tools_on:  # every rollout of the step, summed over ranks
+            sums = D.all_reduce(self._tool_stats.as_tensor().to(self.device), "sum")
+            metrics.update(ToolStats.metrics(sums.cpu()))
+            self._tool_stats = ToolStats()
         metrics.update({f"time/{phase}": value for phase, value in seconds.items()})
         if self.cfg.log_peak_memory_stats:
             metrics["peak_memory_gb"] = peak_memory_gb(self.device)
@@ -638,6 +659,7 @@ class GRPORecipe:
             device=self.device, logit_bias=self.logit_bias, allowed_tokens=self.allowed_tokens,
             stop_tokens=self.stop_tokens, pad_id=self.pad_id, cache_dtype=self.dtype,
             gather_weights=self.cfg.rollout_gather_weights,
+            tool_generator=self.eval_tool_generator,
         )
         metrics = {f"eval/{k}": v for k, v in result.metrics.items()}
         metrics["eval/problems_per_second"] = len(result.samples) / max(result.seconds, 1e-9)

@@ -90,6 +90,7 @@ __all__ = [
     "ToolUseGenerator",
     "decode_with_tools",
     "global_max",
+    "runs_policy",
     "tool_segments",
 ]
 
@@ -148,6 +149,11 @@ class ToolStats:
     calls: int = 0
     errors: int = 0
     result_tokens: int = 0
+
+    def __add__(self, other: "ToolStats") -> "ToolStats":
+        """The counts of two sets of rollouts together."""
+        return ToolStats(self.completions + other.completions, self.calls + other.calls,
+                         self.errors + other.errors, self.result_tokens + other.result_tokens)
 
     def as_tensor(self) -> torch.Tensor:
         """``[4]`` float64 (completions, calls, errors, result_tokens): all-reduce with SUM."""
@@ -526,6 +532,22 @@ class ToolUseGenerator(Generator):
             pad_id=pad_id,
             tool_mask=tool.to(device),
         )
+
+
+def runs_policy(generator: Any) -> bool:
+    """Whether ``generator`` samples with the policy module itself (one forward per decode
+    step): :class:`~torchtune_grpo.rlhf.generation.NativeGenerator`, or an engine wrapping
+    one (:class:`ToolUseGenerator`'s ``inner``). The recipe then holds an FSDP2 policy's
+    gathered weights for the whole rollout."""
+    from torchtune_grpo.rlhf.generation import NativeGenerator
+
+    seen = 0
+    while generator is not None and seen < 16:  # a wrapper of a wrapper of ...
+        if isinstance(generator, NativeGenerator):
+            return True
+        generator = getattr(generator, "inner", None)
+        seen += 1
+    return False
 
 
 def _model_max_len(model: Any) -> int | None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from torchtune_grpo.rlhf.generation import decode_completions
+from torchtune_grpo.rlhf.generation import decode_completions, stop_token_ids
 from torchtune_grpo.rlhf.trajectory import Trajectory
 
 __all__ = ["concat_reward_outputs", "score_rollout"]
@@ -27,8 +27,14 @@ def score_rollout(
     group_size: int,
     allowed_tokens: torch.Tensor,
     max_generated_tokens: int,
+    with_tools: bool = False,
 ) -> tuple[list[str], Any]:
     """Decode ``traj``'s completions and score them.
+
+    With tools (a multi-turn rollout), a completion's text is the model's and the tools'
+    tokens in order (:func:`~torchtune_grpo.rlhf.multiturn.decode_with_tools`), so a reward
+    reads the final answer the model wrote after the last tool result; the
+    ``response_lengths`` given to the rewards count the policy's tokens only.
 
     Args:
         rewards: the reward set (:class:`~torchtune_grpo.rlhf.reward_set.RewardSet`).
@@ -39,12 +45,19 @@ def score_rollout(
         group_size: completions per prompt.
         allowed_tokens: ``[V]`` bool, ids the tokenizer can decode.
         max_generated_tokens: the generation budget (for length-aware rewards).
+        with_tools: decode model and tool tokens together (``traj.tool_mask``); False: the
+            policy's tokens only (:func:`~torchtune_grpo.rlhf.generation.decode_completions`).
 
     Returns:
         ``(completions, reward_output)``: the ``N`` texts and the reward set's output
         (``total [N]``, per-component ``[N]``, ``success [N]``, error counts).
     """
-    completions = decode_completions(tokenizer, traj, allowed_tokens)
+    if with_tools:
+        from torchtune_grpo.rlhf.multiturn import decode_with_tools
+
+        completions = decode_with_tools(tokenizer, traj, stop_token_ids(tokenizer))
+    else:
+        completions = decode_completions(tokenizer, traj, allowed_tokens)
     out = rewards(
         completions,
         [a for a in batch["answers"] for _ in range(group_size)],
