@@ -19,7 +19,7 @@ importance          token ratios vs GSPO (sequence ratio, eps 3e-4 / 4e-4), both
 
 **Budget.** Each run trains until its *training clock* reaches ``--budget-s`` seconds and then
 stops at the end of that step. The recipe runs in this process (:class:`BudgetedRecipe`, a
-:class:`~torchtune_grpo.recipe.GRPORecipe` that counts time in ``step_metrics`` and, once the
+:class:`~torchtune_grpo.recipe.GRPORecipe` that counts time in ``train_step`` and, once the
 budget is spent, raises the same stop flag SIGTERM raises: the step finishes, a checkpoint is
 saved, the loop ends). This needs no calibration run and no guess of a step count, and the
 budget is exact to within one step. The clock counts only the training loop (rollout, scoring,
@@ -214,6 +214,8 @@ def _budgeted_recipe_class():
             return point
 
         def train_step(self, batch):
+            """One step, then the clocks, the generated tokens, the budget and the next
+            evaluation (setup and evaluations are not timed)."""
             metrics = super().train_step(batch)
             self.wall_seconds += time.perf_counter() - self._t_wall
             self.cpu_seconds += time.process_time() - self._t_cpu

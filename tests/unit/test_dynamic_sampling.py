@@ -380,3 +380,19 @@ def test_recipe_trains_on_kept_groups_only_and_normalises_by_their_tokens(tiny_b
         assert kept == pytest.approx(1 - float(tied.float().mean()))
         assert c["normaliser"] == float(traj.response_mask.sum())  # the update's own rows
         assert row["dynamic_sampling/generated_tokens"] > c["normaliser"]  # dropped groups
+
+
+@pytest.mark.slow
+def test_recipe_metrics_with_dynamic_sampling_are_documented(tiny_base, tmp_path):
+    """Every metric a run with dynamic sampling logs is explained in docs/metrics.md (the
+    docs' own check runs without it)."""
+    from tests.docs.test_doc_snippets import _documented_metric_patterns
+
+    rows = _train(tiny_base, tmp_path / "run", PARITY_REWARD, "num_steps=1",
+                  "dynamic_sampling={max_batches: 1}")
+    logged = {k for row in rows for k in row} - {"step"}
+    assert {k for k in logged if k.startswith("dynamic_sampling/")} == {
+        "dynamic_sampling/extra_rollouts", "dynamic_sampling/kept_fraction",
+        "dynamic_sampling/generated_tokens"}
+    patterns = _documented_metric_patterns()
+    assert not sorted(k for k in logged if not any(p.match(k) for p in patterns))
