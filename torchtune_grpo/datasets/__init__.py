@@ -1,4 +1,4 @@
-"""Prompt datasets for GRPO: templates, local/Hub loading, GSM8K, the quickstart task."""
+"""Prompt datasets for GRPO: templates, local/Hub loading, GSM8K, the quickstart tasks."""
 
 from torchtune_grpo.datasets._loading import LOCAL_FORMATS, load_rows
 from torchtune_grpo.datasets._prompt import (
@@ -30,6 +30,12 @@ from torchtune_grpo.datasets.math import (
     math_dataset,
     math_gold_answer,
 )
+from torchtune_grpo.datasets.multiplication import (
+    MULTIPLICATION_ANSWER_PHRASE,
+    MULTIPLICATION_TEMPLATE,
+    multiplication_dataset,
+    multiplication_problems,
+)
 
 __all__ = [
     "ADDITION_TEMPLATE",
@@ -52,6 +58,10 @@ __all__ = [
     "load_rows",
     "math_dataset",
     "math_gold_answer",
+    "MULTIPLICATION_ANSWER_PHRASE",
+    "MULTIPLICATION_TEMPLATE",
+    "multiplication_dataset",
+    "multiplication_problems",
     "resolve_template",
     "split_gsm8k_solution",
     "tokenize_prompt",
