@@ -140,6 +140,7 @@ def sample_next_token(
     logit_bias: torch.Tensor | None = None,
     seeds: torch.Tensor | None = None,
     counter: int = 0,
+    inplace: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row by inverse-CDF sampling with counter-based random numbers.
 
@@ -150,17 +151,21 @@ def sample_next_token(
         logit_bias: ``[V]`` additive bias (``-inf`` forbids an id; such ids are never drawn).
         seeds: ``[n]`` int64 per-row seeds (required when sampling).
         counter: decode step, so that each step draws fresh numbers.
+        inplace: ``logits`` (float32) may be overwritten with the tempered, biased scores (the
+            engine passes its own model output: saves a fresh ``[n, V]`` block per step).
 
     Returns:
         ``(tokens [n] long, logprobs [n] float32)``: the log-prob is that of the tempered
         distribution over the whole (allowed) vocabulary, the same quantity the training
         forward computes, whether or not ``top_k`` truncated the sampling.
     """
+    own = inplace and logits.dtype == torch.float32
     scores = logits.float()
     if temperature > 0 and temperature != 1.0:
-        scores = scores / temperature
+        scores = scores.div_(temperature) if own else scores / temperature
+        own = True
     if logit_bias is not None:
-        scores = scores + logit_bias
+        scores = scores.add_(logit_bias) if own else scores + logit_bias
     if temperature <= 0:
         logprobs = torch.log_softmax(scores, dim=-1)
         tokens = logprobs.argmax(dim=-1)
@@ -642,6 +647,7 @@ def generate_micro_batch(
                     logit_bias=logit_bias,
                     seeds=batch_seeds,
                     counter=t,
+                    inplace=True,  # the model's output, used for nothing else
                 )  # [m], [m]
                 done = stopped[live]  # [m]: stopped before this step
                 token = token.masked_fill_(done, pad_id)
