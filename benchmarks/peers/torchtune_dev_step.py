@@ -9,9 +9,10 @@ What runs is the recipe class of ``recipes/dev/grpo_full_finetune_distributed.py
 given source tree, unchanged: ``setup(cfg)`` with a config built from its own
 ``3B_full_grpo.yaml`` (model, tokenizer, checkpointers, loss and sizes overridden to the
 benchmark's shape; on CPU one shim: torchtune's ``get_memory_stats``, which the recipe calls
-after loading the model and which raises on CPU, returns nothing), then per step the body of its ``train()`` loop:
-``generate_trajectory_batched`` (generation, policy and reference log-probs from full logits,
-rewards, advantages) and ``ppo_epochs`` x (``grpo_step``, gradient clipping, optimizer step).
+after loading the model and which raises on CPU, returns nothing), then per step the body of
+its ``train()`` loop: ``generate_trajectory_batched`` (generation, policy and reference
+log-probs from full logits, rewards, advantages) and ``ppo_epochs`` x (``grpo_step``,
+gradient clipping, optimizer step).
 Its data loader is bypassed: each step uses the prompt token ids that this project's recipe
 had at the same step (right-padded with the tokenizer's pad id, as its ``padded_collate_rl``
 does).
