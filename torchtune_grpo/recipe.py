@@ -156,14 +156,17 @@ class GRPORecipe:
         self.generator: Generator = (config.instantiate(cfg.generator)
                                      if cfg.generator is not None else NativeGenerator())
         self.tools_on = bool(cfg.tools)
-        if self.tools_on:  # multi-turn: the engine samples each turn, tools run in between
-            self.generator = ToolUseGenerator(
+        # multi-turn: the engine samples each turn, tools run in between; the recipe reads the
+        # tool counts from it (pop_stats) outside the Generator protocol
+        self.tool_generator: ToolUseGenerator | None = None
+        if self.tools_on:
+            self.tool_generator = self.generator = ToolUseGenerator(
                 cfg.tools, tokenizer=self.tokenizer, inner=self.generator,
                 syntax=cfg.tool_syntax, max_tool_calls=int(cfg.max_tool_calls))
         # evaluation runs the same tools on the native engine (its own counts)
         self.eval_tool_generator = None if not self.tools_on else ToolUseGenerator(
-            list(self.generator.tools.values()), tokenizer=self.tokenizer,
-            syntax=self.generator.syntax, max_tool_calls=int(cfg.max_tool_calls))
+            list(self.tool_generator.tools.values()), tokenizer=self.tokenizer,
+            syntax=self.tool_generator.syntax, max_tool_calls=int(cfg.max_tool_calls))
         self._tool_stats = ToolStats()
         shape = meta_model(cfg.model)  # dims and adapters before any weight is loaded
         self.max_seq_len = getattr(shape, "max_seq_len", None)
@@ -372,7 +375,7 @@ class GRPORecipe:
                 all_done=partial(D.all_ranks_true, device=self.device), cache_dtype=self.dtype,
             )
         if self.tools_on:  # summed over the step's rollouts, logged by step_metrics
-            self._tool_stats = self._tool_stats + self.generator.pop_stats()
+            self._tool_stats = self._tool_stats + self.tool_generator.pop_stats()
         self.model.train()
         return traj
 
