@@ -345,6 +345,9 @@ def test_stats_sum_over_micro_batches_equals_whole_batch() -> None:
         "ratio/mean",
         "ratio/max",
         "approx_kl",
+        "is_weight/mean",
+        "is_weight/max",
+        "is_weight/dropped_fraction",
     }
 
 
@@ -577,3 +580,376 @@ def test_two_gloo_ranks_match_single_process() -> None:
                 _assert_grads_close(r["grads"], r["ref_grads"])
                 for k, v in r["ref_summary"].items():
                     assert r["summary"][k] == pytest.approx(v, rel=1e-5, abs=1e-7), (name, k)
+
+
+# --------------------------------------------------------------------------------------------
+# Off-policy corrections: OLD is now the proximal policy, BEHAV the rollout engine's log-probs.
+# Behaviour log-weights old - behav: seq 0: 0.5, -0.2 | seq 1: 0.0, -0.4, 1.0; the padded
+# position holds a wild value that must not matter.
+# --------------------------------------------------------------------------------------------
+BEHAV = [[-1.6, -0.6, 50.0], [-0.5, -0.5, -1.9]]
+LOG_W = [[0.5, -0.2], [0.0, -0.4, 1.0]]
+RAW_W = [[exp(v) for v in row] for row in LOG_W]  # max e^1 = 2.718 at (1,2)
+CAP = 2.0
+# Unweighted d(PPO term)/d logp_it (token level, epsilon 0.2): -r_it * A_i where unclipped,
+# 0 where clipped ((0,1) and (1,1)); see PG_TOKEN.
+PG_GRAD_TOKEN = [[-exp(0.1), 0.0], [0.5 * exp(0.2), 0.0, 0.5 * exp(0.2)]]
+# Weight actually applied per correction (cap 2.0 hits only (1,2), w = e^1 = 2.718, which is
+# unclipped so its gradient changes too):
+APPLIED_W = {
+    ("decoupled", None): RAW_W,
+    ("decoupled", CAP): [RAW_W[0], [RAW_W[1][0], RAW_W[1][1], 0.0]],  # (1,2) dropped
+    ("tis", CAP): [RAW_W[0], [RAW_W[1][0], RAW_W[1][1], CAP]],  # (1,2) truncated to 2
+}
+
+
+def _pad(rows: list[list[float]]) -> torch.Tensor:
+    """[[a, b], [c, d, e]] -> [[a, b, 0], [c, d, e]] (the padded position's expected 0)."""
+    return torch.tensor([rows[0] + [0.0], rows[1]])
+
+
+@pytest.mark.parametrize("correction, cap", list(APPLIED_W))
+def test_off_policy_correction_by_hand(correction: str, cap: float | None) -> None:
+    # token_mean over 5 tokens, PPO, KL (k3) and entropy on: only the policy term is weighted.
+    loss_fn = GRPOLoss(
+        aggregation="token_mean",
+        kl_coeff=KL_COEFF,
+        entropy_coeff=0.01,
+        off_policy_correction=correction,
+        is_weight_cap=cap,
+    )
+    assert loss_fn.needs_proximal_logprobs
+    logp, old, adv, mask, ref = _tensors()
+    ent = torch.tensor([[1.0, 2.0, 100.0], [0.5, 0.5, 2.0]], requires_grad=True)
+    behav = torch.tensor(BEHAV)
+    loss, stats = loss_fn(
+        logp, old, adv, mask, normalizer=5, ref_logprobs=ref, entropy=ent, behavior_logprobs=behav
+    )
+    w = APPLIED_W[(correction, cap)]
+    ents = [[1.0, 2.0], [0.5, 0.5, 2.0]]
+    kl = KL["k3"]
+    pg = [[wi * p for wi, p in zip(wr, pr)] for wr, pr in zip(w, PG_TOKEN)]
+    total = [
+        [p + KL_COEFF * k - 0.01 * e for p, k, e in zip(pr, kr, er)]
+        for pr, kr, er in zip(pg, kl, ents)
+    ]
+    assert loss.item() == pytest.approx(_aggregate_by_hand(total, "token_mean"), rel=1e-5)
+    assert stats["policy_loss"].item() == pytest.approx(
+        _aggregate_by_hand(pg, "token_mean"), rel=1e-5
+    )
+    # KL and entropy terms are not weighted.
+    assert stats["kl_loss"].item() == pytest.approx(
+        KL_COEFF * _aggregate_by_hand(kl, "token_mean"), rel=1e-5
+    )
+    assert stats["entropy_loss"].item() == pytest.approx(
+        -0.01 * _aggregate_by_hand(ents, "token_mean"), rel=1e-5
+    )
+    loss.backward()
+    # d/d logp: w * d(PPO term) + kl_coeff * d(k3)/d logp = kl_coeff * (1 - exp(-x)), all / 5.
+    grad = [
+        [(wi * g + KL_COEFF * (1.0 - exp(-x))) / 5 for wi, g, x in zip(wr, gr, xr)]
+        for wr, gr, xr in zip(w, PG_GRAD_TOKEN, X)
+    ]
+    torch.testing.assert_close(logp.grad, _pad(grad), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(
+        ent.grad, torch.tensor([[-0.01 / 5] * 2 + [0.0], [-0.01 / 5] * 3]), rtol=1e-6, atol=0
+    )
+    assert stats["is_weight_sum"].item() == pytest.approx(sum(map(sum, w)), rel=1e-5)
+    assert stats["is_weight_max"].item() == pytest.approx(exp(1.0), rel=1e-5)  # raw, untruncated
+    assert stats["is_dropped_sum"].item() == (1 if (correction, cap) == ("decoupled", CAP) else 0)
+    # The other stats do not depend on the correction (the clipped ratio is pi_theta / pi_prox).
+    assert stats["clip_high_sum"].item() == 1 and stats["clip_low_sum"].item() == 1
+    ratios = [exp(0.1), exp(0.3), exp(0.2), exp(-0.3), exp(0.2)]
+    assert stats["ratio_sum"].item() == pytest.approx(sum(ratios), rel=1e-5)
+
+
+@pytest.mark.parametrize("correction, cap", list(APPLIED_W))
+def test_off_policy_correction_cispo_by_hand(correction: str, cap: float | None) -> None:
+    # CISPO: l = -w * sg(clip(r)) * A * logp, gradient -w * clip(r) * A per token.
+    loss_fn = GRPOLoss(
+        clip_mode="cispo",
+        aggregation="token_mean",
+        off_policy_correction=correction,
+        is_weight_cap=cap,
+    )
+    logp, old, adv, mask, _ = _tensors()
+    loss, _ = loss_fn(logp, old, adv, mask, normalizer=5, behavior_logprobs=torch.tensor(BEHAV))
+    w = APPLIED_W[(correction, cap)]
+    # clip(r, 0.8, 1.2) whatever the advantage's sign: r = e^0.1, e^0.3 | e^0.2, e^-0.3, e^0.2.
+    clipped = [[exp(0.1), 1.2], [1.2, 0.8, 1.2]]
+    a = [1.0, -0.5]
+    lp = [[-1.0, -0.5], [-0.3, -1.2, -0.7]]
+    per_token = [
+        [-wi * c * a[i] * v for wi, c, v in zip(w[i], clipped[i], lp[i])] for i in range(2)
+    ]
+    assert loss.item() == pytest.approx(_aggregate_by_hand(per_token, "token_mean"), rel=1e-5)
+    loss.backward()
+    grad = [[-wi * c * a[i] / 5 for wi, c in zip(w[i], clipped[i])] for i in range(2)]
+    torch.testing.assert_close(logp.grad, _pad(grad), rtol=1e-5, atol=1e-7)
+
+
+def _off_policy_micro_loss(
+    loss_fn: GRPOLoss, data: dict, rows: slice, normalizer: torch.Tensor, **kwargs
+) -> tuple[torch.Tensor, dict]:
+    """_micro_loss with extra keyword arguments (``behavior_logprobs``) for the loss."""
+    logp, ent = data["model"](data["inputs"][rows], data["targets"][rows])
+    return loss_fn(
+        logp,
+        data["old"][rows],
+        data["adv"][rows],
+        data["mask"][rows],
+        normalizer=normalizer,
+        ref_logprobs=data["ref"][rows],
+        entropy=ent,
+        **kwargs,
+    )
+
+
+def _run_loss(loss_fn: GRPOLoss, data: dict, **kwargs) -> tuple:
+    """Loss, stats and parameter gradients of the whole batch (no kwargs: _micro_loss)."""
+    model = data["model"]
+    model.zero_grad()
+    norm = loss_fn.normalizer_contribution(data["mask"])
+    if kwargs:
+        loss, stats = _off_policy_micro_loss(loss_fn, data, slice(0, N), norm, **kwargs)
+    else:
+        loss, stats = _micro_loss(loss_fn, model, data, slice(0, N), norm)
+    loss.backward()
+    return loss.detach(), stats, _grads(model)
+
+
+def _policy_batch() -> dict:
+    torch.manual_seed(0)
+    model = _TinyPolicy()
+    data = _make_batch(model)
+    g = torch.Generator().manual_seed(99)
+    data["behav"] = data["old"] + 0.4 * torch.randn(N, T, generator=g)
+    data["model"] = model
+    return data
+
+
+@pytest.mark.parametrize("aggregation, importance_level, clip_mode", VARIANTS)
+def test_none_correction_is_bitwise_unchanged(
+    aggregation: str, importance_level: str, clip_mode: str
+) -> None:
+    data = _policy_batch()
+    base = _loss_fn(aggregation, importance_level, clip_mode)
+    explicit = GRPOLoss(
+        epsilon_low=0.2,
+        epsilon_high=0.28,
+        aggregation=aggregation,
+        max_generated_tokens=T,
+        importance_level=importance_level,
+        kl_coeff=0.05,
+        entropy_coeff=0.01,
+        clip_mode=clip_mode,
+        dual_clip=3.0 if clip_mode == "ppo" else None,
+        off_policy_correction="none",
+    )
+    assert not explicit.needs_proximal_logprobs
+    loss0, stats0, grads0 = _run_loss(base, data)
+    loss1, stats1, grads1 = _run_loss(explicit, data, behavior_logprobs=data["behav"])
+    loss2, stats2, grads2 = _run_loss(explicit, data, behavior_logprobs=None)
+    for loss, stats, grads in ((loss1, stats1, grads1), (loss2, stats2, grads2)):
+        assert torch.equal(loss, loss0)
+        assert stats.keys() == stats0.keys()
+        for k in stats0:
+            assert torch.equal(stats[k], stats0[k]), k
+        for g, g0 in zip(grads, grads0):
+            assert torch.equal(g, g0)
+    # With "none" the weight is 1 per token.
+    assert stats0["is_weight_sum"].item() == stats0["tokens"].item()
+    assert stats0["is_weight_max"].item() == 1.0 and stats0["is_dropped_sum"].item() == 0.0
+
+
+@pytest.mark.parametrize("cap", [None, 1.5])
+@pytest.mark.parametrize("aggregation, importance_level, clip_mode", VARIANTS)
+def test_decoupled_equals_none_when_behavior_equals_proximal(
+    aggregation: str, importance_level: str, clip_mode: str, cap: float | None
+) -> None:
+    data = _policy_batch()
+    none = _loss_fn(aggregation, importance_level, clip_mode)
+    decoupled = GRPOLoss(
+        epsilon_low=0.2,
+        epsilon_high=0.28,
+        aggregation=aggregation,
+        max_generated_tokens=T,
+        importance_level=importance_level,
+        kl_coeff=0.05,
+        entropy_coeff=0.01,
+        clip_mode=clip_mode,
+        dual_clip=3.0 if clip_mode == "ppo" else None,
+        off_policy_correction="decoupled",
+        is_weight_cap=cap,
+    )
+    loss0, stats0, grads0 = _run_loss(none, data)
+    loss1, stats1, grads1 = _run_loss(decoupled, data, behavior_logprobs=data["old"].clone())
+    assert torch.equal(loss1, loss0)
+    for k in stats0:
+        assert torch.equal(stats1[k], stats0[k]), k
+    for g, g0 in zip(grads1, grads0):
+        assert torch.equal(g, g0)
+    # ... and a behaviour policy that differs changes the gradient.
+    _, _, grads2 = _run_loss(decoupled, data, behavior_logprobs=data["behav"])
+    assert any(not torch.equal(g, g0) for g, g0 in zip(grads2, grads0))
+
+
+@pytest.mark.parametrize("correction, cap", [("decoupled", None), ("decoupled", 2.0), ("tis", 2.0)])
+def test_off_policy_weight_carries_no_gradient(correction: str, cap: float | None) -> None:
+    loss_fn = GRPOLoss(
+        aggregation="token_mean", off_policy_correction=correction, is_weight_cap=cap
+    )
+    logp = torch.tensor(LOGP, requires_grad=True)
+    old = torch.tensor(OLD, requires_grad=True)
+    behav = torch.tensor(BEHAV, requires_grad=True)
+    loss, _ = loss_fn(
+        logp, old, torch.tensor(ADV), torch.tensor(MASK), normalizer=5, behavior_logprobs=behav
+    )
+    g_logp, g_old, g_behav = torch.autograd.grad(loss, [logp, old, behav], allow_unused=True)
+    assert g_old is None and g_behav is None
+    assert g_logp is not None and g_logp.abs().sum() > 0
+
+
+def test_gspo_decoupled_uses_sequence_weight() -> None:
+    # GSPO, sequence_mean, wide clip (nothing clipped): per-sequence loss -w_i * s_i * A_i with
+    # w_i = exp(mean_t(old - behav)): w0 = e^((0.5 - 0.2) / 2) = e^0.15 = 1.162,
+    # w1 = e^((0 - 0.4 + 1) / 3) = e^0.2 = 1.221 (not the token weights).
+    s0, s1 = exp(0.2), exp(0.1 / 3)
+    w0, w1 = exp(0.15), exp(0.2)
+    for cap, (k0, k1) in ((None, (w0, w1)), (1.2, (w0, 0.0))):  # cap 1.2 drops sequence 1
+        loss_fn = GRPOLoss(
+            epsilon=0.5,
+            importance_level="sequence",
+            aggregation="sequence_mean",
+            off_policy_correction="decoupled",
+            is_weight_cap=cap,
+        )
+        logp, old, adv, mask, _ = _tensors()
+        loss, stats = loss_fn(
+            logp, old, adv, mask, normalizer=2, behavior_logprobs=torch.tensor(BEHAV)
+        )
+        assert loss.item() == pytest.approx((-k0 * s0 * 1.0 + k1 * s1 * 0.5) / 2, rel=1e-5)
+        loss.backward()
+        g0, g1 = -k0 * 1.0 * s0 / 2 / 2, k1 * 0.5 * s1 / 3 / 2
+        torch.testing.assert_close(
+            logp.grad, torch.tensor([[g0, g0, 0.0], [g1, g1, g1]]), rtol=1e-5, atol=1e-7
+        )
+        assert stats["is_weight_sum"].item() == pytest.approx(2 * k0 + 3 * k1, rel=1e-5)
+        assert stats["is_weight_max"].item() == pytest.approx(w1, rel=1e-5)
+        assert stats["is_dropped_sum"].item() == (0 if cap is None else 3)
+    # tis truncates the sequence weight instead: cap 1.2 -> w1 = 1.2 on every token.
+    loss_fn = GRPOLoss(
+        epsilon=0.5,
+        importance_level="sequence",
+        aggregation="sequence_mean",
+        off_policy_correction="tis",
+        is_weight_cap=1.2,
+    )
+    logp, old, adv, mask, _ = _tensors()
+    loss, stats = loss_fn(logp, old, adv, mask, normalizer=2, behavior_logprobs=torch.tensor(BEHAV))
+    assert loss.item() == pytest.approx((-w0 * s0 * 1.0 + 1.2 * s1 * 0.5) / 2, rel=1e-5)
+    assert stats["is_weight_sum"].item() == pytest.approx(2 * w0 + 3 * 1.2, rel=1e-5)
+
+
+def test_summarize_is_weight_metrics() -> None:
+    loss_fn = GRPOLoss(
+        aggregation="token_mean", off_policy_correction="decoupled", is_weight_cap=CAP
+    )
+    logp, old, adv, mask, _ = _tensors()
+    behav = torch.tensor(BEHAV)
+    # Two micro-batches (one sequence each) summarise like the whole batch.
+    stats = [
+        loss_fn(
+            logp[rows],
+            old[rows],
+            adv[rows],
+            mask[rows],
+            normalizer=5,
+            behavior_logprobs=behav[rows],
+        )[1]
+        for rows in (slice(0, 1), slice(1, 2))
+    ]
+    summary = summarize_loss_stats(stats)
+    applied = APPLIED_W[("decoupled", CAP)]
+    assert summary["is_weight/mean"] == pytest.approx(sum(map(sum, applied)) / 5, rel=1e-5)
+    assert summary["is_weight/max"] == pytest.approx(exp(1.0), rel=1e-5)
+    assert summary["is_weight/dropped_fraction"] == pytest.approx(1 / 5)
+    # Across two identical ranks: sums double (the means do not change), the max stays.
+    ranks = summarize_loss_stats(stats, all_reduce=lambda t, op: t * 2 if op == "sum" else t)
+    for k in ("is_weight/mean", "is_weight/max", "is_weight/dropped_fraction"):
+        assert ranks[k] == pytest.approx(summary[k], rel=1e-6)
+    # tis truncates instead of dropping; "none" reports weight 1 on every token.
+    _, tis = GRPOLoss(off_policy_correction="tis", is_weight_cap=CAP)(
+        logp, old, adv, mask, normalizer=5, behavior_logprobs=behav
+    )
+    s_tis = summarize_loss_stats([tis])
+    assert s_tis["is_weight/mean"] == pytest.approx(
+        sum(map(sum, APPLIED_W[("tis", CAP)])) / 5, rel=1e-5
+    )
+    assert s_tis["is_weight/max"] == pytest.approx(exp(1.0), rel=1e-5)
+    assert s_tis["is_weight/dropped_fraction"] == 0.0
+    _, plain = GRPOLoss()(logp, old, adv, mask, normalizer=5, behavior_logprobs=behav)
+    s_none = summarize_loss_stats([plain])
+    assert s_none["is_weight/mean"] == 1.0 and s_none["is_weight/max"] == 1.0
+    assert s_none["is_weight/dropped_fraction"] == 0.0
+
+
+def test_decoupled_micro_batch_invariance() -> None:
+    data = _policy_batch()
+    loss_fn = GRPOLoss(
+        aggregation="token_mean",
+        kl_coeff=0.05,
+        off_policy_correction="decoupled",
+        is_weight_cap=1.5,
+    )
+    _, whole_stats, whole = _run_loss(loss_fn, data, behavior_logprobs=data["behav"])
+    assert whole_stats["is_dropped_sum"].item() > 0  # the cap is active on this batch
+    model = data["model"]
+    model.zero_grad()
+    parts = [slice(0, 3), slice(3, 4), slice(4, 8)]
+    norm = sum(loss_fn.normalizer_contribution(data["mask"][p]) for p in parts)
+    stats = []
+    for p in parts:
+        loss, st = _off_policy_micro_loss(
+            loss_fn, data, p, norm, behavior_logprobs=data["behav"][p]
+        )
+        loss.backward()
+        stats.append(st)
+    _assert_grads_close(_grads(model), whole)
+    s_split, s_whole = summarize_loss_stats(stats), summarize_loss_stats([whole_stats])
+    for k in s_whole:
+        assert s_split[k] == pytest.approx(s_whole[k], rel=1e-5, abs=1e-7), k
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"off_policy_correction": "is"}, "off_policy_correction"),
+        ({"off_policy_correction": "decoupled", "is_weight_cap": 1.0}, "is_weight_cap"),
+        ({"off_policy_correction": "decoupled", "is_weight_cap": 0.5}, "is_weight_cap"),
+        ({"off_policy_correction": "tis", "is_weight_cap": float("inf")}, "is_weight_cap"),
+        ({"off_policy_correction": "tis", "is_weight_cap": "big"}, "is_weight_cap"),
+        ({"off_policy_correction": "tis"}, "is_weight_cap"),
+        ({"is_weight_cap": 2.0}, "is_weight_cap"),
+        ({"off_policy_correction": "none", "is_weight_cap": 2.0}, "is_weight_cap"),
+    ],
+)
+def test_off_policy_constructor_validation(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        GRPOLoss(**kwargs)
+
+
+def test_off_policy_forward_validation() -> None:
+    logp, old, adv, mask, _ = _tensors()
+    for loss_fn in (
+        GRPOLoss(off_policy_correction="decoupled"),
+        GRPOLoss(off_policy_correction="tis", is_weight_cap=2.0),
+    ):
+        assert loss_fn.needs_proximal_logprobs
+        with pytest.raises(ValueError, match="behavior_logprobs is required"):
+            loss_fn(logp, old, adv, mask, normalizer=5)
+        with pytest.raises(ValueError, match="behavior_logprobs must have the shape"):
+            loss_fn(logp, old, adv, mask, normalizer=5, behavior_logprobs=old[:, :2])
+    assert "off_policy_correction=tis, is_weight_cap=2.0" in repr(
+        GRPOLoss(off_policy_correction="tis", is_weight_cap=2.0)
+    )

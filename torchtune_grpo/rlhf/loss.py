@@ -14,6 +14,21 @@ Per response token ``t`` of sequence ``i`` (``A_i`` its advantage, ``r_it`` its 
   ``"sequence"`` (GSPO): ``r_it = s_i = exp(mean_t(logp_it - old_logp_it))`` over the
   sequence's response tokens, the same ratio for every token of the sequence.
 
+Off-policy corrections (``off_policy_correction``, for asynchronous training, where the batch was
+sampled by an older policy or by an engine whose numerics differ): ``old_logp`` above is then the
+*proximal* policy's log-prob (the trainer's weights before the step, ``pi_prox``) and
+``behav_it`` the log-prob under the behaviour policy ``mu`` that sampled the token (the engine's).
+The policy term is multiplied by the constant behaviour weight
+``w_it = exp(clamp(old_logp_it - behav_it))`` (``"sequence"``: ``exp(mean_t(...))`` over the
+sequence's response tokens, repeated per token), ``l_it <- sg(w'_it) * l_it``:
+
+* ``"none"``: ``w'_it = 1`` (``old_logp`` is then the behaviour log-prob itself);
+* ``"decoupled"`` (decoupled PPO): ``w'_it = w_it``; with ``is_weight_cap=C``, tokens with
+  ``w_it > C`` are dropped (``w'_it = 0``) but still count in the normaliser;
+* ``"tis"`` (truncated importance sampling): ``w'_it = min(w_it, C)``.
+
+The KL and entropy terms are never weighted.
+
 To ``l_it`` are added ``kl_coeff * kl_it`` (an estimator of ``KL(pi || pi_ref)``, see
 :class:`GRPOLoss`) and ``- entropy_coeff * entropy_it``. The log-ratios fed to ``exp`` are clamped
 to ``[-20, 20]``: beyond that a token is far outside any trust region and an unclamped ``exp``
@@ -41,6 +56,7 @@ __all__ = [
     "CLIP_MODES",
     "IMPORTANCE_LEVELS",
     "KL_ESTIMATORS",
+    "OFF_POLICY_CORRECTIONS",
     "GRPOLoss",
     "summarize_loss_stats",
 ]
@@ -49,12 +65,13 @@ AGGREGATIONS = ("sequence_mean", "token_mean", "constant")
 IMPORTANCE_LEVELS = ("token", "sequence")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 CLIP_MODES = ("ppo", "cispo")
+OFF_POLICY_CORRECTIONS = ("none", "decoupled", "tis")
 
 # Log-ratios are clamped to this range before exp() (see the module docstring).
 _LOG_RATIO_CLAMP = 20.0
 
 # Stats reduced with MAX; every other stat is reduced with SUM.
-_MAX_STATS = ("ratio_max",)
+_MAX_STATS = ("ratio_max", "is_weight_max")
 
 
 def _as_float(name: str, value: object) -> float:
@@ -135,6 +152,14 @@ class GRPOLoss(nn.Module):
             disables it.
         clip_mode (str): ``"ppo"`` (clipped surrogate) or ``"cispo"`` (clipped, stop-gradient
             importance weight times ``logp * A``; token-level only).
+        off_policy_correction (str): ``"none"`` (default), ``"decoupled"`` or ``"tis"``: how the
+            policy term is re-weighted by the behaviour weight
+            ``pi_prox / mu = exp(old_logprobs - behavior_logprobs)`` (see the module docstring
+            and ``docs/losses.md``). With a correction, :meth:`forward` needs
+            ``behavior_logprobs`` and ``old_logprobs`` are the proximal policy's.
+        is_weight_cap (float | None): cap ``C > 1`` on the behaviour weight: ``"decoupled"``
+            drops tokens whose weight exceeds it (optional), ``"tis"`` truncates the weight to
+            it (required). Must be ``None`` with ``"none"``.
 
     Raises:
         ValueError: for an out-of-range or inconsistent argument, naming it.
@@ -153,6 +178,8 @@ class GRPOLoss(nn.Module):
         kl_estimator: Literal["k1", "k2", "k3"] = "k3",
         entropy_coeff: float = 0.0,
         clip_mode: Literal["ppo", "cispo"] = "ppo",
+        off_policy_correction: Literal["none", "decoupled", "tis"] = "none",
+        is_weight_cap: float | None = None,
     ) -> None:
         super().__init__()
         epsilon = _check_number("epsilon", epsilon, low=0.0)
@@ -208,6 +235,26 @@ class GRPOLoss(nn.Module):
             raise ValueError(
                 "dual_clip only applies to clip_mode='ppo'; set dual_clip=None for 'cispo'"
             )
+        if off_policy_correction not in OFF_POLICY_CORRECTIONS:
+            raise ValueError(
+                f"off_policy_correction must be one of {OFF_POLICY_CORRECTIONS}, got "
+                f"{off_policy_correction!r}"
+            )
+        if is_weight_cap is not None:
+            if off_policy_correction == "none":
+                raise ValueError(
+                    f"is_weight_cap={is_weight_cap!r} has no effect with "
+                    "off_policy_correction='none'; set is_weight_cap=None or choose "
+                    "off_policy_correction='decoupled' or 'tis'"
+                )
+            is_weight_cap = _check_number(
+                "is_weight_cap", is_weight_cap, low=1.0, low_inclusive=False
+            )
+        elif off_policy_correction == "tis":
+            raise ValueError(
+                "is_weight_cap is required when off_policy_correction='tis' (the truncation "
+                "bound of the importance weight, > 1, e.g. 2.0)"
+            )
 
         self.epsilon_low = eps_low
         self.epsilon_high = eps_high
@@ -219,11 +266,20 @@ class GRPOLoss(nn.Module):
         self.kl_estimator = kl_estimator
         self.entropy_coeff = float(entropy_coeff)
         self.clip_mode = clip_mode
+        self.off_policy_correction = off_policy_correction
+        self.is_weight_cap = is_weight_cap
 
     @property
     def needs_reference(self) -> bool:
         """bool: whether :meth:`forward` needs ``ref_logprobs`` (``kl_coeff != 0``)."""
         return self.kl_coeff != 0.0
+
+    @property
+    def needs_proximal_logprobs(self) -> bool:
+        """bool: whether an off-policy correction is on: :meth:`forward` then needs
+        ``behavior_logprobs`` (the rollout engine's) and ``old_logprobs`` must be the proximal
+        policy's (the trainer's weights before the step, from a no-grad forward)."""
+        return self.off_policy_correction != "none"
 
     @property
     def needs_entropy(self) -> bool:
@@ -237,7 +293,9 @@ class GRPOLoss(nn.Module):
             f"epsilon_high={self.epsilon_high}, dual_clip={self.dual_clip}, "
             f"importance_level={self.importance_level}, aggregation={self.aggregation}, "
             f"max_generated_tokens={self.max_generated_tokens}, kl_coeff={self.kl_coeff}, "
-            f"kl_estimator={self.kl_estimator}, entropy_coeff={self.entropy_coeff}"
+            f"kl_estimator={self.kl_estimator}, entropy_coeff={self.entropy_coeff}, "
+            f"off_policy_correction={self.off_policy_correction}, "
+            f"is_weight_cap={self.is_weight_cap}"
         )
 
     def normalizer_contribution(self, response_mask: Tensor) -> Tensor:
@@ -278,6 +336,7 @@ class GRPOLoss(nn.Module):
         normalizer: float | Tensor,
         ref_logprobs: Tensor | None,
         entropy: Tensor | None,
+        behavior_logprobs: Tensor | None = None,
     ) -> None:
         if logprobs.dim() != 2:
             raise ValueError(f"logprobs must be [N, T], got shape {tuple(logprobs.shape)}")
@@ -303,7 +362,18 @@ class GRPOLoss(nn.Module):
                 f"{self.entropy_coeff}); pass return_entropy=True to the log-prob function or "
                 "set entropy_coeff=0"
             )
-        for name, t in (("ref_logprobs", ref_logprobs), ("entropy", entropy)):
+        if behavior_logprobs is None and self.needs_proximal_logprobs:
+            raise ValueError(
+                f"behavior_logprobs is required when off_policy_correction="
+                f"{self.off_policy_correction!r}: pass the rollout engine's log-probs of the "
+                "sampled tokens (and the proximal policy's as old_logprobs), or set "
+                "off_policy_correction='none'"
+            )
+        for name, t in (
+            ("ref_logprobs", ref_logprobs),
+            ("entropy", entropy),
+            ("behavior_logprobs", behavior_logprobs),
+        ):
             if t is not None and t.shape != shape:
                 raise ValueError(
                     f"{name} must have the shape of logprobs {tuple(shape)}, got {tuple(t.shape)}"
@@ -335,14 +405,17 @@ class GRPOLoss(nn.Module):
         normalizer: float | Tensor,
         ref_logprobs: Tensor | None = None,
         entropy: Tensor | None = None,
+        behavior_logprobs: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """Loss of one micro-batch, normalised by the global ``normalizer``.
 
         Args:
             logprobs (Tensor): ``[N, T]`` log-probs of the sampled tokens under the current
                 policy (with gradient).
-            old_logprobs (Tensor): ``[N, T]`` log-probs under the policy that sampled them
-                (treated as constants).
+            old_logprobs (Tensor): ``[N, T]`` log-probs under the policy the ratio is taken
+                against (treated as constants): the policy that sampled the tokens with
+                ``off_policy_correction="none"``, the proximal policy (the trainer's weights
+                before the step) with a correction.
             advantages (Tensor): ``[N]`` one advantage per sequence (constants).
             response_mask (Tensor): ``[N, T]`` bool, True on response tokens.
             normalizer (float | Tensor): global sum of :meth:`normalizer_contribution` over
@@ -352,10 +425,15 @@ class GRPOLoss(nn.Module):
                 required when :attr:`needs_reference`.
             entropy (Tensor | None): ``[N, T]`` per-token entropy of the current policy (with
                 gradient); required when :attr:`needs_entropy`, summarised whenever given.
+            behavior_logprobs (Tensor | None): ``[N, T]`` log-probs of the sampled tokens under
+                the behaviour policy (the rollout engine's; constants); required when
+                :attr:`needs_proximal_logprobs`. With ``"none"`` its values are ignored (only its
+                shape is checked).
 
         Returns:
             tuple[Tensor, dict[str, Tensor]]: the scalar loss (float32) and stats: detached
-            float32 scalars to be *summed* over micro-batches and ranks (``ratio_max``: max):
+            float32 scalars to be *summed* over micro-batches and ranks (``ratio_max``,
+            ``is_weight_max``: max):
 
             * ``loss``, ``policy_loss``, ``kl_loss``, ``entropy_loss``: the loss and its terms,
               already divided by ``normalizer`` (``kl_loss`` includes ``kl_coeff``,
@@ -374,12 +452,24 @@ class GRPOLoss(nn.Module):
               ``(r - 1) - log r`` with the token-level ratio.
             * ``kl_sum``: the ``kl_estimator`` vs the reference (0 without ``ref_logprobs``).
             * ``entropy_sum``: the entropy (0 without ``entropy``).
+            * ``is_weight_sum``: the behaviour weight applied to the policy term, after
+              truncation or dropping, summed over response tokens (1 per token with ``"none"``).
+            * ``is_weight_max``: the largest raw (untruncated) behaviour weight over response
+              tokens: how far off-policy the batch was.
+            * ``is_dropped_sum``: response tokens dropped by the ``"decoupled"`` cap.
 
         Raises:
             ValueError: on inconsistent shapes or a missing required input.
         """
         self._check_inputs(
-            logprobs, old_logprobs, advantages, response_mask, normalizer, ref_logprobs, entropy
+            logprobs,
+            old_logprobs,
+            advantages,
+            response_mask,
+            normalizer,
+            ref_logprobs,
+            entropy,
+            behavior_logprobs,
         )
         mask = response_mask.bool()
         fmask = mask.to(torch.float32)
@@ -413,6 +503,27 @@ class GRPOLoss(nn.Module):
                 pg = torch.where(adv < 0, torch.minimum(pg, cap), pg)
             else:
                 dual_active = torch.zeros_like(mask)
+
+        # Behaviour weight pi_prox / mu (a constant): multiplies the policy term only.
+        dropped = torch.zeros_like(mask)
+        if self.off_policy_correction == "none":
+            raw_weight = weight = fmask
+        else:
+            assert behavior_logprobs is not None
+            behav = torch.where(mask, behavior_logprobs.detach().float(), zero)
+            log_w = (old - behav).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+            if self.importance_level == "sequence":
+                seq_log_w = log_w.sum(dim=1) / lengths.clamp(min=1)
+                log_w = seq_log_w.unsqueeze(1).expand_as(log_w)
+            raw_weight = torch.exp(log_w)
+            weight = raw_weight
+            if self.is_weight_cap is not None:
+                if self.off_policy_correction == "decoupled":
+                    dropped = mask & (raw_weight > self.is_weight_cap)
+                    weight = torch.where(dropped, zero, raw_weight)
+                else:  # "tis"
+                    weight = raw_weight.clamp(max=self.is_weight_cap)
+            pg = pg * weight
         pg = torch.where(mask, pg, zero)
 
         per_token = pg
@@ -452,6 +563,7 @@ class GRPOLoss(nn.Module):
             masked_ratio = torch.where(mask, ratio, zero)
             tok_ratio = torch.exp(token_log_ratio)
             approx_kl = torch.where(mask, (tok_ratio - 1.0) - token_log_ratio, zero)
+            masked_raw_weight = torch.where(mask, raw_weight, zero)
             stats = {
                 "loss": loss.detach(),
                 "policy_loss": policy_loss,
@@ -470,6 +582,9 @@ class GRPOLoss(nn.Module):
                 "approx_kl_sum": approx_kl.sum(),
                 "kl_sum": kl.sum() if kl is not None else zero,
                 "entropy_sum": ent.sum() if ent is not None else zero,
+                "is_weight_sum": torch.where(mask, weight, zero).sum(),
+                "is_weight_max": masked_raw_weight.max() if masked_raw_weight.numel() else zero,
+                "is_dropped_sum": dropped.sum().to(torch.float32),
             }
             stats = {k: v.detach().to(torch.float32).reshape(()) for k, v in stats.items()}
         return loss, stats
@@ -481,9 +596,10 @@ def summarize_loss_stats(
 ) -> dict[str, float]:
     """Turn the stats of many micro-batches (and ranks) into exact global metrics.
 
-    The stats are summed over ``stats_list`` (``ratio_max``: max), then, if ``all_reduce`` is
-    given, reduced across ranks with two collective calls (one ``"sum"`` on a stacked vector,
-    one ``"max"``), so every rank must call this function with the same stat names.
+    The stats are summed over ``stats_list`` (``ratio_max``, ``is_weight_max``: max), then, if
+    ``all_reduce`` is given, reduced across ranks with two collective calls (one ``"sum"`` on a
+    stacked vector, one ``"max"``), so every rank must call this function with the same stat
+    names.
 
     Args:
         stats_list (Sequence[dict[str, Tensor]]): the stats returned by :meth:`GRPOLoss.forward`
@@ -497,7 +613,11 @@ def summarize_loss_stats(
         dict[str, float]: ``loss``, ``policy_loss``, ``kl`` (mean per-token KL to the reference
         estimate), ``entropy`` (mean per token), ``clip_fraction`` (``clip_fraction/low`` +
         ``clip_fraction/high``, fractions of response tokens), ``ratio/mean``, ``ratio/max``,
-        ``approx_kl`` (mean per token). Token means are 0 when there are no response tokens.
+        ``approx_kl`` (mean per token), ``is_weight/mean`` (mean behaviour weight applied per
+        token, after truncation or dropping; 1 with ``off_policy_correction="none"``),
+        ``is_weight/max`` (largest raw behaviour weight), ``is_weight/dropped_fraction``
+        (fraction of response tokens dropped by the ``"decoupled"`` cap). Token means are 0 when
+        there are no response tokens.
 
     Raises:
         ValueError: if ``stats_list`` is empty or its dicts have different keys.
@@ -547,4 +667,7 @@ def summarize_loss_stats(
         "ratio/mean": per_token("ratio_sum"),
         "ratio/max": total.get("ratio_max", 0.0),
         "approx_kl": per_token("approx_kl_sum"),
+        "is_weight/mean": per_token("is_weight_sum"),
+        "is_weight/max": total.get("is_weight_max", 0.0),
+        "is_weight/dropped_fraction": per_token("is_dropped_sum"),
     }
