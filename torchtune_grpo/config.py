@@ -356,6 +356,52 @@ RECIPE_KEYS: dict[str, Key] = {
     "progress_bar": Key("bool", True, "Show a tqdm progress bar on rank 0."),
 }
 
+#: Keys of ``async_grpo_full_finetune_distributed`` beyond :data:`RECIPE_KEYS`
+#: (``docs/async.md``).
+ASYNC_KEYS: dict[str, Key] = {
+    "rollout_ranks": Key(
+        "int", 1,
+        "Ranks of the torchrun world that only generate (one engine each, holding the whole "
+        "policy); the others train it with FSDP2. Must be below the world size and divide "
+        "the number of trainer ranks.", _at_least(1)),
+    "max_staleness": Key(
+        "int", 1,
+        "k: the batch of step t is sampled by the policy after max(0, t - k) updates, whatever "
+        "the timing, so a run is reproducible. 0 is the synchronous algorithm; 1 is "
+        "one-step-off: generation of step t+1 overlaps the update of step t.", _at_least(0)),
+}
+
+
+def async_errors(cfg: DictConfig, world_size: int) -> list[str]:
+    """What stops ``cfg`` from running asynchronously on ``world_size`` ranks (roles, and the
+    features the asynchronous recipe does not run); [] when it can."""
+    rollout = cfg.get("rollout_ranks", ASYNC_KEYS["rollout_ranks"].default)
+    if not isinstance(rollout, int) or isinstance(rollout, bool) or rollout < 1:
+        return []  # reported by validate_config
+    errors = []
+    trainers = world_size - rollout
+    if trainers < 1:
+        return [f"config key 'rollout_ranks' ({rollout}) must be below the number of processes "
+                f"({world_size}): at least one rank trains (e.g. tune run --nproc_per_node "
+                f"{rollout + 1})"]
+    if trainers % rollout:
+        errors.append(
+            f"config key 'rollout_ranks' ({rollout}) must divide the {trainers} trainer ranks "
+            f"({world_size} processes - {rollout}): each rollout rank generates the batches of "
+            "the same number of trainer ranks")
+    model = str((cfg.get("model") or {}).get("_component_", ""))
+    if "lora" in model.rsplit(".", 1)[-1]:
+        errors.append(f"config key 'model' ({model}): LoRA is not supported by the asynchronous "
+                      "recipe yet; use grpo_full_finetune_distributed")
+    if cfg.get("tools"):
+        errors.append("config key 'tools' is not supported by the asynchronous recipe yet; use "
+                      "grpo_full_finetune_distributed")
+    if cfg.get("dynamic_sampling") is not None:
+        errors.append("config key 'dynamic_sampling' is not supported by the asynchronous "
+                      "recipe (its extra draws would wait on the rollout ranks); set it to null")
+    return errors
+
+
 #: Keys of ``grpo_eval`` (shared ones keep their meaning from :data:`RECIPE_KEYS`).
 EVAL_KEYS: dict[str, Key] = {
     "checkpoint_dir": Key("str", REQUIRED,

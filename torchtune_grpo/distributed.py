@@ -13,6 +13,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,41 +46,86 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> tuple[in
     return dist.get_world_size(), dist.get_rank()
 
 
+#: The ranks the collectives below reach: None = the whole world (the default); a
+#: ``ProcessGroup`` = that group (the trainer ranks of the asynchronous recipe); ``LOCAL`` = this
+#: process alone (a rollout rank: its engine answers to no other rank).
+LOCAL = "local"
+_SCOPE: Any = None
+
+
+def set_scope(scope: Any) -> None:
+    """Make :func:`world_size`, :func:`rank`, :func:`all_reduce`, :func:`all_ranks_true`,
+    :func:`all_gather_object` and :func:`barrier` act on ``scope``: None (every rank of the
+    default process group), a ``ProcessGroup`` (its members; call only on members) or
+    :data:`LOCAL` (this process alone: reductions are the identity).
+
+    The synchronous recipes never call it. The asynchronous recipe sets its trainer ranks'
+    group on the trainers and :data:`LOCAL` on the rollout ranks, so the shared GRPO step runs
+    unchanged on each role.
+    """
+    global _SCOPE
+    _SCOPE = scope
+
+
+def scope() -> Any:
+    """The current scope (see :func:`set_scope`)."""
+    return _SCOPE
+
+
+def _group_size() -> int:
+    if _SCOPE == LOCAL or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(_SCOPE)
+
+
 def world_size() -> int:
-    """Number of ranks (1 without a process group)."""
-    return dist.get_world_size() if dist.is_initialized() else 1
+    """Number of ranks in the current scope (1 without a process group)."""
+    return _group_size()
 
 
 def rank() -> int:
-    """This rank (0 without a process group)."""
-    return dist.get_rank() if dist.is_initialized() else 0
+    """This rank within the current scope (0 without a process group)."""
+    if _SCOPE == LOCAL or not dist.is_initialized():
+        return 0
+    return dist.get_rank(_SCOPE)
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """All-reduce a tensor in place and return it. ``op``: ``sum``, ``max`` or ``min``."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    """All-reduce a tensor in place over the current scope and return it. ``op``: ``sum``,
+    ``max`` or ``min``."""
+    if _group_size() > 1:
         ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-        dist.all_reduce(tensor, op=ops[op])
+        dist.all_reduce(tensor, op=ops[op], group=_SCOPE)
     return tensor
 
 
 def all_ranks_true(flag: bool, device: torch.device) -> bool:
-    """True when ``flag`` is True on every rank (a collective: call it on all ranks)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    """True when ``flag`` is True on every rank of the scope (a collective: call it on all)."""
+    if _group_size() <= 1:
         return flag
     t = torch.tensor([0 if flag else 1], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=_SCOPE)
     return int(t.item()) == 0
 
 
+def all_gather_object(obj: Any) -> list[Any]:
+    """``obj`` of every rank of the scope, in rank order (``[obj]`` alone)."""
+    if _group_size() <= 1:
+        return [obj]
+    gathered: list[Any] = [None] * _group_size()
+    dist.all_gather_object(gathered, obj, group=_SCOPE)
+    return gathered
+
+
 def barrier() -> None:
-    """Barrier when a process group exists."""
-    if dist.is_initialized():
-        dist.barrier()
+    """Barrier over the scope when a process group exists."""
+    if _SCOPE != LOCAL and dist.is_initialized():
+        dist.barrier(group=_SCOPE)
 
 
 def destroy() -> None:
-    """Tear the process group down, if any."""
+    """Tear the process group down, if any (and reset the scope)."""
+    set_scope(None)
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from torchtune_grpo import distributed as D
@@ -451,9 +450,7 @@ def evaluate(
             model.train()
 
     if world > 1:
-        gathered: list[list[dict]] = [None] * world  # type: ignore[list-item]
-        dist.all_gather_object(gathered, rows)
-        rows = [r for part in gathered for r in part]
+        rows = [r for part in D.all_gather_object(rows) for r in part]
     rows.sort(key=lambda r: r["position"])
     try:
         metrics = _metrics(rows, settings)

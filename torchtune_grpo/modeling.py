@@ -81,6 +81,7 @@ def build_model(
     fsdp_cpu_offload: bool = False,
     reshard_after_forward: bool = True,
     adapter_state_dict: dict[str, torch.Tensor] | None = None,
+    dp_mesh: Any = None,
 ) -> nn.Module:
     """Instantiate ``cfg_model``, load ``state_dict`` and prepare it for GRPO.
 
@@ -99,6 +100,8 @@ def build_model(
         fsdp_cpu_offload: keep FSDP shards on CPU.
         reshard_after_forward: FSDP2 ``reshard_after_forward``.
         adapter_state_dict: LoRA adapter weights to resume from.
+        dp_mesh: the FSDP2 ``DeviceMesh`` to shard over (None: every rank of the default
+            process group; the asynchronous recipe passes its trainer ranks' mesh).
     """
     checkpointing = trainable and activation_checkpointing
     if world_size > 1:
@@ -117,6 +120,7 @@ def build_model(
             shard_conditions=[partial(training.get_shard_conditions, names_to_match=None)],
             cpu_offload=fsdp_cpu_offload,
             reshard_after_forward=reshard_after_forward,
+            dp_mesh=dp_mesh,
         )
         with training.set_default_dtype(dtype), device:
             for module in model.modules():

@@ -58,6 +58,8 @@ from torchtune_grpo.checkpointing import (
     weight_files,
 )
 from torchtune_grpo.config import (
+    RECIPE_KEYS,
+    Key,
     check_input_files,
     per_rank_batch_size,
     validate_config,
@@ -116,13 +118,16 @@ class GRPORecipe:
         cfg: the merged config; validated before anything is built.
     """
 
+    #: config keys of this recipe beyond :data:`~torchtune_grpo.config.RECIPE_KEYS`
+    EXTRA_KEYS: dict[str, Key] = {}
+
     def __init__(self, cfg: DictConfig) -> None:
-        validate_config(cfg, world_size=_world_size_from_env())
-        self.cfg = cfg = with_defaults(cfg)
+        self.validate(cfg)
+        self.cfg = cfg = with_defaults(cfg, {**RECIPE_KEYS, **self.EXTRA_KEYS})
         self.device = utils.get_device(cfg.device)
         self.dtype = DTYPES[cfg.dtype]
-        self.world_size, self.rank = D.init_distributed(
-            self.device, timeout_s=float(cfg.distributed_timeout_s))
+        self.world_size, self.rank = self.init_process_group()
+        self.dp_mesh = None  # FSDP2 shards over the whole world (the async trainers: theirs)
         self.is_rank_zero = self.rank == 0
         self.seed = training.set_seed(cfg.seed)
         self.batch_size = per_rank_batch_size(cfg, self.world_size)
@@ -144,6 +149,16 @@ class GRPORecipe:
         self._stop_requested = False
         self._adapter_state = None
 
+    def validate(self, cfg: DictConfig) -> None:
+        """Check the config before anything is built (:func:`~torchtune_grpo.config.validate_config`
+        with the world size torchrun set)."""
+        validate_config(cfg, world_size=_world_size_from_env(), extra_keys=self.EXTRA_KEYS)
+
+    def init_process_group(self) -> tuple[int, int]:
+        """``(world_size, rank)`` of the ranks that train together (the default process group
+        under torchrun, ``(1, 0)`` without)."""
+        return D.init_distributed(self.device, timeout_s=float(self.cfg.distributed_timeout_s))
+
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         """Build data, rewards and loss first (cheap, validating), then the models."""
@@ -153,8 +168,7 @@ class GRPORecipe:
         self.dataset = config.instantiate(cfg.dataset, tokenizer=self.tokenizer)
         self.rewards = build_reward_set(cfg.rewards)
         self.loss_fn = config.instantiate(cfg.loss)
-        self.generator: Generator = (config.instantiate(cfg.generator)
-                                     if cfg.generator is not None else NativeGenerator())
+        self.generator: Generator = self.build_generator()
         self.tools_on = bool(cfg.tools)
         # multi-turn: the engine samples each turn, tools run in between; the recipe reads the
         # tool counts from it (pop_stats) outside the Generator protocol
@@ -196,6 +210,11 @@ class GRPORecipe:
         self.generator.setup(self._generation_context())
         self.generator.sync_weights(self.model)  # a resumed or LoRA policy is not the base
 
+    def build_generator(self) -> Generator:
+        """The rollout engine: ``generator:`` instantiated, or the native engine (null)."""
+        cfg = self.cfg
+        return config.instantiate(cfg.generator) if cfg.generator is not None else NativeGenerator()
+
     def _build_models(self) -> None:
         """The policy (from the base model or the step folder to resume) and, for a KL term
         without LoRA, the frozen reference (always the base model)."""
@@ -233,7 +252,7 @@ class GRPORecipe:
             world_size=self.world_size, trainable=trainable, adapter_state_dict=adapter_state,
             activation_checkpointing=cfg.enable_activation_checkpointing,
             fsdp_cpu_offload=cfg.fsdp_cpu_offload,
-            reshard_after_forward=cfg.fsdp_reshard_after_forward,
+            reshard_after_forward=cfg.fsdp_reshard_after_forward, dp_mesh=self.dp_mesh,
         )
 
     def _build_optimizer(self) -> None:
@@ -421,12 +440,20 @@ class GRPORecipe:
         with context, self._gathered(model):
             return self._response_logprobs(model, traj)
 
+    @property
+    def needs_proximal(self) -> bool:
+        """Whether the loss takes its ratio against the trainer's current weights and weights
+        each token by proximal / behaviour (``loss.off_policy_correction``: decoupled, tis)."""
+        return bool(getattr(self.loss_fn, "needs_proximal_logprobs", False))
+
     @torch.no_grad()
     def old_logprobs(self, traj: Trajectory) -> torch.Tensor | None:
         """Step 5: ``[N, T]`` log-probs of the rollout under the current policy (no graph),
         when the generator's own cannot serve as the sampling policy's (see its
-        ``needs_policy_logprobs``, e.g. vLLM with ``top_k``); None: use ``traj.logprobs``."""
-        if not self.generator.needs_policy_logprobs(top_k=self.cfg.top_k):
+        ``needs_policy_logprobs``, e.g. vLLM with ``top_k``) or when the loss needs the
+        proximal policy's (:attr:`needs_proximal`); None: use ``traj.logprobs``."""
+        if not (self.needs_proximal
+                or self.generator.needs_policy_logprobs(top_k=self.cfg.top_k)):
             return None
         with self._gathered(self.model):
             return self._response_logprobs(self.model, traj) * traj.response_mask
@@ -461,12 +488,15 @@ class GRPORecipe:
             ref_logprobs: ``[N, T]`` reference log-probs, or None without a KL term.
             loss_mask: ``[N, T]`` tokens that count (default: every response token).
             old_logprobs: ``[N, T]`` log-probs of the sampling policy (default: the generator's,
-                ``traj.logprobs``).
+                ``traj.logprobs``); with an off-policy correction (:attr:`needs_proximal`)
+                the proximal policy's, and ``traj.logprobs`` are the behaviour log-probs.
 
         Besides the loss metrics, ``generation/logprob_diff_max`` and ``_mean`` compare the
         generator's log-probs with the policy's own in the first epoch (before any optimizer
         step: the same weights), over response tokens: ~1e-6 for the native engine in fp32,
         larger for another engine or precision, and large when its weights were not synced.
+        Where the rollout came from an older policy (:meth:`behavior_is_current` False, the
+        asynchronous recipe) that recipe measures the gap against the older weights instead.
         """
         cfg = self.cfg
         old = traj.logprobs if old_logprobs is None else old_logprobs
@@ -476,6 +506,7 @@ class GRPORecipe:
         normalizer = D.all_reduce(normalizer.clone(), "sum")
         stats, grad_norms = [], []
         gap = torch.zeros(3, dtype=torch.float64, device=self.device)  # max, sum, count
+        measure_gap = self.behavior_is_current()
         for epoch in range(cfg.ppo_epochs):
             # micro-batch order: a pure function of (seed, step, epoch, rank), like sampling
             gen = torch.Generator().manual_seed(
@@ -487,7 +518,7 @@ class GRPORecipe:
                     logprobs, entropy = self._micro_batch_logprobs(
                         self.model, traj, idx, return_entropy=True,
                         entropy_grad=self.loss_fn.needs_entropy)
-                if epoch == 0:
+                if epoch == 0 and measure_gap:
                     diff = (logprobs.detach() - traj.logprobs[idx]).abs()[traj.response_mask[idx]]
                     if diff.numel():
                         gap[0] = torch.maximum(gap[0], diff.max().double())
@@ -498,6 +529,7 @@ class GRPORecipe:
                     normalizer=normalizer,
                     ref_logprobs=None if ref_logprobs is None else ref_logprobs[idx],
                     entropy=entropy,
+                    **({"behavior_logprobs": traj.logprobs[idx]} if self.needs_proximal else {}),
                 )
                 # FSDP averages gradients over ranks; the loss is already a global mean.
                 (loss * self.world_size).backward()
@@ -511,6 +543,12 @@ class GRPORecipe:
         metrics["grad_norm"] = float(sum(grad_norms) / len(grad_norms))
         metrics["skipped_steps"] = float(self.skipped_steps)
         return metrics
+
+    def behavior_is_current(self) -> bool:
+        """Whether this step's rollout was sampled with the weights the update starts from
+        (always, here): then the first epoch's forward also measures the generator/policy
+        log-prob gap."""
+        return True
 
     def _optimizer_step(self) -> float:
         """Clip, step (skipped when the gradient is not finite), zero, schedule; returns the
@@ -704,6 +742,11 @@ class GRPORecipe:
             "config": OmegaConf.to_container(self.cfg, resolve=True),
         }
 
+    def extra_recipe_state(self) -> dict[str, Any]:
+        """Entries a recipe adds to ``recipe_state.pt`` (called on every rank before rank 0
+        writes; may be a collective); none here."""
+        return {}
+
     def _load_recipe_state(self, state: dict[str, Any]) -> None:
         if state["seed"] != self.seed:
             raise ValueError(
@@ -736,6 +779,7 @@ class GRPORecipe:
         cfg = self.cfg
         state = self._full_model_state_dict()
         optimizer_state = self._full_optimizer_state_dict()
+        extra_state = self.extra_recipe_state()
         self._adapter_state = None
         if self.is_rank_zero:
             checkpoint = {training.MODEL_KEY: state}
@@ -755,7 +799,8 @@ class GRPORecipe:
                 output_dir=cfg.output_dir, step=self.step, checkpointer=self.checkpointer,
                 checkpoint=checkpoint,
                 adapter_only=self.is_lora and cfg.save_adapter_weights_only,
-                recipe_state=self.recipe_state(optimizer_state), extra_files=extra,
+                recipe_state={**self.recipe_state(optimizer_state), **extra_state},
+                extra_files=extra,
                 keep_last_n=cfg.keep_last_n_checkpoints,
             )
             log.info(f"saved {path}")
