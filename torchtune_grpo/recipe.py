@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import math
 import signal
+import time
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
@@ -620,7 +621,9 @@ class GRPORecipe:
             self.run_eval()
         with self._progress_bar(), self._sigterm_stops_after_the_step():
             while self.step < self.cfg.num_steps:
+                start = time.perf_counter()
                 metrics = self.train_step(self.batches.batch(self.step))
+                metrics["time/step"] = time.perf_counter() - start  # whole step, rank 0
                 if not self.after_step(metrics):
                     break
 
