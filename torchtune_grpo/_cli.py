@@ -23,6 +23,7 @@ from pathlib import Path
 RECIPES = (
     "grpo_full_finetune_distributed",
     "grpo_full_finetune_single_device",
+    "async_grpo_full_finetune_distributed",
     "grpo_eval",
 )
 
@@ -34,8 +35,11 @@ def _ls(_args) -> int:
     names = list_shipped_configs()
     groups = {
         "grpo_eval": [n for n in names if "eval" in n],
-        "grpo_full_finetune_distributed": [n for n in names if "eval" not in n],
-        "grpo_full_finetune_single_device": [n for n in names if "eval" not in n],
+        "grpo_full_finetune_distributed": [n for n in names if "eval" not in n
+                                           and "async" not in n],
+        "grpo_full_finetune_single_device": [n for n in names if "eval" not in n
+                                             and "async" not in n],
+        "async_grpo_full_finetune_distributed": [n for n in names if "async" in n],
     }
     for recipe in RECIPES:
         for i, name in enumerate(groups[recipe]):
@@ -66,12 +70,22 @@ def _plot(args) -> int:
 
 
 def _validate(args) -> int:
-    from torchtune_grpo.config import EVAL_KEYS, ConfigError, load_config, validate_config
+    from torchtune_grpo.config import (
+        ASYNC_KEYS,
+        EVAL_KEYS,
+        ConfigError,
+        load_config,
+        validate_async_config,
+        validate_config,
+    )
 
     try:
         cfg = load_config(args.config, args.overrides)
-        schema = EVAL_KEYS if "checkpoint_dir" in cfg else None
-        validate_config(cfg, world_size=args.world_size, schema=schema)
+        if any(key in cfg for key in ASYNC_KEYS):  # async_grpo_full_finetune_distributed
+            validate_async_config(cfg, world_size=args.world_size)
+        else:
+            schema = EVAL_KEYS if "checkpoint_dir" in cfg else None
+            validate_config(cfg, world_size=args.world_size, schema=schema)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(e, file=sys.stderr)
         return 1
@@ -80,13 +94,22 @@ def _validate(args) -> int:
 
 
 def _estimate_memory(args) -> int:
-    from torchtune_grpo.config import ConfigError, load_config, validate_config
+    from torchtune_grpo.config import (
+        ASYNC_KEYS,
+        ConfigError,
+        load_config,
+        validate_async_config,
+        validate_config,
+    )
     from torchtune_grpo.memory import estimate_memory, intended_world_size
 
     try:
         world_size = args.world_size or intended_world_size(args.config)
         cfg = load_config(args.config, args.overrides)
-        validate_config(cfg, world_size=world_size)
+        if any(key in cfg for key in ASYNC_KEYS):
+            validate_async_config(cfg, world_size=world_size)
+        else:
+            validate_config(cfg, world_size=world_size)
         estimate = estimate_memory(cfg, world_size, prompt_tokens=args.prompt_tokens,
                                    name=args.config)
     except (ConfigError, ValueError, FileNotFoundError) as e:

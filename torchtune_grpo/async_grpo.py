@@ -53,11 +53,9 @@ from torchtune_grpo import distributed as D
 from torchtune_grpo.batching import StepBatches, split_batch
 from torchtune_grpo.config import (
     ASYNC_KEYS,
-    ConfigError,
-    async_errors,
     check_input_files,
     per_rank_batch_size,
-    validate_config,
+    validate_async_config,
 )
 from torchtune_grpo.datasets import collate_prompts
 from torchtune_grpo.modeling import build_model, token_rules
@@ -396,14 +394,8 @@ def _init_world(device: torch.device, timeout_s: float, rollout_ranks: int) -> _
 
 
 def _validate_async(cfg: DictConfig) -> None:
-    """The synchronous checks for the trainer ranks' share, then the roles'."""
-    world = _world_size_from_env()
-    rollout = cfg.get("rollout_ranks", ASYNC_KEYS["rollout_ranks"].default)
-    trainers = world - rollout if isinstance(rollout, int) and world > rollout else 1
-    validate_config(cfg, world_size=trainers, extra_keys=ASYNC_KEYS)
-    errors = async_errors(cfg, world)
-    if errors:
-        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
+    """:func:`~torchtune_grpo.config.validate_async_config` for torchrun's world size."""
+    validate_async_config(cfg, world_size=_world_size_from_env())
 
 
 # ---------------------------------------------------------------------------- trainer side

@@ -402,6 +402,22 @@ def async_errors(cfg: DictConfig, world_size: int) -> list[str]:
     return errors
 
 
+def validate_async_config(cfg: DictConfig, *, world_size: int) -> None:
+    """:func:`validate_config` for ``async_grpo_full_finetune_distributed`` on ``world_size``
+    processes: the batch checks for the trainer ranks' share, then :func:`async_errors`.
+
+    Raises:
+        ConfigError: listing every problem, each naming its key.
+    """
+    rollout = cfg.get("rollout_ranks", ASYNC_KEYS["rollout_ranks"].default)
+    trainers = (world_size - rollout if isinstance(rollout, int) and world_size > rollout
+                else 1)
+    validate_config(cfg, world_size=trainers, extra_keys=ASYNC_KEYS)
+    errors = async_errors(cfg, world_size)
+    if errors:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
+
+
 #: Keys of ``grpo_eval`` (shared ones keep their meaning from :data:`RECIPE_KEYS`).
 EVAL_KEYS: dict[str, Key] = {
     "checkpoint_dir": Key("str", REQUIRED,

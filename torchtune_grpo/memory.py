@@ -270,7 +270,9 @@ def estimate_memory(cfg: DictConfig, world_size: int = 1, *,
 
     Args:
         cfg: a training config (as from :func:`torchtune_grpo.config.load_config`).
-        world_size: ranks (FSDP2 shards weights, gradients and optimizer state over them).
+        world_size: ranks (FSDP2 shards weights, gradients and optimizer state over them);
+            for an asynchronous config (``rollout_ranks`` set) all processes, of which the
+            trainer ranks' estimate is returned.
         prompt_tokens: assumed prompt length ``P``; default ``dataset.max_prompt_tokens``, else
             :data:`KNOWN_PROMPT_TOKENS` for the dataset, else :data:`DEFAULT_PROMPT_TOKENS`.
         name: the config's name, for the table.
@@ -281,6 +283,12 @@ def estimate_memory(cfg: DictConfig, world_size: int = 1, *,
     """
     from torchtune_grpo.config import per_rank_batch_size
 
+    if cfg.get("rollout_ranks") is not None:
+        # async_grpo_full_finetune_distributed: the trainer ranks' peak, FSDP2 over the
+        # world_size - rollout_ranks trainers (each also keeps max_staleness shard copies of the
+        # weights, a small extra not counted; a rollout rank holds the whole model and its KV
+        # cache, about the one-rank estimate's rollout phase)
+        world_size = max(1, world_size - int(cfg.rollout_ranks))
     dims = model_dims(cfg.model)
     dtype = str(cfg.get("dtype", "bf16"))
     b = DTYPE_BYTES[dtype]

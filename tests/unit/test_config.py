@@ -12,6 +12,7 @@ from torchtune_grpo.config import (
     list_shipped_configs,
     load_config,
     resolve_config_path,
+    validate_async_config,
     validate_config,
 )
 
@@ -82,6 +83,8 @@ def test_every_shipped_config_validates():
     for name in list_shipped_configs():
         if "eval" in name:
             validate_config(load_config(name, ["checkpoint_dir=/x"]), schema=EVAL_KEYS)
+        elif "async" in name:
+            validate_async_config(load_config(name), world_size=3)
         else:
             validate_config(load_config(name))
 
