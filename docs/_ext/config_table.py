@@ -18,7 +18,7 @@ from typing import Any
 from docutils import nodes
 from sphinx.util.docutils import SphinxDirective
 
-SCHEMAS = ("RECIPE_KEYS", "EVAL_KEYS")
+SCHEMAS = ("RECIPE_KEYS", "EVAL_KEYS", "ASYNC_KEYS")
 #: Settings dataclasses of nested blocks (:mod:`torchtune_grpo.settings`) -> their config key.
 SETTINGS = {"AdvantageSettings": "advantages", "EvalSettings": "eval",
             "DynamicSamplingSettings": "dynamic_sampling"}
