@@ -396,6 +396,12 @@ def async_errors(cfg: DictConfig, world_size: int) -> list[str]:
     if cfg.get("tools"):
         errors.append("config key 'tools' is not supported by the asynchronous recipe yet; use "
                       "grpo_full_finetune_distributed")
+    generator = str((cfg.get("generator") or {}).get("_component_", ""))
+    if "vllm" in generator.lower():
+        errors.append(f"config key 'generator' ({generator}): the vLLM engine joins "
+                      "torch.distributed's whole world when it starts, which the trainer ranks "
+                      "of the asynchronous recipe never do; use the native engine (generator: "
+                      "null) or grpo_full_finetune_distributed")
     if cfg.get("dynamic_sampling") is not None:
         errors.append("config key 'dynamic_sampling' is not supported by the asynchronous "
                       "recipe (its extra draws would wait on the rollout ranks); set it to null")

@@ -51,6 +51,8 @@ def test_async_errors_name_the_key():
     assert "LoRA" in async_errors(lora, 3)[0]
     assert "'tools'" in async_errors(_cfg(tools=[{"_component_": "x.Y"}]), 3)[0]
     assert "'dynamic_sampling'" in async_errors(_cfg(dynamic_sampling={"max_batches": 2}), 3)[0]
+    vllm = _cfg(generator={"_component_": "torchtune_grpo.rlhf.vllm_generation.VLLMGenerator"})
+    assert "'generator'" in async_errors(vllm, 3)[0]
 
 
 def test_validation_uses_the_trainer_ranks(monkeypatch):
