@@ -101,3 +101,17 @@ def test_gap_metric_catches_rollouts_without_new_weights(base_model, tmp_path):
     assert rows[2]["generation/logprob_diff_max"] < 1e-4
     assert rows[3]["generation/logprob_diff_max"] > 1e-3
     assert rows[4]["generation/logprob_diff_max"] > 1e-3
+
+
+def test_decoupled_correction_weights_stale_tokens(base_model, tmp_path):
+    """off_policy_correction: decoupled through the recipe: the trainer recomputes the proximal
+    log-probs, and the behaviour weight is 1 on the fresh first batch but not on stale ones."""
+    out = tmp_path / "decoupled"
+    run_tune([*launch(3, ASYNC), *_async_args(
+        base_model, out, "num_steps=3", "max_staleness=1", "optimizer.lr=1e-3",
+        "loss.off_policy_correction=decoupled", "loss.is_weight_cap=5.0")], cwd=tmp_path)
+    rows = _rows(out)
+    assert_not_degenerate(out, steps=[1, 2])  # by step 3 every completion is the longest
+    assert all(rows[s]["time/old_logprobs"] > 0 for s in (1, 2, 3))
+    assert abs(rows[1]["is_weight/max"] - 1) < 1e-4  # sampled by the weights it trains
+    assert rows[2]["is_weight/max"] > 1 + 1e-3 and rows[3]["is_weight/max"] > 1 + 1e-3
