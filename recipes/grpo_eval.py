@@ -92,6 +92,13 @@ def _evaluate_checkpoint(cfg: DictConfig, settings: EvalSettings, device: torch.
     """Load ``cfg.checkpoint_dir``, evaluate it and write the results into it."""
     dtype = DTYPES[cfg.dtype]
     tokenizer = config.instantiate(cfg.tokenizer)
+    tool_generator = None
+    if cfg.tools:  # before the dataset: the chat-template tool format renders prompts with tools
+        from torchtune_grpo.rlhf.multiturn import ToolUseGenerator
+
+        tool_generator = ToolUseGenerator(cfg.tools, tokenizer=tokenizer,
+                                          syntax=cfg.tool_syntax,
+                                          max_tool_calls=int(cfg.max_tool_calls))
     dataset = config.instantiate(cfg.dataset, tokenizer=tokenizer)
     rewards = build_reward_set(cfg.rewards)
     checkpointer = config.instantiate(cfg.checkpointer)
@@ -100,13 +107,6 @@ def _evaluate_checkpoint(cfg: DictConfig, settings: EvalSettings, device: torch.
                         world_size=world_size, trainable=False)
     del state_dict
     rules = token_rules(tokenizer, model, device)
-    tool_generator = None
-    if cfg.tools:
-        from torchtune_grpo.rlhf.multiturn import ToolUseGenerator
-
-        tool_generator = ToolUseGenerator(cfg.tools, tokenizer=tokenizer,
-                                          syntax=cfg.tool_syntax,
-                                          max_tool_calls=int(cfg.max_tool_calls))
     result = evaluate(
         model, tokenizer, dataset, rewards, settings, device=device,
         logit_bias=rules.logit_bias, allowed_tokens=rules.allowed,

@@ -185,21 +185,13 @@ def _tools_errors(value: Any, component_errors: list[str]) -> list[str]:
 
 
 def _tool_syntax_problem(value) -> str | None:
-    """What is wrong with a ``tool_syntax:`` mapping (unknown keys, bad templates)."""
-    import dataclasses
+    """What is wrong with a ``tool_syntax:`` mapping (format, unknown keys, bad templates)."""
+    from torchtune_grpo.rlhf.tools import make_tool_syntax
 
-    from torchtune_grpo.rlhf.tools import ToolCallSyntax
-
-    known = [f.name for f in dataclasses.fields(ToolCallSyntax)]
-    unknown = [str(k) for k in value if k not in known]
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], known, n=1)
-        hint = f" Did you mean 'tool_syntax.{close[0]}'?" if close else ""
-        return f"has unknown key(s) {unknown} (known: {', '.join(known)}).{hint}"
     try:
-        ToolCallSyntax(**{str(k): v for k, v in value.items()})
-    except ValueError as e:
-        return str(e)
+        make_tool_syntax(value)
+    except (ValueError, TypeError) as e:
+        return str(e).replace("config key 'tool_syntax' ", "")
     return None
 
 
@@ -286,10 +278,17 @@ RECIPE_KEYS: dict[str, Key] = {
                           _at_least(0)),
     "tool_syntax": Key(
         "dict|null", None,
-        "Call and result tags (``tools`` only): ``call_open`` (default ``<{name}>``), "
-        "``call_close`` (``</{name}>``), ``result_open`` (``<result>``), ``result_close`` "
-        "(``</result>``); ``{name}`` is the tool's name (the fields of "
-        ":class:`torchtune_grpo.rlhf.tools.ToolCallSyntax`).", _tool_syntax_problem),
+        "How calls and results are written (``tools`` only). ``format: tags`` (the default): "
+        "``call_open`` (default ``<{name}>``), ``call_close`` (``</{name}>``), "
+        "``result_open`` (``<result>``), ``result_close`` (``</result>``); ``{name}`` is the "
+        "tool's name (the fields of :class:`torchtune_grpo.rlhf.tools.ToolCallSyntax`). "
+        "``format: chat_template``: the tokenizer's chat-template format, a JSON call "
+        "``<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>`` answered by the "
+        "template's rendering of a ``{\"role\": \"tool\"}`` message; optional ``call_open`` "
+        "(``<tool_call>``) and ``call_close`` (``</tool_call>``) (the fields of "
+        ":class:`torchtune_grpo.rlhf.tools.ChatTemplateToolSyntax`). Needs a tokenizer whose "
+        "chat template renders tool calls and tool messages "
+        "(``torchtune_grpo.models.hf_tokenizer``).", _tool_syntax_problem),
     "optimizer": Key("component", REQUIRED, "Optimizer (``params`` is filled in)."),
     "lr_scheduler": Key("component|null", None, "LR scheduler (``optimizer`` is filled in)."),
     "metric_logger": Key("component|null", None, "torchtune metric logger."),
@@ -683,6 +682,43 @@ def _tool_errors(cfg: DictConfig) -> list[str]:
             "(docs/howto_tools.md)"]
 
 
+#: Tokenizer builders whose chat template :func:`_chat_tool_errors` checks at validation.
+_HF_TOKENIZERS = ("torchtune_grpo.models.hf_tokenizer", "torchtune_grpo.models.HFTokenizer",
+                  "torchtune_grpo.models.tokenizer.hf_tokenizer",
+                  "torchtune_grpo.models.tokenizer.HFTokenizer")
+
+
+def _chat_tool_errors(cfg: DictConfig) -> list[str]:
+    """``tool_syntax.format: chat_template`` with a tokenizer whose chat template cannot render
+    tool calls and tool messages. Checked here when the tokenizer is an HF folder that exists
+    (cheap to read); any other tokenizer is checked when the recipe builds it."""
+    syntax = cfg.get("tool_syntax")
+    if not cfg.get("tools") or syntax is None or syntax.get("format") != "chat_template":
+        return []
+    node = cfg.get("tokenizer")
+    try:
+        component = str(node.get("_component_"))
+        path = node.get("path")
+    except Exception:  # noqa: BLE001 - an unresolvable node: checked when built
+        return []
+    if component not in _HF_TOKENIZERS or path is None or not Path(str(path)).exists():
+        return []
+    from torchtune import config as tt_config
+
+    from torchtune_grpo.rlhf.tools import build_tools, make_tool_syntax, tool_schema
+
+    try:
+        tokenizer = tt_config.instantiate(node)
+        schemas = [tool_schema(t) for t in build_tools(cfg.tools)]
+    except Exception:  # noqa: BLE001 - reported by the tools check or when the recipe builds it
+        return []
+    try:
+        make_tool_syntax(syntax).check_tokenizer(tokenizer, schemas)
+    except ValueError as e:
+        return [str(e)]
+    return []
+
+
 def _batch_errors(cfg: DictConfig, world_size: int) -> list[str]:
     cfg = with_defaults(cfg)
     errors = []
@@ -694,6 +730,7 @@ def _batch_errors(cfg: DictConfig, world_size: int) -> list[str]:
             "enable_activation_checkpointing: true"
         )
     errors.extend(_tool_errors(cfg))
+    errors.extend(_chat_tool_errors(cfg))
     if cfg.eval_every_n_steps and cfg.eval_dataset is None:
         errors.append("config key 'eval_every_n_steps' is set but 'eval_dataset' is not")
     global_batch = cfg.get("global_batch_size")

@@ -166,7 +166,6 @@ class GRPORecipe:
         cfg = self.cfg
         check_input_files(cfg)  # the base model is read even when resuming
         self.tokenizer = config.instantiate(cfg.tokenizer)
-        self.dataset = config.instantiate(cfg.dataset, tokenizer=self.tokenizer)
         self.rewards = build_reward_set(cfg.rewards)
         self.loss_fn = config.instantiate(cfg.loss)
         self.generator: Generator = self.build_generator()
@@ -183,6 +182,9 @@ class GRPORecipe:
             list(self.tool_generator.tools.values()), tokenizer=self.tokenizer,
             syntax=self.tool_generator.syntax, max_tool_calls=int(cfg.max_tool_calls))
         self._tool_stats = ToolStats()
+        # after the tool engine: the chat-template tool format gives the tokenizer the tools'
+        # schemas, which the prompts are rendered with
+        self.dataset = config.instantiate(cfg.dataset, tokenizer=self.tokenizer)
         shape = meta_model(cfg.model)  # dims and adapters before any weight is loaded
         self.max_seq_len = getattr(shape, "max_seq_len", None)
         self.is_lora = has_adapters(shape)

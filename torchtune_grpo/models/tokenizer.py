@@ -226,6 +226,9 @@ class HFTokenizer:
         stop_tokens: sorted unique ids that end a completion: ``eos_id`` plus every id of
             ``generation_config.json["eos_token_id"]``.
         vocab_size: number of token ids, added tokens included.
+        tools: tool definitions (JSON-schema dicts) that :meth:`tokenize_messages` passes to the
+            chat template as ``tools`` (``None``: none); set with :meth:`set_tools` (the
+            chat-template tool format does, before the prompts are tokenized).
     """
 
     def __init__(
@@ -314,6 +317,7 @@ class HFTokenizer:
                 config.get("chat_template"), folder / TOKENIZER_CONFIG
             )
             source = str(folder / TOKENIZER_CONFIG) if template is not None else None
+        self.tools: list[dict[str, Any]] | None = None
         self.chat_template: str | None = template
         self.chat_template_source: str | None = source
         self._named_templates = named
@@ -426,6 +430,29 @@ class HFTokenizer:
         return list(self._ordinary_ids)
 
     # ------------------------------------------------------------------ chat
+    def set_tools(self, tools: Sequence[Mapping[str, Any]] | None) -> None:
+        """Tool definitions to render every conversation of :meth:`tokenize_messages` with.
+
+        The chat template receives them as ``tools`` (templates with tool support list them
+        in the system turn; others ignore them). :meth:`apply_chat_template` takes its own
+        ``tools`` argument and is not affected.
+
+        Args:
+            tools: JSON-schema dicts (``{"type": "function", "function": {...}}``), or
+                ``None``/empty for none.
+        """
+        self.tools = [dict(t) for t in tools] if tools else None
+
+    @property
+    def template_uses_tools(self) -> bool:
+        """Whether the chat template reads the ``tools`` variable (False without a template)."""
+        if self.chat_template is None:
+            return False
+        from jinja2 import meta
+
+        env = _environment()
+        return "tools" in meta.find_undeclared_variables(env.parse(self.chat_template))
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -480,7 +507,8 @@ class HFTokenizer:
         bounds = [0]
         try:
             for k in range(1, n):
-                prefix = self.apply_chat_template(dicts[:k], add_generation_prompt=False)
+                prefix = self.apply_chat_template(dicts[:k], add_generation_prompt=False,
+                                                  tools=self.tools)
                 if not text.startswith(prefix) or len(prefix) < bounds[-1]:
                     raise ValueError("not a prefix")
                 bounds.append(len(prefix))
@@ -501,7 +529,8 @@ class HFTokenizer:
         """Token ids and loss mask of a conversation, formatted by the chat template.
 
         The text is the chat template rendered for the messages (``role`` and
-        ``text_content``, passed verbatim, not stripped), encoded without the post-processor's
+        ``text_content``, passed verbatim, not stripped; ``tools`` set by :meth:`set_tools`),
+        encoded without the post-processor's
         special tokens, as ``transformers``' ``apply_chat_template(..., tokenize=True)`` does:
 
         * **Open assistant turn.** When the last message is an assistant message with
@@ -543,10 +572,12 @@ class HFTokenizer:
         last = messages[-1]
         open_turn = last.role == "assistant" and (not last.eot or not add_end_tokens)
         if open_turn:
-            text = self.apply_chat_template(dicts[:-1], add_generation_prompt=True)
+            text = self.apply_chat_template(dicts[:-1], add_generation_prompt=True,
+                                            tools=self.tools)
             text += last.text_content
         else:
-            text = self.apply_chat_template(dicts, add_generation_prompt=not add_end_tokens)
+            text = self.apply_chat_template(dicts, add_generation_prompt=not add_end_tokens,
+                                            tools=self.tools)
         encoding = self._tokenizer.encode(text, add_special_tokens=False)
         tokens = list(encoding.ids)
 

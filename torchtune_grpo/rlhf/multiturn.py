@@ -77,11 +77,15 @@ from torchtune_grpo.rlhf.generator import GenerationContext, Generator
 from torchtune_grpo.rlhf.seeding import mix_seeds
 from torchtune_grpo.rlhf.tools import (
     ERROR_PREFIX,
+    ChatTemplateToolSyntax,
     Tool,
     ToolCallSyntax,
     build_tools,
+    call_tool_json,
     is_error,
+    make_tool_syntax,
     run_tool,
+    tool_schema,
 )
 from torchtune_grpo.rlhf.trajectory import Trajectory
 
@@ -210,19 +214,26 @@ class ToolUseGenerator(Generator):
         inner (Generator | Mapping | None): the engine that samples each turn, or its config
             node ``{_component_: ...}`` (default:
             :class:`~torchtune_grpo.rlhf.generation.NativeGenerator`).
-        syntax (ToolCallSyntax | Mapping | None): the call and result tags (default
-            ``<name>...</name>`` and ``<result>...</result>``).
+        syntax (ToolCallSyntax | ChatTemplateToolSyntax | Mapping | None): the call and
+            result tags (default ``<name>...</name>`` and ``<result>...</result>``), or the
+            config's ``tool_syntax`` mapping; ``{format: chat_template}`` selects the chat
+            template's own format (:class:`~torchtune_grpo.rlhf.tools.ChatTemplateToolSyntax`:
+            JSON calls in ``<tool_call>...</tool_call>``, results rendered as tool messages by
+            the tokenizer's chat template, which also gets the tools' JSON schemas for the
+            prompts).
         max_tool_calls (int): most tool results per completion (0: tools never run, the
             rollout equals the inner engine's up to false-alarm turns).
 
     Raises:
-        ValueError: a negative ``max_tool_calls``, a bad tool entry, or an inner engine that
-            is not a :class:`~torchtune_grpo.rlhf.generator.Generator`.
+        ValueError: a negative ``max_tool_calls``, a bad tool entry, an inner engine that
+            is not a :class:`~torchtune_grpo.rlhf.generator.Generator`, a bad ``syntax``, or
+            (chat-template format) a tokenizer whose chat template cannot render tool calls and
+            tool messages (the error names ``tool_syntax.format``).
     """
 
     def __init__(self, tools: Sequence[Any] = (), tokenizer: Any = None,
                  inner: Generator | None = None,
-                 syntax: ToolCallSyntax | Mapping[str, str] | None = None,
+                 syntax: ToolCallSyntax | ChatTemplateToolSyntax | Mapping[str, str] | None = None,
                  max_tool_calls: int = 4) -> None:
         if not isinstance(max_tool_calls, int) or isinstance(max_tool_calls, bool) \
                 or max_tool_calls < 0:
@@ -245,18 +256,23 @@ class ToolUseGenerator(Generator):
             inner = tt_config.instantiate(node)
         if not isinstance(inner, Generator):
             raise ValueError(f"inner must be a Generator, got {type(inner).__name__}")
-        if syntax is None:
-            syntax = ToolCallSyntax()
-        elif not isinstance(syntax, ToolCallSyntax):
-            syntax = ToolCallSyntax(**dict(syntax))
         self.tools: dict[str, Tool] = {t.name: t for t in tools}
-        self.tokenizer = tokenizer
+        self.syntax = make_tool_syntax(syntax)
+        #: the tools' JSON schemas (chat-template format: given to the chat template)
+        self.tool_schemas: list[dict[str, Any]] = [tool_schema(t) for t in tools]
+        self.tokenizer = None
         self.inner = inner
-        self.syntax = syntax
         self.max_tool_calls = max_tool_calls
         self.stats = ToolStats()
         self._allowed: torch.Tensor | None = None
         self._candidates: dict[int, torch.Tensor] = {}
+        if tokenizer is not None:
+            self.set_tokenizer(tokenizer)
+
+    @property
+    def chat_format(self) -> bool:
+        """Whether calls and results use the chat template's format."""
+        return isinstance(self.syntax, ChatTemplateToolSyntax)
 
     # -- protocol: delegated
     def setup(self, context: GenerationContext) -> None:
@@ -282,7 +298,21 @@ class ToolUseGenerator(Generator):
 
     # -- tool use
     def set_tokenizer(self, tokenizer: Any) -> None:
-        """Give the tokenizer (the recipe builds it after the generator)."""
+        """Give the tokenizer (the recipe builds it after the generator).
+
+        In the chat-template format the tokenizer's template is checked (it must render a tool
+        call and a tool message) and, when it has ``set_tools``
+        (:class:`~torchtune_grpo.models.tokenizer.HFTokenizer`), it is given the tools' JSON
+        schemas, so prompts tokenized *after* this call are rendered with ``tools=[...]``.
+
+        Raises:
+            ValueError: (chat-template format) the check failed; it names
+                ``tool_syntax.format``.
+        """
+        if self.chat_format and self.tools:
+            self.syntax.check_tokenizer(tokenizer, self.tool_schemas)
+            if callable(getattr(tokenizer, "set_tools", None)):
+                tokenizer.set_tools(self.tool_schemas)
         self.tokenizer = tokenizer
         self._candidates.clear()
 
@@ -328,6 +358,22 @@ class ToolUseGenerator(Generator):
 
         return safe_decode(self.tokenizer, ids)
 
+    def _call_chat_tool(self, text: str) -> tuple[str, str]:
+        """``(result, appended text)`` of the chat-template-format call ``text`` ends with."""
+        call = self.syntax.last_call(text, list(self.tools))
+        if call is None:  # not reached: the caller saw a new close tag
+            return f"{ERROR_PREFIX} no tool call found", ""
+        if call.error is not None:
+            result = call.error
+        else:
+            result = call_tool_json(self.tools[call.name], call.arguments)
+        # the tool's text must not add special tokens (an end of turn, a header) of its own
+        content = result
+        for token in getattr(self.tokenizer, "special_tokens", None) or {}:
+            content = content.replace(token, "")
+        return result, self.syntax.result_text(self.tokenizer, call.name, call.arguments,
+                                               content, self.tool_schemas)
+
     def _call_tool(self, text: str) -> str:
         """The result text of the call that ``text`` ends with."""
         call = self.syntax.last_call(text, list(self.tools))
@@ -361,16 +407,23 @@ class ToolUseGenerator(Generator):
             text_after = self._decode(row.resp)
             if (self.syntax.count_closes(text_after, names)
                     > self.syntax.count_closes(text_before, names)):
-                result = self._call_tool(text_after)
+                if self.chat_format:
+                    # the template's own tokens: end of turn, tool message, assistant header
+                    # (the end-of-turn id is usually a stop id: kept, it is context here)
+                    result, text = self._call_chat_tool(text_after)
+                else:
+                    result = self._call_tool(text_after)
+                    text = self.syntax.format_result(result)
                 row.calls += 1
                 row.errors += int(is_error(result))
-                text = self.syntax.format_result(result)
                 # a huge result is cut before it is encoded (it is cut to the room left anyway)
                 text = text[: _CHARS_PER_TOKEN_CAP * row.remaining]
                 ids = list(self.tokenizer.encode(text, add_bos=False, add_eos=False))
-                # a stop token inside a result (a tokenizer that parses special-token text)
-                # would end the conversation on the tool's say: such ids are left out
-                ids = [t for t in ids if t not in stops][: row.remaining]
+                if not self.chat_format:
+                    # a stop token inside a result (a tokenizer that parses special-token
+                    # text) would end the conversation on the tool's say: left out
+                    ids = [t for t in ids if t not in stops]
+                ids = ids[: row.remaining]
                 row.resp += ids
                 row.policy += [False] * len(ids)
                 row.logprobs += [0.0] * len(ids)
