@@ -326,7 +326,10 @@ class ToolUseGenerator(Generator):
         """``[c]`` long: the allowed ids whose text holds the last character of a close tag.
 
         A close tag can only be completed by such a token, so a turn that stops on them (and
-        then checks the text) misses no call. Computed once per vocabulary size.
+        then checks the text) misses no call. In the chat-template format the set is narrower:
+        the ids whose text can end the close tag
+        (:meth:`~torchtune_grpo.rlhf.tools.ChatTemplateToolSyntax.may_complete`), so the open
+        tag's ``>`` is no false alarm. Computed once per vocabulary size.
 
         Args:
             vocab_size: ``V``.
@@ -339,6 +342,8 @@ class ToolUseGenerator(Generator):
         finals = self.syntax.final_characters(list(self.tools))
         if any(not c.isascii() for c in finals):
             finals = finals | {"\ufffd"}  # a byte of a multi-byte character decodes as U+FFFD
+        # chat-template format: only ids whose text can end the close tag (not "<tool_call>")
+        may_complete = getattr(self.syntax, "may_complete", None)
         ids = []
         for i in range(vocab_size):
             if allowed is not None and not bool(allowed[i]):
@@ -347,7 +352,8 @@ class ToolUseGenerator(Generator):
                 text = self.tokenizer.decode([i])
             except Exception:  # noqa: BLE001 - an undecodable id cannot finish a tag
                 continue
-            if any(c in text for c in finals):
+            if may_complete(text) if may_complete is not None else any(c in text
+                                                                       for c in finals):
                 ids.append(i)
         out = torch.tensor(ids, dtype=torch.long)
         self._candidates[vocab_size] = out

@@ -535,6 +535,22 @@ class ChatTemplateToolSyntax:
         """The close tag's last character: a turn can only end on a token holding it."""
         return {self.call_close[-1]}
 
+    def may_complete(self, token_text: str) -> bool:
+        """Whether a token with this text can be the one that completes the close tag.
+
+        The tag then ends inside the token: the token holds the whole tag, or starts with one
+        of its proper suffixes (``>``, ``l>``, ..., ``/tool_call>``). A token that merely holds
+        a ``>`` elsewhere (the open tag ``<tool_call>``) cannot, so, unlike the tag format, the
+        open tag costs no extra turn. With a non-ASCII close tag, any token holding U+FFFD (a
+        byte of a multi-byte character) may too.
+        """
+        close = self.call_close
+        if close in token_text:
+            return True
+        if not close.isascii() and "\ufffd" in token_text:
+            return True
+        return any(token_text.startswith(close[-k:]) for k in range(1, len(close)))
+
     def format_call(self, name: str, arguments: Mapping[str, Any]) -> str:
         """The text of a call, e.g. ``<tool_call>{"name": "calculator", "arguments":
         {"expression": "12*7"}}</tool_call>``."""
