@@ -520,3 +520,27 @@ def test_config_validation_checks_the_chat_template(folders):
         validate_config(_config(folders[folder], {}))  # the tag format is fine
     with pytest.raises(ConfigError, match="config key 'tool_syntax' has format 'json'"):
         validate_config(_config(folders["tools"], {"format": "json"}))
+
+
+# ---------------------------------------------------------------- the recipe's order of building
+class _DatasetBuilt(Exception):
+    """Raised by :func:`spy_dataset` to stop the recipe's setup once the dataset is built."""
+
+
+def spy_dataset(tokenizer, **kwargs):
+    """A dataset component that records the tools its prompts would be rendered with."""
+    raise _DatasetBuilt(tokenizer.tools)
+
+
+def test_the_recipe_gives_the_tokenizer_the_schemas_before_the_dataset(folders, monkeypatch):
+    from torchtune_grpo import recipe as recipe_module
+
+    monkeypatch.setattr(recipe_module, "check_input_files", lambda cfg: None)  # no model files
+    cfg = _config(folders["tools"], {"format": "chat_template"})
+    cfg.device, cfg.dtype = "cpu", "fp32"
+    cfg.dataset = OmegaConf.create({"_component_": f"{__name__}.spy_dataset"})
+    recipe = recipe_module.GRPORecipe(cfg)
+    with pytest.raises(_DatasetBuilt) as info:
+        recipe.setup()
+    assert info.value.args[0] == [tool_schema(Calculator())]
+    assert isinstance(recipe.tool_generator.syntax, ChatTemplateToolSyntax)
