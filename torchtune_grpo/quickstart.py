@@ -41,6 +41,7 @@ write nothing.
 from __future__ import annotations
 
 import argparse
+import math
 import random
 from pathlib import Path
 
@@ -63,12 +64,16 @@ CORRECT_FRACTION = 0.3
 #: Where the shipped ``grpo/quickstart_cpu_tools`` config looks for the model.
 DEFAULT_TOOLS_QUICKSTART_DIR = "/tmp/tune_grpo_quickstart_tools/base"
 #: Tool warm-up defaults: optimizer steps and share of demonstrations that call the tool.
-TOOL_WARMUP_STEPS = 2000
+TOOL_WARMUP_STEPS = 1000
 TOOL_WARMUP_BATCH_SIZE = 32
 TOOL_WARMUP_LR = 3e-3
 TOOL_FRACTION = 0.25
 #: Loss weight of a tool demonstration's tokens after the first (see :func:`tool_warmup`).
 TOOL_WEIGHT = 3.0
+#: Copy drills added to each warm-up batch (see :func:`copy_drills`): result -> answer drills
+#: (a random number, no prompt) and operands -> call drills (the call's first token untrained).
+TOOL_ANSWER_DRILLS = 32
+TOOL_CALL_DRILLS = 16
 #: Response budget of the tool task (model and tool tokens, as ``max_generated_tokens``).
 TOOL_MAX_NEW = 72
 
@@ -248,7 +253,8 @@ def tool_heldout_success(checkpoint_dir: str | Path, *, tools: bool = True,
 
 # ------------------------------------------------------------------------------ warm-up
 def _train_on_demonstrations(model, tokenizer, demonstrate, *, steps: int, batch_size: int,
-                             lr: float, group_by_length: bool = False) -> None:
+                             lr: float, group_by_length: bool = False, drills=None,
+                             cosine: bool = False) -> None:
     """Teacher-forced cross-entropy: ``demonstrate()`` gives ``(prompt ids, segments)``.
 
     ``segments`` is a list of ``(token ids, weight)``: the loss covers the tokens of the
@@ -256,13 +262,16 @@ def _train_on_demonstrations(model, tokenizer, demonstrate, *, steps: int, batch
     or the segments with weight 0 / False (a tool's result: context, as in a GRPO rollout).
     The loss is the weighted mean over the batch's trained tokens; ``group_by_length`` runs
     one forward per distinct sequence length (no padding: demonstrations of very different
-    lengths cost what they hold).
+    lengths cost what they hold). ``drills()``, if given, returns more ``(prompt ids, segments)``
+    to add to each batch; ``cosine`` decays the learning rate to 0 along a half cosine.
     """
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: 0.5 * (1.0 + math.cos(math.pi * s / steps))) if cosine else None
     for _ in range(steps):
         seqs, masks = [], []
-        for _ in range(batch_size):
-            prompt, segments = demonstrate()
+        batch = [demonstrate() for _ in range(batch_size)] + (drills() if drills else [])
+        for prompt, segments in batch:
             seq, mask = list(prompt), [0] * len(prompt)
             for ids, weight in segments:
                 seq += ids
@@ -293,6 +302,8 @@ def _train_on_demonstrations(model, tokenizer, demonstrate, *, steps: int, batch
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
 
 
 def supervised_warmup(model, tokenizer, problems, *, steps: int,
@@ -357,10 +368,49 @@ def tool_demonstration(question: str, answer: str, *, use_tool: bool,
             (f"{MULTIPLICATION_ANSWER_PHRASE} {answer}", True)]
 
 
+def copy_drills(tokenizer, problems, rng: random.Random, *, answer_drills: int,
+                call_drills: int) -> list[tuple[list[int], list[tuple[list[int], float]]]]:
+    """Copy exercises for the tool warm-up, as ``(prompt ids, segments)`` like a demonstration.
+
+    They teach the two copies a tool call needs without touching the decision to call:
+
+    - ``answer_drills`` result -> answer drills: after BOS only (no question), the tool's text
+      ``<result>N</result>`` (context, weight 0) and the trained ``Answer: N`` and end-of-turn
+      token, where ``N`` is a random 4- or 5-digit number, not a product: the answer can only
+      be copied, never estimated from operands;
+    - ``call_drills`` operands -> call drills: a ``warmup`` question and its call
+      ``<calculator>37*412</calculator>``, whose first token (the choice to call) has weight 0.
+
+    No drill trains the token that follows a question's prompt, so the model's prior for
+    calling the tool is set by the demonstrations alone (``tool_fraction``).
+    """
+    from torchtune_grpo.datasets.multiplication import MULTIPLICATION_ANSWER_PHRASE
+    from torchtune_grpo.rlhf.tools import Calculator, ToolCallSyntax
+
+    syntax, name = ToolCallSyntax(), Calculator().name
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_bos=False, add_eos=False)
+
+    out = []
+    for _ in range(answer_drills):
+        number = str(rng.randrange(1000, 100000))
+        out.append(([tokenizer.bos_id], [
+            (encode(syntax.format_result(number)), 0.0),
+            (encode(f"{MULTIPLICATION_ANSWER_PHRASE} {number}") + [tokenizer.eot_id], 1.0)]))
+    for _ in range(call_drills):
+        question, _ = problems[rng.randrange(len(problems))]
+        expression = question.removeprefix("What is ").removesuffix("?")
+        call = encode(syntax.format_call(name, expression))
+        out.append((_encode_prompt(tokenizer, question), [(call[:1], 0.0), (call[1:], 1.0)]))
+    return out
+
+
 def tool_warmup(model, tokenizer, problems, *, steps: int,
                 batch_size: int = TOOL_WARMUP_BATCH_SIZE,
                 lr: float = TOOL_WARMUP_LR, tool_fraction: float = TOOL_FRACTION,
-                tool_weight: float = TOOL_WEIGHT, seed: int = 0) -> None:
+                tool_weight: float = TOOL_WEIGHT, answer_drills: int = TOOL_ANSWER_DRILLS,
+                call_drills: int = TOOL_CALL_DRILLS, seed: int = 0) -> None:
     """Teacher-forced warm-up on multiplication demonstrations, a minority with the tool.
 
     Each sampled problem is shown calling the calculator with probability ``tool_fraction``
@@ -373,6 +423,12 @@ def tool_warmup(model, tokenizer, problems, *, steps: int,
     model's prior for calling the tool stays about ``tool_fraction``, while copying the
     operands into the call and the result into the answer, which only the tool
     demonstrations teach, is learned in fewer steps.
+
+    Each batch also holds ``answer_drills`` + ``call_drills`` copy exercises
+    (:func:`copy_drills`) that never train the choice to call the tool; the learning rate
+    decays to 0 along a half cosine. Without the drills the copy of the result into the
+    answer is learned slowly and, depending on the seed, only part of the time
+    (docs/quickstart_tools.md).
     """
     if not 0.0 <= tool_fraction <= 1.0:
         raise ValueError(f"tool_fraction must be in [0, 1], got {tool_fraction}")
@@ -392,8 +448,14 @@ def tool_warmup(model, tokenizer, problems, *, steps: int,
         out += [(t, weight if trained else 0.0) for t, trained in ids[1:]]
         return _encode_prompt(tokenizer, question), out
 
+    def drills():
+        return copy_drills(tokenizer, problems, rng, answer_drills=answer_drills,
+                           call_drills=call_drills)
+
     _train_on_demonstrations(model, tokenizer, demonstrate, steps=steps, batch_size=batch_size,
-                             lr=lr, group_by_length=True)
+                             lr=lr, group_by_length=True,
+                             drills=drills if answer_drills or call_drills else None,
+                             cosine=True)
 
 
 def prepare_quickstart(output_dir: str | Path = DEFAULT_QUICKSTART_DIR, *,

@@ -15,6 +15,7 @@ from torchtune_grpo.datasets import (
 from torchtune_grpo.datasets.multiplication import MULTIPLICATION_SPLIT_SIZES
 from torchtune_grpo.quickstart import (
     QUICKSTART_MODEL_DIMS,
+    copy_drills,
     direct_guess,
     tool_demonstration,
     tool_rollout,
@@ -116,6 +117,31 @@ def test_tool_warmup_is_deterministic_and_trains_only_model_text(tmp_path, monke
         assert [w for _, w in segments] == [1.0, 1.0, 1.0]
     with pytest.raises(ValueError, match="tool_fraction"):
         tool_warmup(model, tokenizer, problems, steps=1, tool_fraction=1.5)
+
+
+def test_copy_drills_never_train_the_choice_to_call(tmp_path):
+    """Result -> answer drills copy a random number after BOS alone; operands -> call drills
+    leave the call's first token (the choice) untrained; none trains a tool's result."""
+    tokenizer = tiny_tokenizer(tmp_path)
+    problems = multiplication_problems("warmup")[:50]
+    drills = copy_drills(tokenizer, problems, random.Random(0), answer_drills=5, call_drills=3)
+    assert len(drills) == 8
+    reward = NumericCorrectness(answer_tag=None, answer_phrase=MULTIPLICATION_ANSWER_PHRASE)
+    for prompt, segments in drills[:5]:
+        assert prompt == [tokenizer.bos_id]
+        (result, w_result), (answer, w_answer) = segments
+        assert (w_result, w_answer) == (0.0, 1.0) and answer[-1] == tokenizer.eot_id
+        number = tokenizer.decode(result).removeprefix("<result>").removesuffix("</result>")
+        assert tokenizer.decode(answer[:-1]) == f"Answer: {number}" and 4 <= len(number) <= 5
+        assert reward([tokenizer.decode(answer[:-1])], [number]) == [1.0]
+    questions = {q for q, _ in problems}
+    for prompt, segments in drills[5:]:
+        question = tokenizer.decode(prompt[1:])
+        assert question in questions
+        (first, w_first), (rest, w_rest) = segments
+        assert (len(first), w_first, w_rest) == (1, 0.0, 1.0)
+        assert tokenizer.decode(first + rest) == (
+            f"<calculator>{question.removeprefix('What is ').removesuffix('?')}</calculator>")
 
 
 def test_tool_rollout_returns_a_text_and_a_call_rate_per_question(tmp_path):
