@@ -1,23 +1,27 @@
-"""Update time with and without trimming each micro-batch to its own extent (CPU, float32).
+"""Update time on the padded rectangle, trimmed to each micro-batch's extent, and packed.
 
 The update of a GRPO step runs, for every micro-batch of ``forward_batch_size`` rows of the
 rollout, :func:`torchtune_grpo.rlhf.forward.micro_batch_logprobs` (forward through the model,
 per-token log-probs and entropy of the response), :class:`torchtune_grpo.rlhf.loss.GRPOLoss`
 over a global normaliser, and the backward. The rollout is a ``[N, P + T]`` rectangle: prompts
-left-padded to ``P``, responses right-padded to ``T``. This script times that loop twice in
-the same process, on the same model and the same length-varied rollout:
+left-padded to ``P``, responses right-padded to ``T``. This script times that loop three ways
+in the same process, on the same model and the same length-varied rollout (CPU, float32):
 
 * ``untrimmed``: every micro-batch runs on the whole ``[n, P + T]`` rectangle (``trim=False``).
-* ``trimmed``: every micro-batch runs on its own extent only (``trim=True``, what the recipe
-  does): the leading columns that are padding in all its rows and the columns past its
-  longest response are dropped (:func:`torchtune_grpo.rlhf.trajectory.trim_to_extent`).
+* ``trimmed``: every micro-batch runs on its own extent only (``trim=True``, the recipe with
+  ``packed_forward: false``): the leading columns that are padding in all its rows and the
+  columns past its longest response are dropped
+  (:func:`torchtune_grpo.rlhf.trajectory.trim_to_extent`).
+* ``packed``: every micro-batch's real tokens run as one row, attention per row
+  (``pack=True``, the recipe's default ``packed_forward: true``;
+  :func:`torchtune_grpo.rlhf.forward.packed_micro_batch_logprobs`).
 
-The micro-batch order is a seeded random permutation, as in the recipe. The two variants
-alternate within each repeat (which goes first alternates too), so that drifting load on a
-shared machine hits both alike; the script reports the median seconds of each and the ratio
-``trimmed / untrimmed``. Absolute seconds depend on the machine's load; only the ratio from
-one invocation is meaningful. Before timing, it checks that both variants give the same loss
-and parameter gradients (relative 1e-5).
+The micro-batch order is a seeded random permutation, as in the recipe. The variants take
+turns within each repeat (the order rotates from repeat to repeat), so that drifting load on a
+shared machine hits all alike; the script reports the median seconds of each and the ratios
+to ``untrimmed``. Absolute seconds depend on the machine's load; only the ratios from one
+invocation are meaningful. Before timing, it checks that every variant gives the same loss and
+parameter gradients as ``untrimmed`` (relative 1e-5).
 
 Usage::
 
@@ -59,7 +63,10 @@ def _rollout(rows: int, prompt_range: tuple[int, int], response_range: tuple[int
     return torch.where(mask, tokens, 0), p_mask, r_mask
 
 
-def _update(model, loss_fn, data: dict, order: torch.Tensor, batch: int, trim: bool,
+VARIANTS = ("untrimmed", "trimmed", "packed")
+
+
+def _update(model, loss_fn, data: dict, order: torch.Tensor, batch: int, variant: str,
             chunk_size: int) -> float:
     """One pass of the update loop (gradients accumulate in ``model``); returns the loss."""
     from torchtune_grpo.rlhf.forward import micro_batch_logprobs
@@ -69,7 +76,8 @@ def _update(model, loss_fn, data: dict, order: torch.Tensor, batch: int, trim: b
     for i in range(0, tokens.shape[0], batch):
         idx = order[i : i + batch]
         logprobs, entropy = micro_batch_logprobs(
-            model, tokens[idx], p_mask[idx], r_mask[idx], trim=trim, temperature=1.0,
+            model, tokens[idx], p_mask[idx], r_mask[idx], trim=variant != "untrimmed",
+            pack=variant == "packed", temperature=1.0,
             chunk_size=chunk_size, return_entropy=True, entropy_grad=False,
         )
         loss, _ = loss_fn(logprobs, data["old"][idx], data["advantages"][idx], r_mask[idx],
@@ -94,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write the results as JSON")
     args = parser.parse_args(argv)
 
+    from torchtune_grpo.rlhf.forward import micro_batch_logprobs
     from torchtune_grpo.rlhf.loss import GRPOLoss
     from torchtune_grpo.rlhf.trajectory import trim_to_extent
     from torchtune_grpo.tiny import tiny_llama
@@ -114,10 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     rows, width = tokens.shape
     gen = torch.Generator().manual_seed(args.seed + 1)
     loss_fn = GRPOLoss(kl_coeff=0.04, aggregation="token_mean")
+    with torch.no_grad():
+        current = micro_batch_logprobs(model, tokens, p_mask, r_mask, trim=False)[0]
     data = dict(
         tokens=tokens, prompt_mask=p_mask, response_mask=r_mask,
-        old=torch.randn(r_mask.shape, generator=gen) * 0.1 - 10.0,
-        ref=torch.randn(r_mask.shape, generator=gen) * 0.1 - 10.0,
+        # the model's own log-probs plus noise: ratios near 1 and a small KL, as in a real
+        # update, so that the equality check below compares non-degenerate gradients
+        old=current + torch.randn(r_mask.shape, generator=gen) * 0.1,
+        ref=current + torch.randn(r_mask.shape, generator=gen) * 0.1,
         advantages=torch.randn(rows, generator=gen),
         normalizer=loss_fn.normalizer_contribution(r_mask).float(),
     )
@@ -131,24 +144,31 @@ def main(argv: list[str] | None = None) -> int:
     columns = sum(k.tokens.shape[1] for k in kept) / (len(kept) * width)
     chunk_size = 2**25 // dims["vocab_size"]
 
-    def run(trim: bool) -> tuple[float, float, dict[str, torch.Tensor]]:
+    def run(variant: str) -> tuple[float, float, dict[str, torch.Tensor]]:
         model.zero_grad(set_to_none=True)
         start = time.perf_counter()
-        loss = _update(model, loss_fn, data, order, batch, trim, chunk_size)
+        loss = _update(model, loss_fn, data, order, batch, variant, chunk_size)
         seconds = time.perf_counter() - start
         return seconds, loss, {n: p.grad for n, p in model.named_parameters()}
 
     # Equality check (also the warm-up).
-    _, loss_full, grads_full = run(False)
-    _, loss_trim, grads_trim = run(True)
-    loss_rel = abs(loss_trim - loss_full) / max(abs(loss_full), 1e-30)
-    grad_rel = max(float((grads_trim[n] - g).abs().max() / g.abs().max().clamp(min=1e-30))
-                   for n, g in grads_full.items())
+    _, loss_full, grads_full = run("untrimmed")
+    loss_rel = grad_rel = 0.0
+    if loss_full == 0 or any(float(g.abs().max()) == 0 for g in grads_full.values()):
+        print("degenerate workload: zero loss or a zero gradient", file=sys.stderr)
+        return 1
+    for variant in VARIANTS[1:]:
+        _, loss_v, grads_v = run(variant)
+        loss_rel = max(loss_rel, abs(loss_v - loss_full) / max(abs(loss_full), 1e-30))
+        grad_rel = max(grad_rel, *(
+            float((grads_v[n] - g).abs().max() / g.abs().max().clamp(min=1e-30))
+            for n, g in grads_full.items()))
 
-    times: dict[str, list[float]] = {"untrimmed": [], "trimmed": []}
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for r in range(args.repeats):
-        for trim in ((False, True) if r % 2 == 0 else (True, False)):
-            times["trimmed" if trim else "untrimmed"].append(run(trim)[0])
+        for k in range(len(VARIANTS)):
+            variant = VARIANTS[(r + k) % len(VARIANTS)]
+            times[variant].append(run(variant)[0])
     median = {k: statistics.median(v) for k, v in times.items()}
     result = dict(
         rows=rows, prompt_len=p_mask.shape[1], response_len=r_mask.shape[1],
@@ -158,15 +178,19 @@ def main(argv: list[str] | None = None) -> int:
         real_token_fraction=float(torch.cat([p_mask, r_mask], 1).float().mean()),
         seconds=times, median_seconds=median,
         ratio_trimmed_over_untrimmed=median["trimmed"] / median["untrimmed"],
+        ratio_packed_over_untrimmed=median["packed"] / median["untrimmed"],
+        ratio_packed_over_trimmed=median["packed"] / median["trimmed"],
         loss_rel_diff=loss_rel, grad_max_rel_diff=grad_rel,
     )
     print(f"rollout [{rows}, {p_mask.shape[1]} + {r_mask.shape[1]}], micro-batches of {batch}; "
           f"trimmed micro-batches keep {columns:.1%} of the columns "
           f"({result['real_token_fraction']:.1%} of the rectangle is real tokens)")
     print(f"loss rel diff {loss_rel:.2e}, max grad rel diff {grad_rel:.2e}")
-    for k in ("untrimmed", "trimmed"):
+    for k in VARIANTS:
         print(f"{k:>9}: median {median[k]:.3f} s  ({', '.join(f'{t:.2f}' for t in times[k])})")
-    print(f"ratio trimmed / untrimmed: {result['ratio_trimmed_over_untrimmed']:.3f}")
+    print(f"ratio trimmed / untrimmed: {result['ratio_trimmed_over_untrimmed']:.3f}; "
+          f"packed / untrimmed: {result['ratio_packed_over_untrimmed']:.3f}; "
+          f"packed / trimmed: {result['ratio_packed_over_trimmed']:.3f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -472,12 +472,14 @@ class GRPORecipe:
                              rows: slice | torch.Tensor,
                              **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(logprobs [n, T], entropy [n, T] or None)`` of ``traj``'s ``rows``, the model run
-        only on the columns that are not padding in all of them (``trim_to_extent``); tool
-        tokens (``traj.tool_mask``) are attended but get log-prob 0."""
+        on their real tokens only (``packed_forward``: packed into one row; otherwise on the
+        columns that are not padding in all of them, ``trim_to_extent``); tool tokens
+        (``traj.tool_mask``) are attended but get log-prob 0."""
         return micro_batch_logprobs(
             model, traj.tokens[rows], traj.prompt_mask[rows], traj.response_mask[rows],
             tool_mask=traj.tool_mask[rows], temperature=self.cfg.temperature,
-            logit_bias=self.logit_bias, chunk_size=self.chunk_size, **kwargs)
+            logit_bias=self.logit_bias, chunk_size=self.chunk_size,
+            pack=self.cfg.packed_forward and not self.cfg.compile, **kwargs)
 
     def update(self, traj: Trajectory, advantages: torch.Tensor,
                ref_logprobs: torch.Tensor | None,

@@ -1,12 +1,18 @@
 """Tests for trimming micro-batches to their own extent (``trim_to_extent``,
-``micro_batch_logprobs``): the model runs on fewer columns and computes the same thing."""
+``micro_batch_logprobs``) and for packing their real tokens into one row
+(``packed_micro_batch_logprobs``): the model runs on fewer positions and computes the same
+thing."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from torchtune_grpo.rlhf.forward import micro_batch_logprobs
+from torchtune_grpo.rlhf.forward import (
+    PackedSegments,
+    micro_batch_logprobs,
+    packed_micro_batch_logprobs,
+)
 from torchtune_grpo.rlhf.loss import GRPOLoss
 from torchtune_grpo.rlhf.trajectory import (
     attention_mask,
@@ -83,10 +89,13 @@ def _workload() -> tuple[torch.Tensor, ...]:
     return _batch(prompt_lengths, response_lengths, seed=1)
 
 
-def _update(model: torch.nn.Module, trim: bool, order: torch.Tensor):
+def _update(model: torch.nn.Module, trim: bool, order: torch.Tensor, pack: bool = False,
+            tool_mask: torch.Tensor | None = None):
     """The update's inner loop: per micro-batch, log-probs, GRPOLoss over a global
     normaliser, backward. Returns ``(logprobs [N, T], summed loss, {name: grad})``."""
     tokens, p_mask, r_mask = _workload()
+    if tool_mask is not None:  # tool tokens are real tokens, not actions
+        r_mask = r_mask & ~tool_mask
     gen = torch.Generator().manual_seed(2)
     old = torch.randn(N, T, generator=gen) * 0.1 - 5.0
     ref = torch.randn(N, T, generator=gen) * 0.1 - 5.0
@@ -99,7 +108,8 @@ def _update(model: torch.nn.Module, trim: bool, order: torch.Tensor):
     for i in range(0, N, MB):
         idx = order[i : i + MB]
         logprobs, entropy = micro_batch_logprobs(
-            model, tokens[idx], p_mask[idx], r_mask[idx], trim=trim, temperature=0.7,
+            model, tokens[idx], p_mask[idx], r_mask[idx], trim=trim, pack=pack,
+            tool_mask=None if tool_mask is None else tool_mask[idx], temperature=0.7,
             chunk_size=7, return_entropy=True, entropy_grad=True,
         )
         assert logprobs.shape == entropy.shape == (MB, T)
@@ -186,3 +196,120 @@ def test_model_sees_untrimmed_positions_and_mask() -> None:
     assert pos_trim.shape == (4, stop - start) and pos_full.shape == (4, P + T - 1)
     assert torch.equal(pos_trim, pos_full[:, start:stop])
     assert torch.equal(mask_trim, mask_full[:, start:stop, start:stop])
+
+
+def _assert_same_update(a, b, r_mask) -> None:
+    (lp_a, loss_a, grads_a), (lp_b, loss_b, grads_b) = a, b
+    torch.testing.assert_close(lp_a[r_mask], lp_b[r_mask], rtol=1e-5, atol=1e-5)
+    assert loss_b != 0.0
+    assert abs(loss_a - loss_b) <= 1e-5 * abs(loss_b)
+    assert grads_a.keys() == grads_b.keys()
+    for name, ref in grads_b.items():
+        assert ref.abs().max() > 0, name
+        torch.testing.assert_close(grads_a[name], ref, rtol=1e-5,
+                                   atol=1e-5 * ref.abs().max().item(), msg=name)
+
+
+def test_packed_update_equals_untrimmed() -> None:
+    """Packed micro-batches: same log-probs, loss and every gradient as the padded rectangle,
+    with the model run on the real tokens only."""
+    torch.manual_seed(0)
+    model = tiny_llama()
+    order = torch.randperm(N, generator=torch.Generator().manual_seed(3))
+    _, p_mask, r_mask = _workload()
+    packed = _update(model, True, order, pack=True)
+    full = _update(model, False, order)
+    # packed log-probs are exactly 0 off the response tokens; the test is not degenerate
+    assert (packed[0][~r_mask] == 0).all() and (packed[0][r_mask] < 0).float().mean() > 0.9
+    _assert_same_update(packed, full, r_mask)
+
+
+def test_packed_update_with_tool_tokens_equals_untrimmed() -> None:
+    """Tool-result tokens inside responses: attended by later tokens, no log-prob, no loss,
+    in the packed row as in the rectangle."""
+    torch.manual_seed(0)
+    model = tiny_llama()
+    order = torch.arange(N)
+    _, _, r_mask = _workload()
+    tool = torch.zeros_like(r_mask)
+    tool[4, 10:14] = tool[7, 3:6] = tool[8, 2:5] = True  # inside those rows' responses
+    assert (r_mask & tool).sum() == tool.sum()
+    packed = _update(model, True, order, pack=True, tool_mask=tool)
+    full = _update(model, False, order, tool_mask=tool)
+    scored = r_mask & ~tool
+    assert (packed[0][tool] == 0).all()
+    _assert_same_update(packed, full, scored)
+    # the tool tokens are context: changing them changes the later log-probs of their row
+    tokens, p_mask, _ = _workload()
+    changed = tokens.clone()
+    changed[4, P + 10 : P + 14] = (changed[4, P + 10 : P + 14] + 1) % 300 + 1
+    with torch.no_grad():
+        a, _ = packed_micro_batch_logprobs(model, tokens[4:5], p_mask[4:5], scored[4:5],
+                                           tool_mask=tool[4:5])
+        b, _ = packed_micro_batch_logprobs(model, changed[4:5], p_mask[4:5], scored[4:5],
+                                           tool_mask=tool[4:5])
+    assert torch.equal(a[:, :10], b[:, :10]) and not torch.allclose(a[:, 14:24], b[:, 14:24])
+
+
+class _PackSpy(torch.nn.Module):
+    """Wraps a decoder and records the tokens, ``input_pos`` and ``mask`` it is called with."""
+
+    def __init__(self, decoder: torch.nn.Module) -> None:
+        super().__init__()
+        self.decoder = decoder
+        self.calls: list = []
+
+    def forward(self, tokens, *, mask, input_pos):
+        self.calls.append((tokens.clone(), input_pos.clone(), mask))
+        return self.decoder(tokens, mask=mask, input_pos=input_pos)
+
+
+def test_packed_model_sees_real_tokens_only() -> None:
+    """One row of exactly the real tokens, positions restarting per row, one segment each."""
+    torch.manual_seed(0)
+    spy = _PackSpy(tiny_llama())
+    # the packed row (33 tokens) is longer than the decoder's max_seq_len; each row is not
+    spy.decoder.max_seq_len = 16
+    tokens, p_mask, r_mask = _batch([3, 9, 6, 0], [5, 2, 8, 0])  # the last row is empty
+    with torch.no_grad():
+        packed_micro_batch_logprobs(spy, tokens, p_mask, r_mask)
+    assert spy.decoder.max_seq_len == 16
+    ((seen, pos, mask),) = spy.calls
+    assert mask == PackedSegments((8, 11, 14))
+    present = torch.cat([p_mask, r_mask], dim=1)
+    assert torch.equal(seen[0], tokens[present])
+    assert torch.equal(pos[0], torch.cat([torch.arange(n) for n in (8, 11, 14)]))
+
+
+def test_packed_attention_keeps_rows_apart() -> None:
+    """A row's log-probs do not depend on the rows packed before or after it."""
+    torch.manual_seed(0)
+    model = tiny_llama()
+    tokens, p_mask, r_mask = _batch([3, 9, 6], [5, 2, 8])
+    with torch.no_grad():
+        together, _ = packed_micro_batch_logprobs(model, tokens, p_mask, r_mask)
+        alone = torch.cat([packed_micro_batch_logprobs(model, tokens[i:i + 1], p_mask[i:i + 1],
+                                                       r_mask[i:i + 1])[0] for i in range(3)])
+        other = tokens.clone()
+        other[0, P:P + 5] = (other[0, P:P + 5] + 7) % 300 + 1  # row 0's response changes
+        changed, _ = packed_micro_batch_logprobs(model, other, p_mask, r_mask)
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(changed[0], together[0])
+    torch.testing.assert_close(changed[1:], together[1:], rtol=1e-5, atol=1e-5)
+
+
+def test_padding_benchmark_runs_and_checks_equality(tmp_path) -> None:
+    """``benchmarks/padding.py --quick``: the three variants agree and are timed."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import padding
+
+    out = tmp_path / "padding.json"
+    assert padding.main(["--quick", "--repeats", "1", "--threads", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["median_seconds"]) == {"untrimmed", "trimmed", "packed"}
+    assert 0 < result["loss_rel_diff"] <= 1e-5 and 0 < result["grad_max_rel_diff"] <= 1e-5
+    assert result["real_token_fraction"] < 0.7

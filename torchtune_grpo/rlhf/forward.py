@@ -11,11 +11,17 @@ output projection over every position. GRPO needs far less than that:
 parameter names and FSDP wrapping are untouched) with a version that reads a mode set by the
 context managers below. Because the projection still runs inside the model's own
 ``forward``, FSDP2 has the (tied) output weights gathered when it runs.
+
+:func:`packed_micro_batch_logprobs` goes one step further for training-time passes: the real
+tokens of a micro-batch's rows are laid end to end in one row, so the model's linears, norms
+and MLPs run on the real tokens only, and attention runs per row (:class:`PackedSegments`,
+understood by the attention calls :func:`install_packed_attention` wraps).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -48,6 +54,70 @@ class _ResponseLogProbs:
     entropy_grad: bool = True
 
 
+@dataclass
+class _PackedLogProbs:
+    """Return log-probs of ``targets`` predicted by the packed positions ``index``."""
+
+    index: torch.Tensor  # [M] positions of the packed row whose hidden state predicts a target
+    targets: torch.Tensor  # [1, M]
+    temperature: float
+    logit_bias: torch.Tensor | None
+    chunk_size: int
+    return_entropy: bool
+    entropy_grad: bool = True
+
+
+@dataclass(frozen=True)
+class PackedSegments:
+    """The attention "mask" of a packed row: consecutive segments, each its own sequence.
+
+    Passed as ``mask`` to a torchtune decoder whose attention calls were wrapped by
+    :func:`install_packed_attention`: every segment attends causally within itself and never
+    to another segment (a block-diagonal causal mask, without building the ``[S, S]`` mask or
+    computing the masked-out blocks).
+
+    Attributes:
+        lengths: tokens per segment, in order; they sum to the packed row's length.
+    """
+
+    lengths: tuple[int, ...]
+
+
+def _segment_attention(original, q, k, v, mask=None, dropout_p=0.0, is_causal=True):
+    """torchtune's ``_attention_call`` signature; per-segment causal SDPA for a
+    :class:`PackedSegments` mask, the wrapped call for anything else.
+
+    ``q, k, v``: ``[1, heads, S, head_dim]`` (k and v already expanded to the query heads).
+    """
+    if not isinstance(mask, PackedSegments):
+        return original(q, k, v, mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+    outs, start = [], 0
+    for length in mask.lengths:
+        stop = start + length
+        outs.append(F.scaled_dot_product_attention(
+            q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop],
+            dropout_p=dropout_p, is_causal=True))
+        start = stop
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def install_packed_attention(model: nn.Module) -> None:
+    """Let every torchtune attention module of ``model`` take a :class:`PackedSegments` mask.
+
+    Wraps each module's ``_attention_call`` (torchtune's SDPA/flex dispatcher, an instance
+    attribute); any other mask (boolean tensors, ``BlockMask``, None) goes to the original
+    call unchanged. Idempotent; safe before or after FSDP sharding, activation checkpointing or
+    LoRA.
+    """
+    for module in model.modules():
+        call = module.__dict__.get("_attention_call")
+        if call is None or getattr(call, "_grpo_packed", False):
+            continue
+        wrapped = functools.partial(_segment_attention, call)
+        wrapped._grpo_packed = True
+        module._attention_call = wrapped
+
+
 def _decoder(model: nn.Module) -> nn.Module:
     """The :class:`TransformerDecoder` inside ``model`` (the model itself for plain decoders)."""
     if hasattr(model, "unembed") and hasattr(model, "norm"):
@@ -67,6 +137,17 @@ def _unembed(self: nn.Module, h: torch.Tensor):
         return type(self).unembed(self, h)
     if isinstance(mode, _LastPosition):
         return self.output(self.norm(h[:, -1:])).float()
+    if isinstance(mode, _PackedLogProbs):
+        return chunked_token_logprobs(
+            self.norm(h[:, mode.index]),
+            self.output,
+            mode.targets,
+            temperature=mode.temperature,
+            logit_bias=mode.logit_bias,
+            chunk_size=mode.chunk_size,
+            return_entropy=mode.return_entropy,
+            entropy_grad=mode.entropy_grad,
+        )
     # _ResponseLogProbs: position i predicts token i + 1.
     num_targets = mode.targets.shape[1]
     hidden = self.norm(h[:, mode.start : mode.start + num_targets])
@@ -166,9 +247,13 @@ def micro_batch_logprobs(
     *,
     tool_mask: torch.Tensor | None = None,
     trim: bool = True,
+    pack: bool = False,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`response_logprobs` of one micro-batch, run on its own extent only.
+
+    With ``pack`` (which takes precedence over ``trim``) it is
+    :func:`packed_micro_batch_logprobs`: no padding at all.
 
     With ``trim`` the model sees only the columns :func:`trim_to_extent` keeps (no column that
     is padding in every row), and the ``[n, T_mb]`` results are put back into ``[n, T]`` with
@@ -189,12 +274,17 @@ def micro_batch_logprobs(
         response_mask: ``[n, T]`` True on generated tokens.
         tool_mask: ``[n, T]`` True on tool-result tokens (None: none, single-turn).
         trim: run on the trimmed slice (False: on the whole ``[n, P + T]`` rectangle).
+        pack: run on the rows' real tokens laid end to end (see
+            :func:`packed_micro_batch_logprobs`; 0 at every non-response position).
         **kwargs: ``temperature``, ``logit_bias``, ``chunk_size``, ``return_entropy``,
             ``entropy_grad`` of :func:`response_logprobs`.
 
     Returns:
         ``(logprobs [n, T] float32, entropy [n, T] or None)``.
     """
+    if pack:
+        return packed_micro_batch_logprobs(model, tokens, prompt_mask, response_mask,
+                                           tool_mask=tool_mask, **kwargs)
     full_response_len = response_mask.shape[1]
     if trim:
         tokens, padding, prompt_len, response_len = trim_to_extent(
@@ -217,3 +307,101 @@ def micro_batch_logprobs(
         entropy = None if entropy is None else torch.where(
             tool, torch.zeros_like(entropy), entropy)
     return logprobs, entropy
+
+
+@contextlib.contextmanager
+def _max_seq_len_at_least(model: nn.Module, length: int) -> Iterator[None]:
+    """Let the decoder take a packed row longer than its ``max_seq_len``.
+
+    torchtune's decoder rejects inputs longer than ``max_seq_len``; a packed row holds several
+    sequences, each within that limit and with positions restarting at 0 (so the RoPE cache is
+    never indexed past it), but together longer.
+    """
+    decoder = _decoder(model)
+    previous = getattr(decoder, "max_seq_len", None)
+    if previous is None or previous >= length:
+        yield
+        return
+    decoder.max_seq_len = length
+    try:
+        yield
+    finally:
+        decoder.max_seq_len = previous
+
+
+def packed_micro_batch_logprobs(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    tool_mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    logit_bias: torch.Tensor | None = None,
+    chunk_size: int = 1024,
+    return_entropy: bool = False,
+    entropy_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of a micro-batch's response tokens, the model run on its real tokens only.
+
+    Each row's real tokens (prompt, response and tool-result tokens, in order) are laid end to
+    end in one ``[1, S]`` row, ``S`` = the number of real tokens of the micro-batch. Positions
+    restart at 0 for every row (as :func:`position_ids` counts them) and attention stays within
+    a row (:class:`PackedSegments`: each row is one causal segment), so every real position
+    sees exactly what it sees in the padded rectangle and the log-probs are the same up to
+    float rounding, while the linears, norms and MLPs cost ``S`` tokens instead of ``n`` times
+    the longest row. Only the positions that predict a response token go through the output
+    projection. Rows without real tokens are skipped.
+
+    Args:
+        model: a torchtune decoder (possibly FSDP-sharded, LoRA, checkpointed; not compiled:
+            the per-row attention loop would recompile for every set of lengths).
+        tokens: ``[n, P + T]`` left-padded prompts followed by right-padded responses.
+        prompt_mask: ``[n, P]`` True on real prompt tokens.
+        response_mask: ``[n, T]`` True on generated tokens.
+        tool_mask: ``[n, T]`` True on tool-result tokens (None: none). They are packed (later
+            tokens attend to them) but get no log-prob: 0, like every non-response position.
+        temperature, logit_bias, chunk_size, return_entropy, entropy_grad: as for
+            :func:`response_logprobs`.
+
+    Returns:
+        ``(logprobs [n, T] float32, entropy [n, T] or None)``, 0 wherever ``response_mask`` is
+        False (or ``tool_mask`` True); gradients flow to the response positions only.
+    """
+    prompt_len = prompt_mask.shape[1]
+    if tokens.shape[1] != prompt_len + response_mask.shape[1]:
+        raise ValueError(f"tokens have {tokens.shape[1]} columns, masks {prompt_len} + "
+                         f"{response_mask.shape[1]}")
+    device = tokens.device
+    prompt_mask, response_mask = prompt_mask.to(device), response_mask.to(device)
+    scored = response_mask
+    present = response_mask
+    if tool_mask is not None:
+        tool_mask = tool_mask.to(device)
+        scored = response_mask & ~tool_mask
+        present = response_mask | tool_mask
+    present = torch.cat([prompt_mask, present], dim=1)  # [n, P + T]
+    # index of every real token in the packed row (row-major order)
+    packed_index = present.flatten().long().cumsum(0).view_as(present) - 1
+    # the hidden state predicting response token t of row i is that of the real token before it,
+    # which is in the same row (every row has a prompt token before its first response token)
+    index = packed_index[:, prompt_len:][scored] - 1  # [M]
+    targets = tokens[:, prompt_len:][scored].unsqueeze(0)  # [1, M]
+    lengths = tuple(int(x) for x in present.sum(1).tolist() if x > 0)
+    n, num_response = response_mask.shape
+    if not lengths or index.numel() == 0:
+        zeros = torch.zeros(n, num_response, device=device)
+        return zeros, (zeros.clone() if return_entropy else None)
+    install_packed_attention(model)
+    mode = _PackedLogProbs(index=index, targets=targets, temperature=temperature,
+                           logit_bias=logit_bias, chunk_size=chunk_size,
+                           return_entropy=return_entropy, entropy_grad=entropy_grad)
+    packed_tokens = tokens[present].unsqueeze(0)  # [1, S]
+    input_pos = (present.long().cumsum(1) - 1)[present].unsqueeze(0)  # [1, S]
+    with _mode(model, mode), _max_seq_len_at_least(model, packed_tokens.shape[1]):
+        logprobs, entropy = model(packed_tokens, mask=PackedSegments(lengths),
+                                  input_pos=input_pos)
+    out = logprobs.new_zeros(n, num_response).masked_scatter(scored, logprobs[0])
+    if entropy is not None:
+        entropy = entropy.new_zeros(n, num_response).masked_scatter(scored, entropy[0])
+    return out, entropy
