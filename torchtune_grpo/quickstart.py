@@ -21,8 +21,10 @@ way on a task the model cannot do in its head, multiplying a two-digit by a thre
 (:mod:`torchtune_grpo.datasets.multiplication`): its warm-up (:func:`tool_warmup`) shows the
 model calling the calculator (``<calculator>37*412</calculator><result>15244</result>Answer:
 15244``) in only a minority (``tool_fraction``, default 0.25) of demonstrations, the others
-answering directly with a plausible wrong guess. Greedy decoding then answers in its head
-(and wrongly); GRPO, rewarded only for the final answer, has to make the tool call the mode.
+answering directly with a plausible wrong guess, plus copy drills (:func:`copy_drills`) that
+teach copying the operands into a call and a result into the answer without ever training the
+choice to call. Greedy decoding then answers in its head (and wrongly); GRPO, rewarded only
+for the final answer, has to make the tool call the mode.
 
 Commands::
 
