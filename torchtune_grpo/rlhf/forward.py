@@ -91,14 +91,13 @@ def _segment_attention(original, q, k, v, mask=None, dropout_p=0.0, is_causal=Tr
     """
     if not isinstance(mask, PackedSegments):
         return original(q, k, v, mask=mask, dropout_p=dropout_p, is_causal=is_causal)
-    outs, start = [], 0
-    for length in mask.lengths:
-        stop = start + length
-        outs.append(F.scaled_dot_product_attention(
-            q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop],
-            dropout_p=dropout_p, is_causal=True))
-        start = stop
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    if len(mask.lengths) == 1:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    # split, not slices: its backward is one concatenation, where each slice's backward would
+    # write a zero-filled gradient of the whole packed row
+    outs = [F.scaled_dot_product_attention(q_s, k_s, v_s, dropout_p=dropout_p, is_causal=True)
+            for q_s, k_s, v_s in zip(*(x.split(mask.lengths, dim=2) for x in (q, k, v)))]
+    return torch.cat(outs, dim=2)
 
 
 def install_packed_attention(model: nn.Module) -> None:
