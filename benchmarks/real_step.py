@@ -31,6 +31,10 @@ Bounds, measured in the same invocation (the machine is shared: the load average
   ``benchmarks/step.py``'s ``phase_flops``: body linears, output projection where a log-prob
   or sample is needed, causal attention; the update is 3x a forward) at the square-matmul rate
   (``matmul_flops_per_second``); also the rough ``6 x params x tokens`` of the update.
+* update, also timed: every matmul of the update (body linears forward and backward at the
+  step's real token count, the fused output projection's four at its response tokens) timed
+  at the model's own shapes in the same invocation (``update_matmul_seconds``): what the
+  CPU's GEMM gives at those shapes, as the decode bound (b) below is for decoding.
 * decoding, two bounds: (a) weight bandwidth: every decode step reads all weights once
   (``params x 4`` bytes) at the memory read bandwidth measured now (best sum over a 512 MiB
   tensor); (b) timed matmuls: one decode step's matmuls (every weight of this model applied to
@@ -132,6 +136,48 @@ def decode_step_seconds(model, rows: list[int], repeats: int = 5) -> dict[int, f
     per_row = sum(2 * w.shape[0] * w.shape[1] for w in weights)
     return {r: per_row * r / decode_matmul_flops_per_second(model, rows=r, repeats=repeats)
             for r in rows}
+
+
+def update_matmul_seconds(model, tokens: int, scored: int, repeats: int = 3) -> float:
+    """Seconds of the update's matmuls at this model's own shapes, timed now.
+
+    For every ``nn.Linear`` of the body: its forward ``x @ W.T``, and the two matmuls of its
+    backward (``g @ W`` and ``g.T @ x``), at ``x [tokens, in]``, ``g [tokens, out]``. For the
+    (tied) output projection at the ``scored`` response positions: the four matmuls of the
+    fused log-prob function (forward logits, their recomputation in the backward, the
+    gradients of the hidden states and of the weight). Each distinct shape is timed once (best
+    of ``repeats``) and counted as often as it occurs. Attention's own products (small at these
+    lengths) and everything elementwise are left out: a lower bound for the update's matmuls
+    as the CPU's GEMM runs them at these shapes, next to the FLOP count at the square rate.
+    """
+    import collections
+
+    import torch
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    output = model.tok_embeddings.weight if not isinstance(
+        getattr(model, "output", None), torch.nn.Linear) else model.output.weight
+    shapes = collections.Counter(tuple(m.weight.shape) for m in model.modules()
+                                 if isinstance(m, torch.nn.Linear) and m.weight is not output)
+    total = 0.0
+    with torch.no_grad():
+        for (out_f, in_f), count in shapes.items():
+            w, x, g = torch.randn(out_f, in_f), torch.randn(tokens, in_f), torch.randn(tokens, out_f)
+            total += count * (best(lambda: x @ w.t()) + best(lambda: g @ w)
+                              + best(lambda: g.t() @ x))
+        vocab, dim = output.shape
+        w, h = torch.randn(vocab, dim), torch.randn(scored, dim)
+        z = torch.randn(scored, vocab)
+        total += 2 * best(lambda: h @ w.t()) + best(lambda: z @ w) + best(lambda: z.t() @ h)
+    return total
 
 
 def decode_schedule(response_lengths: list[int], stopped: list[bool], max_new: int,
@@ -415,10 +461,17 @@ def main(argv: list[str] | None = None) -> int:
         decode_s[r] = min(decode_s[r], decode_s[r + 1])
 
     ours = results["ours"]
+    print("timing the update's matmuls at the model's shapes ...", flush=True)
+    for s in ours["steps"]:
+        s["update_matmul_s"] = update_matmul_seconds(
+            model, sum(s["prompt_lengths"]) + sum(s["response_lengths"]),
+            sum(s["response_lengths"]))
     per_step = [phase_bounds(model, s["prompt_lengths"], s["response_lengths"], s["stopped"],
                              group_size=GROUP_SIZE, max_new=args.new_tokens, micro_batch=micro,
                              flops_per_second=flops, read_bytes_per_second=read_bw,
                              decode_seconds=decode_s) for s in ours["steps"]]
+    for bounds, s in zip(per_step, ours["steps"]):
+        bounds["update_matmul_s"] = s["update_matmul_s"]
     b = {k: sum(s[k] for s in per_step) / len(per_step) for k in per_step[0]}
     m = ours["mean"]
     trl = results.get("trl")
@@ -466,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         else "(no KL: none)", b["reference_s"] if ours["reference_model"] else None)
     row("update", m["update"], tget("update"), "FLOP (3x fwd)", b["update_s"])
     row("", m["update"], None, "FLOP 6 x params x tokens", b["update_6np_s"])
+    row("", m["update"], None, "timed matmuls at its shapes", b["update_matmul_s"])
     row("total", m["total"], tget("total"), "sum of matmul bounds",
         b["generation_matmul_s"] + b["update_s"])
     print(f"\npeak memory: ours {ours['peak_memory_bytes'] / 1e9:.2f} GB"

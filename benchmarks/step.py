@@ -56,6 +56,11 @@ Usage::
     python benchmarks/step.py --quick         # 1 warm-up + 1 timed step, 16 new tokens
     python benchmarks/step.py --out step.json --device cuda
     python benchmarks/step.py --threads 2 --variants optimized --peer torchtune-dev
+    GRPO_STEP_OVERRIDES="packed_forward=false" python benchmarks/step.py --variants optimized
+
+``GRPO_STEP_OVERRIDES`` (space-separated ``key=value``, values parsed as YAML) changes this
+benchmark's config for an A/B run of one recipe option; ``baseline`` always runs with
+``packed_forward: false`` (the padded rectangles it was written for).
 """
 
 from __future__ import annotations
@@ -213,6 +218,13 @@ def worker(variant: str, workdir: Path, device: str, steps: int, new_tokens: int
     from torchtune_grpo.recipe import GRPORecipe
 
     cfg = build_config(workdir, device, new_tokens)
+    if variant == "baseline":  # padded rectangles, as before packing existed
+        cfg.packed_forward = False
+    import yaml
+
+    for override in os.environ.get("GRPO_STEP_OVERRIDES", "").split():
+        key, _, value = override.partition("=")  # e.g. packed_forward=false (A/B runs)
+        cfg[key] = yaml.safe_load(value)
     recipe = GRPORecipe(cfg)
     recipe.setup()
     params = sum(p.numel() for p in recipe.model.parameters())

@@ -122,3 +122,20 @@ def test_phase_bounds_on_a_tiny_model_are_positive_and_consistent():
 def test_memory_read_bandwidth_is_positive():
     """The bandwidth probe returns a positive rate on a small tensor."""
     assert _module().memory_read_bytes_per_second(mib=8, repeats=2) > 0
+
+
+def test_update_matmul_seconds_grows_with_the_tokens():
+    """The timed update bound times real matmuls: 32x the tokens take longer."""
+    from torchtune_grpo.tiny import tiny_llama
+
+    module = _module()
+    torch.manual_seed(0)
+    model = tiny_llama(vocab_size=512)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # no thread-pool waits on a busy machine: the matmuls dominate
+    try:
+        small = module.update_matmul_seconds(model, 64, 16, repeats=2)
+        large = module.update_matmul_seconds(model, 4096, 1024, repeats=2)
+    finally:
+        torch.set_num_threads(threads)
+    assert 0 < small < large

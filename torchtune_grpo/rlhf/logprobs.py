@@ -118,19 +118,15 @@ class _FusedLinearLogProbs(torch.autograd.Function):
             z = _chunk_scores(hidden[s:e], weight, temperature, bias, buf, low)
             y = targets[s:e].unsqueeze(1)
             if want_entropy:
-                # five passes over the [m, V] block instead of a softmax, a log-softmax and
-                # their maxima: shift by the max, exponentiate once, and with S = sum exp(z'):
-                # log p_y = z'_y - log S and H = log S - sum_v exp(z'_v) z'_v / S
-                z.sub_(z.amax(1, keepdim=True))
-                p = torch.exp(z, out=probs[: e - s])
-                total = p.sum(1)
-                log_total = total.log()
-                logp[s:e] = z.gather(1, y).squeeze(1) - log_total
+                # H = logsumexp(z) - sum_v p_v z_v; logsumexp(z) = max(z) - max(log_softmax(z))
+                p = probs[: e - s]
+                torch._softmax(z, 1, False, out=p)
                 expected_z = torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).view(-1)  # no [m, V] temp
-                entropy[s:e] = log_total - expected_z / total
-                continue
+                z_max = z.amax(1)
             torch._log_softmax(z, 1, False, out=z)
             logp[s:e] = z.gather(1, y).squeeze(1)
+            if want_entropy:
+                entropy[s:e] = (z_max - z.amax(1)) - expected_z
         # a forbidden target has log-prob -inf, as in the unfused path
         logp.masked_fill_(logp < _FORBIDDEN_LOGIT / 2, float("-inf"))
         ctx.save_for_backward(hidden, weight, targets, bias)
