@@ -21,7 +21,7 @@ turns within each repeat (the order rotates from repeat to repeat), so that drif
 shared machine hits all alike; the script reports the median seconds of each and the ratios
 to ``untrimmed``. Absolute seconds depend on the machine's load; only the ratios from one
 invocation are meaningful. Before timing, it checks that every variant gives the same loss and
-parameter gradients as ``untrimmed`` (relative 1e-5).
+parameter gradients as ``untrimmed`` (loss relative 1e-5; gradients ``GRAD_TOLERANCE``).
 
 Usage::
 
@@ -64,6 +64,11 @@ def _rollout(rows: int, prompt_range: tuple[int, int], response_range: tuple[int
 
 
 VARIANTS = ("untrimmed", "trimmed", "packed")
+#: largest gradient difference over the largest gradient entry, per parameter, that still counts
+#: as float rounding: the unit tests (tests/unit/test_trimming.py) hold 1e-5 on a 2-layer model;
+#: this 4-layer one, 32 rows of up to 248 tokens, differs by up to ~4e-5 for trimmed and packed
+#: alike (another reduction order in attention and the matmuls)
+GRAD_TOLERANCE = 1e-4
 
 
 def _update(model, loss_fn, data: dict, order: torch.Tensor, batch: int, variant: str,
@@ -157,12 +162,16 @@ def main(argv: list[str] | None = None) -> int:
     if loss_full == 0 or any(float(g.abs().max()) == 0 for g in grads_full.values()):
         print("degenerate workload: zero loss or a zero gradient", file=sys.stderr)
         return 1
+    diffs = {}
     for variant in VARIANTS[1:]:
         _, loss_v, grads_v = run(variant)
-        loss_rel = max(loss_rel, abs(loss_v - loss_full) / max(abs(loss_full), 1e-30))
-        grad_rel = max(grad_rel, *(
-            float((grads_v[n] - g).abs().max() / g.abs().max().clamp(min=1e-30))
-            for n, g in grads_full.items()))
+        diffs[variant] = {
+            "loss_rel": abs(loss_v - loss_full) / max(abs(loss_full), 1e-30),
+            # per parameter: largest difference over the largest gradient entry
+            "grad_max_rel": max(float((grads_v[n] - g).abs().max() / g.abs().max().clamp(
+                min=1e-30)) for n, g in grads_full.items())}
+        loss_rel = max(loss_rel, diffs[variant]["loss_rel"])
+        grad_rel = max(grad_rel, diffs[variant]["grad_max_rel"])
 
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for r in range(args.repeats):
@@ -180,12 +189,14 @@ def main(argv: list[str] | None = None) -> int:
         ratio_trimmed_over_untrimmed=median["trimmed"] / median["untrimmed"],
         ratio_packed_over_untrimmed=median["packed"] / median["untrimmed"],
         ratio_packed_over_trimmed=median["packed"] / median["trimmed"],
-        loss_rel_diff=loss_rel, grad_max_rel_diff=grad_rel,
+        loss_rel_diff=loss_rel, grad_max_rel_diff=grad_rel, diffs_vs_untrimmed=diffs,
     )
     print(f"rollout [{rows}, {p_mask.shape[1]} + {r_mask.shape[1]}], micro-batches of {batch}; "
           f"trimmed micro-batches keep {columns:.1%} of the columns "
           f"({result['real_token_fraction']:.1%} of the rectangle is real tokens)")
-    print(f"loss rel diff {loss_rel:.2e}, max grad rel diff {grad_rel:.2e}")
+    for variant, d in diffs.items():
+        print(f"{variant} vs untrimmed: loss rel diff {d['loss_rel']:.2e}, max grad rel diff "
+              f"{d['grad_max_rel']:.2e}")
     for k in VARIANTS:
         print(f"{k:>9}: median {median[k]:.3f} s  ({', '.join(f'{t:.2f}' for t in times[k])})")
     print(f"ratio trimmed / untrimmed: {result['ratio_trimmed_over_untrimmed']:.3f}; "
@@ -194,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
-    return 0 if loss_rel <= 1e-5 and grad_rel <= 1e-5 else 1
+    return 0 if loss_rel <= 1e-5 and grad_rel <= GRAD_TOLERANCE else 1
 
 
 if __name__ == "__main__":

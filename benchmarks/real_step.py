@@ -170,7 +170,8 @@ def update_matmul_seconds(model, tokens: int, scored: int, repeats: int = 3) -> 
     total = 0.0
     with torch.no_grad():
         for (out_f, in_f), count in shapes.items():
-            w, x, g = torch.randn(out_f, in_f), torch.randn(tokens, in_f), torch.randn(tokens, out_f)
+            w = torch.randn(out_f, in_f)
+            x, g = torch.randn(tokens, in_f), torch.randn(tokens, out_f)
             total += count * (best(lambda: x @ w.t()) + best(lambda: g @ w)
                               + best(lambda: g.t() @ x))
         vocab, dim = output.shape

@@ -9,9 +9,9 @@ answer (the number after ``Answer:``), never the tool call or its result.
 
 from __future__ import annotations
 
-import pytest
-
 import subprocess
+
+import pytest
 
 from tests.recipes._helpers import metrics, recipe_env, run_overrides, tune_cmd
 
