@@ -136,20 +136,10 @@ def _unembed(self: nn.Module, h: torch.Tensor):
         return type(self).unembed(self, h)
     if isinstance(mode, _LastPosition):
         return self.output(self.norm(h[:, -1:])).float()
-    if isinstance(mode, _PackedLogProbs):
-        return chunked_token_logprobs(
-            self.norm(h[:, mode.index]),
-            self.output,
-            mode.targets,
-            temperature=mode.temperature,
-            logit_bias=mode.logit_bias,
-            chunk_size=mode.chunk_size,
-            return_entropy=mode.return_entropy,
-            entropy_grad=mode.entropy_grad,
-        )
-    # _ResponseLogProbs: position i predicts token i + 1.
-    num_targets = mode.targets.shape[1]
-    hidden = self.norm(h[:, mode.start : mode.start + num_targets])
+    if isinstance(mode, _PackedLogProbs):  # the positions that predict a response token
+        hidden = self.norm(h[:, mode.index])
+    else:  # _ResponseLogProbs: position i predicts token i + 1.
+        hidden = self.norm(h[:, mode.start : mode.start + mode.targets.shape[1]])
     return chunked_token_logprobs(
         hidden,
         self.output,
