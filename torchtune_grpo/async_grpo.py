@@ -690,6 +690,7 @@ class RolloutWorker(GRPORecipe):
         self.allowed_tokens, self.logit_bias = self.rules.allowed, self.rules.logit_bias
         self.stop_tokens, self.pad_id = self.rules.stop_tokens, self.rules.pad_id
         self.chunk_size = int(cfg.logprob_chunk_size or auto_chunk_size(self.logit_bias.numel()))
+        self.keep_probs = int(cfg.logprob_keep_probs_mib) * 2**20 // 4  # float32 elements
         collate = partial(collate_prompts, pad_id=int(getattr(self.tokenizer, "pad_id", 0)))
         self.shard_batches = {
             j: StepBatches(self.dataset, batch_size=self.batch_size,

@@ -359,6 +359,13 @@ RECIPE_KEYS: dict[str, Key] = {
         "Response positions per chunk of the output projection and log-softmax; peak memory "
         "holds a few ``[chunk, V]`` float32 blocks. null: ``2**25 // V`` rounded down to a "
         "multiple of 16 (256 for a 128k vocabulary).", _optional_positive),
+    "logprob_keep_probs_mib": Key(
+        "int", 512,
+        "MiB of float32 softmax blocks that the update's log-prob forward keeps for its "
+        "backward (whole chunks, first ones first); the backward reuses them instead of "
+        "recomputing those chunks' logits and softmax (one output-projection matmul and one "
+        "softmax pass fewer each). It costs up to this much memory per micro-batch while the "
+        "update runs; 0 recomputes every chunk, the least memory.", _at_least(0)),
     "shuffle": Key("bool", True, "Shuffle the prompt dataset each epoch."),
     "progress_bar": Key("bool", True, "Show a tqdm progress bar on rank 0."),
 }

@@ -26,9 +26,15 @@ recipe keeps alive, component by component:
   float32 inputs, the float32 RoPE inputs, the attention's q/k/v/output, the MLP's four
   ``hidden_dim`` tensors, the additive attention mask); with activation checkpointing only each
   layer's input plus one recomputed layer.
+* **packed weights**: on CPU in float32, the native engine's rollout decodes on oneDNN-reordered
+  copies of the linear weights (``generator.packed_weights``, the default): one more copy of
+  the body's and the output projection's weights during the rollout (not LoRA layers, not under
+  FSDP).
 * **logits**: chunked log-probs hold one ``logprob_chunk_size x vocab`` block of float32 logits
   at a time, times :data:`FUSED_LOGIT_COPIES` for the fused log-prob function (the default), or
-  :data:`LOGIT_COPIES` on the checkpointed path (entropy bonus, LoRA on the output).
+  :data:`LOGIT_COPIES` on the checkpointed path (entropy bonus, LoRA on the output); the fused
+  update also keeps the softmax of its first chunks for the backward, up to
+  ``logprob_keep_probs_mib`` (whole chunks).
 
 The peak is the static part (weights, optimizer state, reference) plus the largest of the
 phases that follow each other: rollout (KV cache), reference pass, update (gradients,
@@ -347,7 +353,17 @@ def estimate_memory(cfg: DictConfig, world_size: int = 1, *,
     act = activation_bytes_per_token(dims, b)
     prefill = prompts_per_micro * p * (act["layer"] + b * dims.num_heads * p)
     sampling = gen_rows * vocab * 4 * 4
-    generation = kv_cache + prefill + sampling + rollout_gathered
+    # NativeGenerator(packed_weights=True) on CPU: oneDNN-reordered copies of the float32
+    # linear weights (body and output projection; not LoRA layers, not FSDP shards) for the
+    # rollout's duration
+    gen_cfg = cfg.get("generator") or {}
+    packed = 0.0
+    if (native and device == "cpu" and dtype == "fp32" and not fsdp
+            and bool(gen_cfg.get("packed_weights", True))
+            and not bool(gen_cfg.get("compile_decode", False))):
+        body = 0 if dims.is_lora else dims.num_layers * dims.layer_params
+        packed = (body + dims.vocab_size * dims.embed_dim) * b
+    generation = kv_cache + prefill + sampling + rollout_gathered + packed
 
     # ---- update: one micro-batch of `micro` rows of `seq` tokens
     tokens = micro * seq
@@ -365,6 +381,11 @@ def estimate_memory(cfg: DictConfig, world_size: int = 1, *,
     block = min(chunk, response_tokens) * vocab
     low = block * b if b != 4 else 0  # the fused matmul's own low-precision output block
     logits = (FUSED_LOGIT_COPIES * block * 4 + low) if fused else LOGIT_COPIES * block * 4
+    if fused:  # softmax blocks the forward keeps for the backward (logprob_keep_probs_mib)
+        keep = int(cfg.get("logprob_keep_probs_mib", 512)) * 2**20 // 4
+        kept = (response_tokens if response_tokens * vocab <= keep
+                else keep // vocab // chunk * chunk)
+        logits += kept * vocab * 4
     # rollout buffers kept through the update: the [N, S, S] bool mask, tokens, log-probs
     buffers = rows * seq * seq + rows * seq * 8 + rows * t_gen * 4 * 4 + micro * seq * seq
     update = grads + max(activations + logits, opt_temp) + buffers + gathered
@@ -395,6 +416,7 @@ def estimate_memory(cfg: DictConfig, world_size: int = 1, *,
         "activations": activations,
         "logits": logits,
         "gathered_weights": full_copy if native or kl else 0.0,
+        "packed_weights": packed,
         "other": buffers + gathered + sampling + prefill,
     }
     estimate = MemoryEstimate(

@@ -210,6 +210,7 @@ class GRPORecipe:
         self.allowed_tokens, self.logit_bias = self.rules.allowed, self.rules.logit_bias
         self.stop_tokens, self.pad_id = self.rules.stop_tokens, self.rules.pad_id
         self.chunk_size = int(cfg.logprob_chunk_size or auto_chunk_size(self.logit_bias.numel()))
+        self.keep_probs = int(cfg.logprob_keep_probs_mib) * 2**20 // 4  # float32 elements
         self.generator.setup(self._generation_context())
         self.generator.sync_weights(self.model)  # a resumed or LoRA policy is not the base
 
@@ -478,7 +479,7 @@ class GRPORecipe:
         return micro_batch_logprobs(
             model, traj.tokens[rows], traj.prompt_mask[rows], traj.response_mask[rows],
             tool_mask=traj.tool_mask[rows], temperature=self.cfg.temperature,
-            logit_bias=self.logit_bias, chunk_size=self.chunk_size,
+            logit_bias=self.logit_bias, chunk_size=self.chunk_size, keep_probs=self.keep_probs,
             pack=self.cfg.packed_forward and not self.cfg.compile, **kwargs)
 
     def update(self, traj: Trajectory, advantages: torch.Tensor,

@@ -376,3 +376,88 @@ def test_rows_to_keep_policy():
     assert gen._rows_to_keep(torch.tensor([t, f])).tolist() == [1]
     assert gen._rows_to_keep(torch.tensor([t, t, t])).tolist() == [0]
     assert gen._rows_to_keep(torch.tensor([t])) is None  # nothing left to drop
+
+
+# ---------------------------------------------------------------------------- packed weights
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                                  reason="this torch build has no oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("tied", [True, False])
+def test_packed_weights_same_samples_as_plain_linears(tokenizer, setup, tied, monkeypatch):
+    """Decoding on oneDNN-reordered weights samples the same tokens with the same log-probs
+    (to float rounding) as the layers' own F.linear, and really runs on the packed copies."""
+    _, bias, stops = setup
+    torch.manual_seed(0)
+    model = tiny_llama(tie_word_embeddings=tied).eval()
+    if tied:  # a tied head repeats the last token; smaller logits make the samples varied
+        model.tok_embeddings.weight.data.mul_(0.1)
+    tokens, mask = _left_pad(_prompts(tokenizer, 4), tokenizer.pad_id)
+    kw = _kwargs(tokenizer, bias, stops, temperature=1.0, max_generated_tokens=12)
+    packed_calls = []
+    original = gen._packed_forward
+
+    def counting(weight, b):
+        forward = original(weight, b)
+        return lambda x, *rest: packed_calls.append(x.shape[:-1].numel()) or forward(x, *rest)
+
+    monkeypatch.setattr(gen, "_packed_forward", counting)
+    runs = {packed: generate_trajectory(model, tokens, mask, group_size=4, forward_batch_size=8,
+                                        prompt_seeds=torch.tensor([5, 6, 7, 8]),
+                                        packed_weights=packed, **kw)
+            for packed in (False, True)}
+    layers = 7 * 2 + 1  # q, k, v, output, w1, w2, w3 per layer, and the output projection
+    assert len(packed_calls) >= layers * (runs[True].response_len - 1)  # every decode step
+    plain, packed = runs[False], runs[True]
+    assert plain.response_mask.sum() > 40
+    assert plain.response_tokens[plain.response_mask].unique().numel() >= 10  # varied samples
+    assert torch.equal(plain.response_tokens, packed.response_tokens)
+    assert torch.equal(plain.response_mask, packed.response_mask)
+    torch.testing.assert_close(plain.logprobs, packed.logprobs, atol=1e-5, rtol=0)
+    assert not any("forward" in m.__dict__ for m in model.modules())  # restored
+
+
+@needs_onednn
+def test_packed_linear_weights_scope_and_fallbacks(setup, monkeypatch):
+    """What gets packed (plain float32 nn.Linear and the tied output projection, not LoRA
+    layers, not other dtypes), big inputs keep F.linear bit for bit, and every layer gets its
+    own forward back, also when the rollout raises."""
+    from torchtune.models.llama3_2 import lora_llama3_2
+
+    from torchtune_grpo.rlhf.generation import PACKED_MAX_ROWS, packed_linear_weights
+
+    model, _, _ = setup
+    attn = model.layers[0].attn
+    onednn = []
+    original = gen._onednn_linear
+    monkeypatch.setattr(gen, "_onednn_linear", lambda *a: onednn.append(1) or original(*a))
+    with packed_linear_weights(model) as count:
+        assert count == 7 * len(model.layers) + 1
+        assert "forward" in attn.q_proj.__dict__ and "forward" in model.output.linear.__dict__
+        big = torch.randn(PACKED_MAX_ROWS + 1, attn.q_proj.in_features)
+        assert torch.equal(attn.q_proj(big), torch.nn.functional.linear(big, attn.q_proj.weight))
+        assert not onednn
+        small = torch.randn(3, 1, attn.q_proj.in_features)
+        torch.testing.assert_close(attn.q_proj(small),
+                                   torch.nn.functional.linear(small, attn.q_proj.weight))
+        assert len(onednn) == 1
+        torch.testing.assert_close(model.output(small), small @ model.tok_embeddings.weight.T)
+        assert len(onednn) == 2
+    assert "forward" not in attn.q_proj.__dict__ and "forward" not in model.output.linear.__dict__
+    with pytest.raises(RuntimeError, match="boom"):
+        with packed_linear_weights(model):
+            raise RuntimeError("boom")
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    with packed_linear_weights(model, enabled=False) as count:
+        assert count == 0
+    with packed_linear_weights(tiny_llama().to(torch.bfloat16)) as count:
+        assert count == 0
+    lora = lora_llama3_2(lora_attn_modules=["q_proj", "v_proj"], apply_lora_to_mlp=False,
+                         vocab_size=320, num_layers=1, num_heads=4, num_kv_heads=2,
+                         embed_dim=64, max_seq_len=64, intermediate_dim=128, lora_rank=4,
+                         lora_alpha=8)
+    with packed_linear_weights(lora) as count:
+        # k_proj, output_proj, w1, w2, w3 and the tied output; q_proj and v_proj are LoRA
+        assert count == 5 + 1
+        assert "forward" not in lora.layers[0].attn.q_proj.lora_a.__dict__

@@ -239,9 +239,12 @@ def test_auto_chunk_size_bounds_the_logits_block():
 @pytest.mark.parametrize("chunk_size", [1, 5, 21, 1024])
 @pytest.mark.parametrize("forbid", [False, True])
 @pytest.mark.parametrize("entropy", [False, True])
-def test_fused_path_matches_naive_values_and_grads(chunk_size, forbid, entropy, monkeypatch):
+@pytest.mark.parametrize("keep_positions", [0, 10, N * T])
+def test_fused_path_matches_naive_values_and_grads(chunk_size, forbid, entropy, keep_positions,
+                                                   monkeypatch):
     """The fused autograd function (plain linear head, metric-only entropy) against full logits:
-    log-probs, entropies, and the gradients of hidden states and weight."""
+    log-probs, entropies, and the gradients of hidden states and weight; with none, some (the
+    whole chunks within 10 positions) or all of the softmax blocks kept for the backward."""
     from torchtune_grpo.rlhf import logprobs as lp
 
     calls = []
@@ -251,7 +254,7 @@ def test_fused_path_matches_naive_values_and_grads(chunk_size, forbid, entropy, 
     head, hidden, targets, bias, weights = _setup(forbid=forbid)
     fused = chunked_token_logprobs(hidden, head, targets, temperature=0.7, logit_bias=bias,
                                    chunk_size=chunk_size, return_entropy=entropy,
-                                   entropy_grad=False)
+                                   entropy_grad=False, keep_probs=keep_positions * V)
     assert calls, "the fused path was not taken"
     naive = naive_token_logprobs(head(hidden), targets, 0.7, bias, entropy)
     torch.testing.assert_close(fused[0], naive[0], rtol=1e-5, atol=1e-6)
@@ -292,3 +295,67 @@ def test_fused_path_forbidden_target_and_tied_bf16_weights():
     ref.sum().backward()
     torch.testing.assert_close(lp16, ref.detach(), rtol=0.02, atol=0.05)
     torch.testing.assert_close(h16.grad.float(), h32.grad, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("keep_positions, chunk_size, recomputed", [
+    (0, 5, 5),  # 21 positions in 5 chunks: every chunk recomputed in the backward
+    (10, 5, 3),  # the first two whole chunks (10 positions) kept
+    (12, 5, 3),  # a partial chunk is never kept
+    (N * T, 5, 0),  # everything kept
+    (N * T, 1024, 0),  # one chunk of all 21 positions
+])
+def test_kept_softmax_blocks_skip_the_recompute(keep_positions, chunk_size, recomputed,
+                                                monkeypatch):
+    """``keep_probs`` saves the backward's recomputation of exactly the kept chunks, and the
+    gradients stay those of the full recompute."""
+    from torchtune_grpo.rlhf import logprobs as lp
+
+    head, hidden, targets, bias, weights = _setup(forbid=True)
+    want = torch.autograd.grad((chunked_token_logprobs(
+        hidden, head, targets, logit_bias=bias, chunk_size=chunk_size)[0] * weights).sum(),
+        (hidden, head.weight))
+    calls = []
+    original = lp._chunk_scores
+    monkeypatch.setattr(lp, "_chunk_scores", lambda *a: calls.append(1) or original(*a))
+    logp, _ = chunked_token_logprobs(hidden, head, targets, logit_bias=bias,
+                                     chunk_size=chunk_size, keep_probs=keep_positions * V)
+    forward_calls = len(calls)
+    assert forward_calls == -(-N * T // chunk_size)
+    got = torch.autograd.grad((logp * weights).sum(), (hidden, head.weight), retain_graph=True)
+    assert len(calls) - forward_calls == recomputed
+    for a, b in zip(got, want):
+        assert b.abs().max() > 0
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # a second backward (retain_graph) no longer has the kept blocks: it recomputes them all
+    again = torch.autograd.grad((logp * weights).sum(), (hidden, head.weight))
+    for a, b in zip(again, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_kept_softmax_blocks_only_with_gradients_and_validated(monkeypatch):
+    """Without gradients nothing is kept (no memory held for a backward that never comes);
+    bf16 hidden states keep float32 blocks with the same gradients; bad budgets are rejected."""
+    from torchtune_grpo.rlhf import logprobs as lp
+
+    head, hidden, targets, _, weights = _setup()
+    seen = []
+    original = lp._FusedLinearLogProbs.forward
+    monkeypatch.setattr(lp._FusedLinearLogProbs, "forward", staticmethod(
+        lambda ctx, *a: seen.append(a[-1]) or original(ctx, *a)))
+    with torch.no_grad():
+        chunked_token_logprobs(hidden, head, targets, keep_probs=10**9)
+    chunked_token_logprobs(hidden.detach(), head.requires_grad_(False), targets, keep_probs=10**9)
+    head.requires_grad_(True)
+    assert seen == [0, 0]
+    h16 = hidden.detach().bfloat16().requires_grad_(True)
+    head16 = nn.Linear(D, V, bias=False).bfloat16()
+    grads = []
+    for keep in (0, 10**9):
+        logp, _ = chunked_token_logprobs(h16, head16, targets, chunk_size=4, keep_probs=keep)
+        grads.append(torch.autograd.grad((logp * weights).sum(), (h16, head16.weight)))
+    assert seen[-2:] == [0, 10**9]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0.01, atol=0.01)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="keep_probs"):
+            chunked_token_logprobs(hidden, head, targets, keep_probs=bad)

@@ -119,7 +119,19 @@ def test_kv_cache_logits_and_prompt_length():
     est = estimate_memory(cfg, prompt_tokens=30)
     d = est.dims
     assert est.components["kv_cache"] == 8 * d.num_layers * 2 * d.num_kv_heads * d.head_dim * 50 * 4
-    assert est.components["logits"] == FUSED_LOGIT_COPIES * 64 * d.vocab_size * 4  # fp32
+    # two reused blocks, and the kept softmax of all 8 x 20 response positions (fits 512 MiB)
+    assert est.components["logits"] == (FUSED_LOGIT_COPIES * 64 + 160) * d.vocab_size * 4
+    # a budget of whole chunks: 1 MiB holds 819 positions of 320 ids, i.e. 12 chunks of 64;
+    # 0 keeps nothing
+    cfg.logprob_keep_probs_mib = 0
+    assert (estimate_memory(cfg, prompt_tokens=30).components["logits"]
+            == FUSED_LOGIT_COPIES * 64 * d.vocab_size * 4)
+    big = _quickstart("batch_size=32", "group_size=8", "forward_batch_size=256",
+                      "max_generated_tokens=20", "logprob_chunk_size=64",
+                      "logprob_keep_probs_mib=1")
+    assert (estimate_memory(big, prompt_tokens=30).components["logits"]
+            == (FUSED_LOGIT_COPIES + 12) * 64 * d.vocab_size * 4)
+    cfg.logprob_keep_probs_mib = 512
     # an entropy bonus differentiates the entropy: the checkpointed path's blocks
     bonus = estimate_memory(_quickstart("batch_size=4", "group_size=8", "forward_batch_size=8",
                                         "max_generated_tokens=20", "logprob_chunk_size=64",
@@ -270,3 +282,18 @@ def test_tools_size_the_kv_cache_for_the_models_context():
     assert plain.components["kv_cache"] == per_position * 50
     assert multi.components["kv_cache"] == per_position * 256
     assert multi.peak_bytes >= plain.peak_bytes
+
+
+def test_rollout_counts_the_packed_weights_on_cpu_only():
+    """The native engine's oneDNN-reordered weights (CPU, fp32, one process): one more copy of
+    the body's linear weights and the output projection during the rollout."""
+    cfg = _quickstart("device=cpu", "dtype=fp32")
+    d = estimate_memory(cfg).dims
+    packed = estimate_memory(cfg).components["packed_weights"]
+    assert packed == (d.num_layers * d.layer_params + d.vocab_size * d.embed_dim) * 4
+    off = estimate_memory(_quickstart("device=cpu", "dtype=fp32",
+                                      "generator.packed_weights=false"))
+    assert off.components["packed_weights"] == 0
+    assert estimate_memory(cfg).phases["rollout"] - off.phases["rollout"] == packed
+    assert estimate_memory(_quickstart("device=cuda", "dtype=fp32")).components[
+        "packed_weights"] == 0

@@ -52,6 +52,7 @@ class _ResponseLogProbs:
     chunk_size: int
     return_entropy: bool
     entropy_grad: bool = True
+    keep_probs: int = 0
 
 
 @dataclass
@@ -65,6 +66,7 @@ class _PackedLogProbs:
     chunk_size: int
     return_entropy: bool
     entropy_grad: bool = True
+    keep_probs: int = 0
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,7 @@ def _unembed(self: nn.Module, h: torch.Tensor):
         chunk_size=mode.chunk_size,
         return_entropy=mode.return_entropy,
         entropy_grad=mode.entropy_grad,
+        keep_probs=mode.keep_probs,
     )
 
 
@@ -191,6 +194,7 @@ def response_logprobs(
     chunk_size: int = 1024,
     return_entropy: bool = False,
     entropy_grad: bool = True,
+    keep_probs: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs of the response part of ``tokens`` under ``model``.
 
@@ -207,6 +211,8 @@ def response_logprobs(
         return_entropy: also return the per-token entropy ``[N, T]``.
         entropy_grad: the entropy takes part in the loss (False: a metric only, computed once
             without a graph).
+        keep_probs: float32 softmax elements the forward may keep for the backward (see
+            :func:`~torchtune_grpo.rlhf.logprobs.chunked_token_logprobs`; 0: recompute).
 
     Returns:
         ``(logprobs [N, T] float32, entropy [N, T] or None)``.
@@ -220,6 +226,7 @@ def response_logprobs(
         chunk_size=chunk_size,
         return_entropy=return_entropy,
         entropy_grad=entropy_grad,
+        keep_probs=keep_probs,
     )
     assert num_response > 0, "response_logprobs needs at least one response token"
     with _mode(model, mode):
@@ -266,7 +273,7 @@ def micro_batch_logprobs(
         pack: run on the rows' real tokens laid end to end (see
             :func:`packed_micro_batch_logprobs`; 0 at every non-response position).
         **kwargs: ``temperature``, ``logit_bias``, ``chunk_size``, ``return_entropy``,
-            ``entropy_grad`` of :func:`response_logprobs`.
+            ``entropy_grad``, ``keep_probs`` of :func:`response_logprobs`.
 
     Returns:
         ``(logprobs [n, T] float32, entropy [n, T] or None)``.
@@ -330,6 +337,7 @@ def packed_micro_batch_logprobs(
     chunk_size: int = 1024,
     return_entropy: bool = False,
     entropy_grad: bool = True,
+    keep_probs: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of a micro-batch's response tokens, the model run on its real tokens only.
 
@@ -350,7 +358,7 @@ def packed_micro_batch_logprobs(
         response_mask: ``[n, T]`` True on generated tokens.
         tool_mask: ``[n, T]`` True on tool-result tokens (None: none). They are packed (later
             tokens attend to them) but get no log-prob: 0, like every non-response position.
-        temperature, logit_bias, chunk_size, return_entropy, entropy_grad: as for
+        temperature, logit_bias, chunk_size, return_entropy, entropy_grad, keep_probs: as for
             :func:`response_logprobs`.
 
     Returns:
@@ -384,7 +392,8 @@ def packed_micro_batch_logprobs(
     install_packed_attention(model)
     mode = _PackedLogProbs(index=index, targets=targets, temperature=temperature,
                            logit_bias=logit_bias, chunk_size=chunk_size,
-                           return_entropy=return_entropy, entropy_grad=entropy_grad)
+                           return_entropy=return_entropy, entropy_grad=entropy_grad,
+                           keep_probs=keep_probs)
     packed_tokens = tokens[present].unsqueeze(0)  # [1, S]
     input_pos = (present.long().cumsum(1) - 1)[present].unsqueeze(0)  # [1, S]
     with _mode(model, mode), _max_seq_len_at_least(model, packed_tokens.shape[1]):

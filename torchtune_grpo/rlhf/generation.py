@@ -225,6 +225,91 @@ def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (k * CDF_BLOCK + j).clamp_(max=v - 1)
 
 
+# ---------------------------------------------------------------------------- CPU GEMMs
+#: Inputs of at most this many rows (decode steps) use the packed weights of
+#: :func:`packed_linear_weights`; larger ones (prefill) the layer's own ``F.linear``.
+PACKED_MAX_ROWS = 64
+
+
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+                   ) -> torch.Tensor:
+    """``x @ W.T + bias`` by oneDNN from ``packed`` = ``_reorder_linear_weight(W)``."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _packable(weight: torch.Tensor) -> bool:
+    """Whether oneDNN can run ``x @ weight.T`` from a reordered copy of ``weight``."""
+    from torch.distributed.tensor import DTensor
+
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32
+            and not isinstance(weight, DTensor) and torch.backends.mkldnn.is_available())
+
+
+def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None
+                    ) -> Callable[..., torch.Tensor]:
+    """A linear forward that runs small inputs on a oneDNN-reordered copy of ``weight``."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    bias = None if bias is None else bias.detach()
+
+    def forward(x: torch.Tensor, *_ignored) -> torch.Tensor:
+        if x.numel() > PACKED_MAX_ROWS * x.shape[-1] or x.requires_grad:
+            return F.linear(x, weight, bias)
+        return _onednn_linear(x, packed, bias)
+
+    return forward
+
+
+@contextlib.contextmanager
+def packed_linear_weights(model: nn.Module, enabled: bool = True) -> Iterator[int]:
+    """Run ``model``'s small-batch linear layers on weights reordered for oneDNN; undo on exit.
+
+    CPU decoding multiplies ``[rows, D]`` activations (``rows`` = the decode batch, a few to a
+    few dozen) by every weight once per step. For such skinny products ``F.linear`` (MKL) runs
+    far below the CPU's matmul rate (measured 2.5x slower than this path for a 49,152 x 576
+    output projection at 8 rows, 1.2-1.5x for the body's projections). oneDNN's
+    ``_linear_pointwise`` on a weight reordered once (``_reorder_linear_weight``) is faster, so
+    for the duration of a rollout every plain ``nn.Linear`` (and torchtune's ``TiedLinear``
+    output projection) whose weight is a float32 CPU tensor gets an instance ``forward`` that
+    uses the reordered copy for inputs of at most :data:`PACKED_MAX_ROWS` rows (prefill keeps
+    ``F.linear``, which is as fast there). Results agree with ``F.linear`` to float32 rounding
+    of a different summation order (log-probs of SmolLM2-135M: ~5e-5, sampled tokens equal).
+
+    Untouched: LoRA/DoRA layers (base weights and adapters), FSDP-sharded weights (``DTensor``),
+    other dtypes and devices, and builds without oneDNN. The copy costs the reordered weights' memory (about one more copy of
+    the packed layers) for the rollout, and one pass over them to make (~0.3 s for 135M
+    parameters on 2 cores).
+
+    Args:
+        model: a torchtune decoder.
+        enabled: False makes this a no-op.
+
+    Yields:
+        int: the number of layers that use packed weights (0 when none could).
+    """
+    from torchtune.modules import TiedLinear
+
+    patched: list[nn.Module] = []
+    try:
+        if enabled:
+            adapters = {id(sub) for module in model.modules() if hasattr(module, "adapter_params")
+                        for sub in module.modules()}  # LoRA/DoRA layers and their adapters
+            for module in model.modules():
+                if (type(module) is nn.Linear and "forward" not in module.__dict__
+                        and id(module) not in adapters and _packable(module.weight)):
+                    module.forward = _packed_forward(module.weight, module.bias)
+                    patched.append(module)
+            for module in model.modules():  # the tied output projection is no submodule
+                output = module.__dict__.get("output")
+                if (isinstance(output, TiedLinear) and "forward" not in output.linear.__dict__
+                        and _packable(output.tied_module.weight)):
+                    output.linear.forward = _packed_forward(output.tied_module.weight, None)
+                    patched.append(output.linear)
+        yield len(patched)
+    finally:
+        for module in patched:
+            module.__dict__.pop("forward", None)
+
+
 # ---------------------------------------------------------------------------- KV cache
 def attention_modules(model: nn.Module) -> list[MultiHeadAttention]:
     """The self-attention modules of ``model``, in layer order (FSDP-wrapped or not)."""
@@ -694,6 +779,7 @@ def generate_trajectory(
     group_size: int,
     forward_batch_size: int,
     prompt_seeds: torch.Tensor | None = None,
+    packed_weights: bool = True,
     **kwargs,
 ) -> Trajectory:
     """Sample ``group_size`` completions for each prompt, ``forward_batch_size`` rows at a time.
@@ -711,6 +797,8 @@ def generate_trajectory(
         prompt_seeds: ``[B]`` int64, one seed per prompt; sample ``g`` of prompt ``b`` uses
             ``mix_seeds(prompt_seeds[b], g)``, so a completion depends only on its prompt's seed
             and its index in the group (needed when ``temperature > 0``).
+        packed_weights: on CPU, decode on oneDNN-reordered weights made once for the whole
+            rollout (:func:`packed_linear_weights`; not with ``compile_decode``).
         **kwargs: passed to :func:`generate_micro_batch`.
 
     Returns:
@@ -730,13 +818,14 @@ def generate_trajectory(
             max_len=tokens.shape[1] + int(kwargs["max_generated_tokens"]), dtype=dtype,
             device=tokens.device,
         )
-    parts = [
-        generate_micro_batch(
-            model, tokens[i : i + forward_batch_size], mask[i : i + forward_batch_size],
-            seeds=None if seeds is None else seeds[i : i + forward_batch_size], **kwargs,
-        )
-        for i in range(0, tokens.shape[0], forward_batch_size)
-    ]
+    with packed_linear_weights(model, packed_weights and not kwargs.get("compile_decode")):
+        parts = [
+            generate_micro_batch(
+                model, tokens[i : i + forward_batch_size], mask[i : i + forward_batch_size],
+                seeds=None if seeds is None else seeds[i : i + forward_batch_size], **kwargs,
+            )
+            for i in range(0, tokens.shape[0], forward_batch_size)
+        ]
     return concat_trajectories(parts)
 
 
@@ -751,10 +840,15 @@ class NativeGenerator(Generator):
     Args:
         compile_decode (bool): run the decode steps through ``torch.compile`` with static
             shapes (single device; see :func:`generate_micro_batch`).
+        packed_weights (bool): on CPU, run the rollout's small-batch linear layers on weights
+            reordered once per rollout for oneDNN (:func:`packed_linear_weights`): faster
+            decoding, one more copy of those weights while the rollout runs. No effect on GPU,
+            with FSDP-sharded weights or with ``compile_decode``.
     """
 
-    def __init__(self, compile_decode: bool = False) -> None:
+    def __init__(self, compile_decode: bool = False, packed_weights: bool = True) -> None:
         self.compile_decode = bool(compile_decode)
+        self.packed_weights = bool(packed_weights)
 
     def setup(self, context: GenerationContext) -> None:
         """Nothing to prepare: generation runs on the policy module itself.
@@ -774,7 +868,8 @@ class NativeGenerator(Generator):
         :meth:`torchtune_grpo.rlhf.generator.Generator.generate`.
         """
         return generate_trajectory(model, prompt_tokens, prompt_mask,
-                                   compile_decode=self.compile_decode, **options)
+                                   compile_decode=self.compile_decode,
+                                   packed_weights=self.packed_weights, **options)
 
     def needs_policy_logprobs(self, *, top_k: int | None) -> bool:
         """False: the engine's log-probs are the policy's (tempered, full allowed vocabulary)."""

@@ -100,12 +100,18 @@ class _FusedLinearLogProbs(torch.autograd.Function):
 
     Forward inputs: ``hidden [M, D]``, ``weight [V, D]``, ``targets [M]``, ``bias [V]`` float32
     (finite; forbidden ids at ``_FORBIDDEN_LOGIT``) or None, ``temperature``, ``chunk_size``,
-    ``want_entropy``. Outputs ``logp [M]`` float32 and ``entropy [M]`` float32 (empty when not
-    wanted; never differentiable). Saves ``hidden``, ``weight`` and ``targets`` only.
+    ``want_entropy``, ``keep_probs`` (float32 elements). Outputs ``logp [M]`` float32 and
+    ``entropy [M]`` float32 (empty when not wanted; never differentiable). Saves ``hidden``,
+    ``weight`` and ``targets``, and the softmax ``[m, V]`` of the first chunks, as long as
+    their elements stay within ``keep_probs``: the backward uses those instead of recomputing
+    the chunk's logits and softmax (one output-projection matmul and one softmax pass fewer per
+    kept chunk). Kept blocks are consumed by the first backward (turned into the logits'
+    gradient in place); a second backward (``retain_graph``) recomputes every chunk.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, bias, temperature, chunk_size, want_entropy):
+    def forward(ctx, hidden, weight, targets, bias, temperature, chunk_size, want_entropy,
+                keep_probs):
         m_total, v = hidden.shape[0], weight.shape[0]
         rows = min(chunk_size, m_total)
         buf = hidden.new_empty((rows, v), dtype=torch.float32)
@@ -113,10 +119,22 @@ class _FusedLinearLogProbs(torch.autograd.Function):
         probs = hidden.new_empty((rows, v), dtype=torch.float32) if want_entropy else None
         logp = hidden.new_empty(m_total, dtype=torch.float32)
         entropy = hidden.new_empty(m_total if want_entropy else 0, dtype=torch.float32)
+        kept: list[Tensor] = []
         for s in range(0, m_total, chunk_size):
             e = min(s + chunk_size, m_total)
             z = _chunk_scores(hidden[s:e], weight, temperature, bias, buf, low)
             y = targets[s:e].unsqueeze(1)
+            if s == len(kept) * chunk_size and e * v <= keep_probs:
+                # softmax kept for the backward; log p_y = z_y - logsumexp(z), the logsumexp
+                # read off the largest probability (>= 1 / V, so its log is exact to rounding)
+                p = torch._softmax(z, 1, False)
+                top = z.argmax(1, keepdim=True)
+                lse = (z.gather(1, top) - p.gather(1, top).log()).squeeze(1)
+                logp[s:e] = z.gather(1, y).squeeze(1) - lse
+                if want_entropy:  # H = logsumexp(z) - sum_v p_v z_v
+                    entropy[s:e] = lse - torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).view(-1)
+                kept.append(p)
+                continue
             if want_entropy:
                 # H = logsumexp(z) - sum_v p_v z_v; logsumexp(z) = max(z) - max(log_softmax(z))
                 p = probs[: e - s]
@@ -130,7 +148,7 @@ class _FusedLinearLogProbs(torch.autograd.Function):
         # a forbidden target has log-prob -inf, as in the unfused path
         logp.masked_fill_(logp < _FORBIDDEN_LOGIT / 2, float("-inf"))
         ctx.save_for_backward(hidden, weight, targets, bias)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.temperature, ctx.chunk_size, ctx.kept = temperature, chunk_size, kept
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
@@ -138,22 +156,28 @@ class _FusedLinearLogProbs(torch.autograd.Function):
     def backward(ctx, grad_logp, _grad_entropy):
         hidden, weight, targets, bias = ctx.saved_tensors
         temperature, chunk_size = ctx.temperature, ctx.chunk_size
+        kept, ctx.kept = ctx.kept, []  # consumed: a second backward recomputes
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         m_total, v = hidden.shape[0], weight.shape[0]
         rows = min(chunk_size, m_total)
-        buf = hidden.new_empty((rows, v), dtype=torch.float32)
+        recompute = m_total > len(kept) * chunk_size
+        buf = hidden.new_empty((rows, v), dtype=torch.float32) if recompute else None
         low = None if hidden.dtype == torch.float32 else hidden.new_empty((rows, v))
-        probs = hidden.new_empty((rows, v), dtype=torch.float32)
+        probs = hidden.new_empty((rows, v), dtype=torch.float32) if recompute else None
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
             if need_w else None
         # d logp_i / d z_i = onehot(y_i) - softmax(z_i); d z / d logits = 1 / temperature
         g = grad_logp.float() / temperature
-        for s in range(0, m_total, chunk_size):
+        for i, s in enumerate(range(0, m_total, chunk_size)):
             e = min(s + chunk_size, m_total)
-            z = _chunk_scores(hidden[s:e], weight, temperature, bias, buf, low)
-            p = probs[: e - s]
-            torch._softmax(z, 1, False, out=p)
+            if i < len(kept):
+                p = kept[i]
+                kept[i] = None  # freed as soon as this chunk is done
+            else:
+                z = _chunk_scores(hidden[s:e], weight, temperature, bias, buf, low)
+                p = probs[: e - s]
+                torch._softmax(z, 1, False, out=p)
             gs = g[s:e]
             p.mul_(-gs.unsqueeze(1))
             p.scatter_add_(1, targets[s:e].unsqueeze(1), gs.unsqueeze(1))
@@ -165,9 +189,10 @@ class _FusedLinearLogProbs(torch.autograd.Function):
                     grad_w.addmm_(grad_z.t(), hidden[s:e])
                 else:
                     grad_w.add_((grad_z.t() @ hidden[s:e]).float())
+            del p, grad_z
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def _check_common(temperature: float, logit_bias: Tensor | None) -> None:
@@ -297,6 +322,7 @@ def chunked_token_logprobs(
     return_entropy: bool = False,
     entropy_grad: bool = True,
     fused: bool = True,
+    keep_probs: int = 0,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs computed chunk by chunk from the final hidden states.
 
@@ -328,6 +354,11 @@ def chunked_token_logprobs(
             bias or ``TiedLinear``), and no entropy gradient, use the fused autograd function
             (same values and gradients to float rounding, reused buffers, no saved logits);
             ``False`` forces the checkpointed chunks.
+        keep_probs (int): fused path with gradients only: float32 elements of softmax blocks
+            the forward may keep for the backward (whole chunks, from the first one, while
+            ``positions x V`` stays within it); the backward then skips recomputing those
+            chunks' logits and softmax. Costs ``4 x keep_probs`` bytes at most between the
+            forward and the backward; 0 (default) recomputes every chunk.
 
     Returns:
         tuple[Tensor, Tensor | None]: ``[N, T]`` float32 log-probs and, if ``return_entropy``,
@@ -356,8 +387,12 @@ def chunked_token_logprobs(
         if logit_bias is not None:
             bias = logit_bias.to(device=hidden.device, dtype=torch.float32).clamp(
                 min=_FORBIDDEN_LOGIT)
+        if isinstance(keep_probs, bool) or not isinstance(keep_probs, int) or keep_probs < 0:
+            raise ValueError(f"keep_probs must be an integer >= 0, got {keep_probs!r}")
+        grads = torch.is_grad_enabled() and (flat_hidden.requires_grad or weight.requires_grad)
         logp, ent = _FusedLinearLogProbs.apply(
-            flat_hidden, weight, flat_targets, bias, temperature, chunk_size, return_entropy)
+            flat_hidden, weight, flat_targets, bias, temperature, chunk_size, return_entropy,
+            keep_probs if grads else 0)
         return logp.view(n, t), (ent.view(n, t) if return_entropy else None)
 
     def chunk_fn(h: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
