@@ -274,10 +274,10 @@ def packed_linear_weights(model: nn.Module, enabled: bool = True) -> Iterator[in
     ``F.linear``, which is as fast there). Results agree with ``F.linear`` to float32 rounding
     of a different summation order (log-probs of SmolLM2-135M: ~5e-5, sampled tokens equal).
 
-    Untouched: LoRA/DoRA layers (base weights and adapters), FSDP-sharded weights (``DTensor``),
-    other dtypes and devices, and builds without oneDNN. The copy costs the reordered weights' memory (about one more copy of
-    the packed layers) for the rollout, and one pass over them to make (~0.3 s for 135M
-    parameters on 2 cores).
+    Untouched: LoRA/DoRA layers (base weights and adapters), FSDP-sharded weights
+    (``DTensor``), other dtypes and devices, and builds without oneDNN. The copies cost one
+    more copy of the packed weights' memory for the rollout, and one pass over them to make
+    (~0.3 s for 135M parameters on 2 cores).
 
     Args:
         model: a torchtune decoder.
