@@ -91,23 +91,34 @@ def matmul_flops_per_second(size: int = 1024, repeats: int = 8) -> float:
     return 2 * size**3 / best
 
 
-def decode_matmul_flops_per_second(model: torch.nn.Module, rows: int, repeats: int = 5) -> float:
+def decode_matmul_flops_per_second(model: torch.nn.Module, rows: int, repeats: int = 5,
+                                   kernel: str = "linear") -> float:
     """Best rate of one decode step's matmuls: every weight of ``model`` applied to ``rows``.
 
     The weights are used in model order, so (as in a real decode step) each is read from
     memory rather than cache once the model outgrows the cache; ``rows`` is the decode batch.
     This is the rate a decode step's linear layers can reach here, which for small ``rows`` is
-    well below the square-matmul rate.
+    well below the square-matmul rate. ``kernel``: ``"linear"`` times ``F.linear`` (MKL on
+    CPU); ``"onednn"`` times oneDNN on weights reordered beforehand, as the native engine's
+    ``packed_weights`` decodes on CPU.
     """
     weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
     if not isinstance(getattr(model, "output", None), torch.nn.Linear):
         weights.append(model.tok_embeddings.weight.detach())  # tied output projection
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
     work = sum(2 * rows * w.shape[0] * w.shape[1] for w in weights)
+    if kernel == "onednn":
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
 
-    def step():
-        for w in weights:
-            torch.nn.functional.linear(inputs[w.shape[1]], w)
+        def step():
+            for w, p in zip(weights, packed):
+                torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
+    elif kernel == "linear":
+        def step():
+            for w in weights:
+                torch.nn.functional.linear(inputs[w.shape[1]], w)
+    else:
+        raise ValueError(f"kernel must be 'linear' or 'onednn', got {kernel!r}")
 
     step()
     best = min(_timed(step) for _ in range(repeats))

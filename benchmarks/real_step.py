@@ -32,15 +32,17 @@ Bounds, measured in the same invocation (the machine is shared: the load average
   or sample is needed, causal attention; the update is 3x a forward) at the square-matmul rate
   (``matmul_flops_per_second``); also the rough ``6 x params x tokens`` of the update.
 * update, also timed: every matmul of the update (body linears forward and backward at the
-  step's real token count, the fused output projection's four at its response tokens) timed
+  step's real token count, the fused output projection's three at its response tokens) timed
   at the model's own shapes in the same invocation (``update_matmul_seconds``): what the
   CPU's GEMM gives at those shapes, as the decode bound (b) below is for decoding.
 * decoding, two bounds: (a) weight bandwidth: every decode step reads all weights once
   (``params x 4`` bytes) at the memory read bandwidth measured now (best sum over a 512 MiB
   tensor); (b) timed matmuls: one decode step's matmuls (every weight of this model applied to
   ``[rows, D]``, as ``decode_matmul_flops_per_second``) timed here for each active batch size
-  ``rows`` = 1..8, summed over the decode steps with the rows that are really still running
-  (ideal) and with the rows the engine keeps in its batch (its shrink rule).
+  ``rows`` = 1..8, with ``F.linear`` and with oneDNN on reordered weights (what the engine's
+  ``packed_weights`` runs), the faster of the two per batch size, summed over the decode
+  steps with the rows that are really still running (ideal) and with the rows the engine
+  keeps in its batch (its shrink rule). The ``F.linear``-only sum is printed as well.
 
 Usage::
 
@@ -120,11 +122,13 @@ def memory_read_bytes_per_second(mib: int = 512, repeats: int = 5) -> float:
     return x.numel() * 4 / best
 
 
-def decode_step_seconds(model, rows: list[int], repeats: int = 5) -> dict[int, float]:
+def decode_step_seconds(model, rows: list[int], repeats: int = 5,
+                        kernel: str = "linear") -> dict[int, float]:
     """Seconds of one decode step's matmuls of ``model`` for each active batch size in ``rows``.
 
     Every weight of the model (the tied output projection included) applied to a ``[r, D]``
-    input, in model order, best of ``repeats`` (``decode_matmul_flops_per_second``).
+    input, in model order, best of ``repeats`` (``decode_matmul_flops_per_second`` with
+    ``kernel``: ``"linear"`` for ``F.linear``, ``"onednn"`` for reordered weights).
     """
     sys.path.insert(0, str(REPO / "benchmarks"))
     import torch
@@ -134,18 +138,21 @@ def decode_step_seconds(model, rows: list[int], repeats: int = 5) -> dict[int, f
     if not isinstance(getattr(model, "output", None), torch.nn.Linear):
         weights.append(model.tok_embeddings.weight)
     per_row = sum(2 * w.shape[0] * w.shape[1] for w in weights)
-    return {r: per_row * r / decode_matmul_flops_per_second(model, rows=r, repeats=repeats)
+    return {r: per_row * r / decode_matmul_flops_per_second(model, rows=r, repeats=repeats,
+                                                            kernel=kernel)
             for r in rows}
 
 
-def update_matmul_seconds(model, tokens: int, scored: int, repeats: int = 3) -> float:
+def update_matmul_seconds(model, tokens: int, scored: int, repeats: int = 3,
+                          keep_probs: int = 512 * 2**20 // 4) -> float:
     """Seconds of the update's matmuls at this model's own shapes, timed now.
 
     For every ``nn.Linear`` of the body: its forward ``x @ W.T``, and the two matmuls of its
     backward (``g @ W`` and ``g.T @ x``), at ``x [tokens, in]``, ``g [tokens, out]``. For the
-    (tied) output projection at the ``scored`` response positions: the four matmuls of the
-    fused log-prob function (forward logits, their recomputation in the backward, the
-    gradients of the hidden states and of the weight). Each distinct shape is timed once (best
+    (tied) output projection at the ``scored`` response positions: the matmuls of the fused
+    log-prob function (forward logits, the gradients of the hidden states and of the weight,
+    and the logits' recomputation in the backward when ``scored x V`` exceeds ``keep_probs``,
+    the default ``logprob_keep_probs_mib`` in float32 elements). Each distinct shape is timed once (best
     of ``repeats``) and counted as often as it occurs. Attention's own products (small at these
     lengths) and everything elementwise are left out: a lower bound for the update's matmuls
     as the CPU's GEMM runs them at these shapes, next to the FLOP count at the square rate.
@@ -177,7 +184,9 @@ def update_matmul_seconds(model, tokens: int, scored: int, repeats: int = 3) -> 
         vocab, dim = output.shape
         w, h = torch.randn(vocab, dim), torch.randn(scored, dim)
         z = torch.randn(scored, vocab)
-        total += 2 * best(lambda: h @ w.t()) + best(lambda: z @ w) + best(lambda: z.t() @ h)
+        forwards = 1 if scored * vocab <= keep_probs else 2
+        total += (forwards * best(lambda: h @ w.t()) + best(lambda: z @ w)
+                  + best(lambda: z.t() @ h))
     return total
 
 
@@ -213,12 +222,19 @@ def decode_schedule(response_lengths: list[int], stopped: list[bool], max_new: i
 
 def measure_rates(model, micro_batch: int) -> dict:
     """The square-matmul FLOP rate, the memory read bandwidth and the decode-step matmul
-    seconds for 1..``micro_batch`` active rows, measured now."""
+    seconds for 1..``micro_batch`` active rows, measured now: ``decode_s`` with ``F.linear``,
+    ``decode_onednn_s`` with oneDNN on reordered weights (when this torch has oneDNN)."""
+    import torch
+
     sys.path.insert(0, str(REPO / "benchmarks"))
     from generation import matmul_flops_per_second
 
-    return {"flops": matmul_flops_per_second(), "read_bw": memory_read_bytes_per_second(),
-            "decode_s": decode_step_seconds(model, list(range(1, micro_batch + 1)))}
+    rows = list(range(1, micro_batch + 1))
+    out = {"flops": matmul_flops_per_second(), "read_bw": memory_read_bytes_per_second(),
+           "decode_s": decode_step_seconds(model, rows)}
+    if torch.backends.mkldnn.is_available():
+        out["decode_onednn_s"] = decode_step_seconds(model, rows, kernel="onednn")
+    return out
 
 
 def weight_bytes(model) -> int:
@@ -456,10 +472,17 @@ def main(argv: list[str] | None = None) -> int:
     # the machine is shared: the best of the two measurements is the tighter bound
     flops = max(before["flops"], after["flops"])
     read_bw = max(before["read_bw"], after["read_bw"])
-    decode_s = {r: min(before["decode_s"].get(r, float("inf")), after["decode_s"][r])
-                for r in after["decode_s"]}
-    for r in sorted(decode_s, reverse=True)[1:]:  # fewer rows never cost more (pad to more)
-        decode_s[r] = min(decode_s[r], decode_s[r + 1])
+
+    def best_of(key: str) -> dict[int, float]:
+        times = {r: min(before.get(key, {}).get(r, float("inf")),
+                        after.get(key, {}).get(r, float("inf"))) for r in after["decode_s"]}
+        for r in sorted(times, reverse=True)[1:]:  # fewer rows never cost more (pad to more)
+            times[r] = min(times[r], times[r + 1])
+        return times
+
+    decode_linear_s = best_of("decode_s")
+    # the bound: the faster of the two kernels at each batch size
+    decode_s = {r: min(t, best_of("decode_onednn_s")[r]) for r, t in decode_linear_s.items()}
 
     ours = results["ours"]
     print("timing the update's matmuls at the model's shapes ...", flush=True)
@@ -473,6 +496,11 @@ def main(argv: list[str] | None = None) -> int:
                              decode_seconds=decode_s) for s in ours["steps"]]
     for bounds, s in zip(per_step, ours["steps"]):
         bounds["update_matmul_s"] = s["update_matmul_s"]
+        bounds["generation_linear_matmul_s"] = phase_bounds(
+            model, s["prompt_lengths"], s["response_lengths"], s["stopped"],
+            group_size=GROUP_SIZE, max_new=args.new_tokens, micro_batch=micro,
+            flops_per_second=flops, read_bytes_per_second=read_bw,
+            decode_seconds=decode_linear_s)["generation_matmul_s"]
     b = {k: sum(s[k] for s in per_step) / len(per_step) for k in per_step[0]}
     m = ours["mean"]
     trl = results.get("trl")
@@ -484,8 +512,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{load_after[0]:.1f} after")
     print(f"rates measured now (best of before/after the runs): {flops / 1e9:.0f} GFLOP/s "
           "square fp32 matmul, "
-          f"{read_bw / 1e9:.1f} GB/s memory read; one decode step's matmuls: "
-          + ", ".join(f"{r} rows {decode_s[r] * 1e3:.0f} ms" for r in (1, micro // 2, micro)))
+          f"{read_bw / 1e9:.1f} GB/s memory read; one decode step's matmuls (F.linear / best "
+          "of F.linear and oneDNN on reordered weights): "
+          + ", ".join(f"{r} rows {decode_linear_s[r] * 1e3:.0f} / {decode_s[r] * 1e3:.0f} ms"
+                      for r in (1, micro // 2, micro)))
     print(f"our rollouts: {m['generated_tokens']:.0f} generated tokens/step "
           f"({m['generated_tokens'] / m['generation']:.1f} tok/s), {b['decode_calls']:.0f} decode "
           f"calls, {b['decode_row_steps_ideal']:.0f} row-steps needed vs "
@@ -512,6 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     tget = (lambda k: trl["mean"].get(k)) if trl else (lambda k: None)
     row("generation", m["generation"], tget("generation"), "prefill FLOP+decode matmul",
         b["generation_matmul_s"])
+    row("", m["generation"], None, "same, F.linear only", b["generation_linear_matmul_s"])
     row("", m["generation"], None, "prefill FLOP+engine rows", b["prefill_s"]
         + b["decode_matmul_engine_s"])
     row("", m["generation"], None, "prefill FLOP+weight bw", b["generation_bandwidth_s"])
@@ -537,7 +568,9 @@ def main(argv: list[str] | None = None) -> int:
             "load_average_before": load_before, "load_average_after": load_after,
             "prompts": str(GSM8K) if GSM8K.exists() else "synthetic",
             "rates": {"matmul_flops_per_second": flops, "memory_read_bytes_per_second": read_bw,
-                      "decode_step_seconds": decode_s, "before": before, "after": after},
+                      "decode_step_seconds": decode_s,
+                      "decode_step_seconds_linear": decode_linear_s,
+                      "before": before, "after": after},
             "bounds_mean": b, "bounds_per_step": per_step, "table": rows,
             "trl_version": trl_version,
             "results": {k: {kk: vv for kk, vv in v.items() if kk != "prompts"}

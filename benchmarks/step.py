@@ -45,10 +45,11 @@ as in ``benchmarks/generation.py``). FLOPs count real tokens only (no padding): 
 linear layers (``2 x body params`` per token), the output projection (``2 x V x D``) where a
 log-prob or a sample is needed, and causal attention (``4 x layers x D_attn`` per query-key
 pair). Generation prefills each distinct prompt once and decodes every row; reference is one
-forward; update is the forward plus a backward of twice its cost (``3x``; the recomputation
-of the output projection in the backward is not counted, so the bound is optimistic).
-Generation also gets a decode bound: its decode steps at the rate this model's own weights
-reach as ``[rows, D] @ W`` matmuls (``decode_matmul_flops_per_second``).
+forward; update is the forward plus a backward of twice its cost (``3x``; the update keeps
+the forward's softmax for the backward at this shape, ``logprob_keep_probs_mib``, so nothing is
+recomputed). Generation also gets a decode bound: its decode steps at the rate this model's own
+weights reach as ``[rows, D] @ W`` matmuls (``decode_matmul_flops_per_second``, the faster of
+``F.linear`` and oneDNN on reordered weights, which the native engine decodes with on CPU).
 
 Usage::
 
@@ -395,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
         write_hf_checkpoint(model, workdir / "model", DIMS)
         flops = matmul_flops_per_second()
         decode_rate = decode_matmul_flops_per_second(model, rows=32)
+        if torch.backends.mkldnn.is_available():  # the native engine's packed weights
+            decode_rate = max(decode_rate, decode_matmul_flops_per_second(model, rows=32,
+                                                                          kernel="onednn"))
         del model
         for variant in args.variants:
             print(f"running {variant} ...", flush=True)

@@ -92,6 +92,11 @@ def test_phase_bounds_on_a_tiny_model_are_positive_and_consistent():
     model = tiny_llama()
     decode_s = module.decode_step_seconds(model, [1, 2, 3, 4], repeats=2)
     assert all(s > 0 for s in decode_s.values())
+    if torch.backends.mkldnn.is_available():  # the engine's packed-weight kernel, timed too
+        onednn = module.decode_step_seconds(model, [1, 4], repeats=2, kernel="onednn")
+        assert set(onednn) == {1, 4} and all(s > 0 for s in onednn.values())
+    with pytest.raises(ValueError, match="kernel"):
+        module.decode_step_seconds(model, [1], repeats=1, kernel="mkl")
     kwargs = dict(group_size=2, max_new=6, micro_batch=4, flops_per_second=1e10,
                   read_bytes_per_second=1e10, decode_seconds=decode_s)
     b = module.phase_bounds(model, [5, 5, 3, 3], [6, 2, 4, 6], [False, True, True, False],
