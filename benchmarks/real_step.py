@@ -152,10 +152,11 @@ def update_matmul_seconds(model, tokens: int, scored: int, repeats: int = 3,
     (tied) output projection at the ``scored`` response positions: the matmuls of the fused
     log-prob function (forward logits, the gradients of the hidden states and of the weight,
     and the logits' recomputation in the backward when ``scored x V`` exceeds ``keep_probs``,
-    the default ``logprob_keep_probs_mib`` in float32 elements). Each distinct shape is timed once (best
-    of ``repeats``) and counted as often as it occurs. Attention's own products (small at these
-    lengths) and everything elementwise are left out: a lower bound for the update's matmuls
-    as the CPU's GEMM runs them at these shapes, next to the FLOP count at the square rate.
+    the default ``logprob_keep_probs_mib`` in float32 elements). Each distinct shape is timed
+    once (best of ``repeats``) and counted as often as it occurs. Attention's own products
+    (small at these lengths) and everything elementwise are left out: a lower bound for the
+    update's matmuls as the CPU's GEMM runs them at these shapes, next to the FLOP count at the
+    square rate.
     """
     import collections
 

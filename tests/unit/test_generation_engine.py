@@ -461,3 +461,32 @@ def test_packed_linear_weights_scope_and_fallbacks(setup, monkeypatch):
         # k_proj, output_proj, w1, w2, w3 and the tied output; q_proj and v_proj are LoRA
         assert count == 5 + 1
         assert "forward" not in lora.layers[0].attn.q_proj.lora_a.__dict__
+
+
+# ---------------------------------------------------------------------------- rotary
+@pytest.mark.parametrize("scaled", [False, True])
+def test_rotate_equals_torchtune_rope_and_reuses_the_step_angles(scaled, monkeypatch):
+    """The one-kernel rotation equals torchtune's rotary forward (plain and Llama 3 scaled),
+    gathers the angles once per ``input_pos`` tensor (all layers of a decode step), and gathers
+    again for a new or modified ``input_pos``."""
+    from torchtune.models.llama3_1._position_embeddings import Llama3ScaledRoPE
+    from torchtune.modules import RotaryPositionalEmbeddings
+
+    rope = (Llama3ScaledRoPE(16, 64, 10000) if scaled
+            else RotaryPositionalEmbeddings(16, 64, 10000))
+    torch.manual_seed(0)
+    x = torch.randn(3, 2, 4, 16)
+    pos = torch.tensor([[5, 6], [0, 1], [40, 41]])
+    torch.testing.assert_close(gen._rotate(rope, x, pos), rope(x, input_pos=pos),
+                               atol=1e-6, rtol=0)
+    angles = rope.__dict__["_grpo_angles"][2]
+    y = torch.randn(3, 2, 2, 16)  # another layer (fewer heads), same step
+    torch.testing.assert_close(gen._rotate(rope, y, pos), rope(y, input_pos=pos),
+                               atol=1e-6, rtol=0)
+    assert rope.__dict__["_grpo_angles"][2] is angles
+    pos.add_(1)  # modified in place: gathered again
+    torch.testing.assert_close(gen._rotate(rope, x, pos), rope(x, input_pos=pos),
+                               atol=1e-6, rtol=0)
+    assert rope.__dict__["_grpo_angles"][2] is not angles
+    # no positions: the module's own forward
+    torch.testing.assert_close(gen._rotate(rope, x, None), rope(x), atol=0, rtol=0)
