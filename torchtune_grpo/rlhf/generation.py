@@ -272,7 +272,10 @@ def packed_linear_weights(model: nn.Module, enabled: bool = True) -> Iterator[in
     output projection) whose weight is a float32 CPU tensor gets an instance ``forward`` that
     uses the reordered copy for inputs of at most :data:`PACKED_MAX_ROWS` rows (prefill keeps
     ``F.linear``, which is as fast there). Results agree with ``F.linear`` to float32 rounding
-    of a different summation order (log-probs of SmolLM2-135M: ~5e-5, sampled tokens equal).
+    of a different summation order (SmolLM2-135M's logits, of magnitude ~100, move by ~1e-4,
+    its log-probs by ~5e-5), so a sampled token can differ where a row's uniform draw falls
+    within that rounding of a CDF boundary: rollouts are reproducible for a given setting,
+    and equal between the settings in the tiny-model tests, not always on a real model.
 
     Untouched: LoRA/DoRA layers (base weights and adapters), FSDP-sharded weights
     (``DTensor``), other dtypes and devices, and builds without oneDNN. The copies cost one

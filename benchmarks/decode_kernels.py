@@ -1,0 +1,110 @@
+"""Rollout seconds with the native engine's packed (oneDNN-reordered) weights on and off, A/B.
+
+On a shared machine the speed drifts by tens of percent between runs, so the two settings are
+timed alternately in one process: the recipe is built once, then ``--rollouts`` rollouts of
+the same prompts are run with ``NativeGenerator.packed_weights`` off and on, in turn (after one
+warm-up rollout each). Prints every time and the medians, and checks that both settings
+sample the same tokens.
+
+Shapes:
+
+* ``--shape step``: ``benchmarks/step.py``'s (2 layers, dim 128, vocab 128,256, 4 prompts x 8
+  samples x 32 new tokens, random weights);
+* ``--shape smollm2``: ``benchmarks/real_step.py``'s (SmolLM2-135M-Instruct, 2 prompts x 4 x
+  ``--new-tokens``; needs ``tune-grpo prepare-model smollm2``).
+
+Usage::
+
+    python benchmarks/decode_kernels.py --shape step --rollouts 4
+    python benchmarks/decode_kernels.py --shape smollm2 --new-tokens 64 --rollouts 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def build_recipe(shape: str, workdir: Path, new_tokens: int, model_dir: Path):
+    """A set-up ``GRPORecipe`` at ``shape`` (see the module docstring)."""
+    import torch
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from torchtune_grpo.recipe import GRPORecipe
+
+    if shape == "step":
+        import step
+
+        from torchtune_grpo.tiny import tiny_llama, write_hf_checkpoint
+
+        torch.manual_seed(0)
+        write_hf_checkpoint(tiny_llama(**step.DIMS), workdir / "model", step.DIMS)
+        cfg = step.build_config(workdir, "cpu", new_tokens)
+    else:
+        import real_step
+
+        cfg = real_step.build_config(workdir, model_dir, new_tokens)
+    recipe = GRPORecipe(cfg)
+    recipe.setup()
+    return recipe
+
+
+def ab(recipe, rollouts: int) -> dict:
+    """``{False: [seconds], True: [seconds], "same_tokens": bool}`` over alternating rollouts."""
+    batch = recipe.batches.batch(0)
+    times: dict = {False: [], True: []}
+    tokens = {}
+    for packed in (False, True):  # warm-up of each setting
+        recipe.generator.packed_weights = packed
+        recipe.rollout(batch)
+    for _ in range(rollouts):
+        for packed in (False, True):
+            recipe.generator.packed_weights = packed
+            t0 = time.perf_counter()
+            traj = recipe.rollout(batch)
+            times[packed].append(time.perf_counter() - t0)
+            tokens[packed] = traj.tokens
+    times["same_tokens"] = bool(tokens[False].shape == tokens[True].shape
+                                and (tokens[False] == tokens[True]).all())
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the arguments, run the A/B, print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", choices=["step", "smollm2"], default="step")
+    parser.add_argument("--rollouts", type=int, default=4, help="timed rollouts per setting")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model-dir", type=Path,
+                        default=Path("/tmp/tune_grpo_models/SmolLM2-135M-Instruct"))
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    if args.shape == "smollm2" and not (args.model_dir / "config.json").exists():
+        print(f"error: no model at {args.model_dir}; run `tune-grpo prepare-model smollm2`",
+              file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        recipe = build_recipe(args.shape, Path(tmp), args.new_tokens, args.model_dir)
+        times = ab(recipe, args.rollouts)
+
+    def median(xs: list[float]) -> float:
+        return sorted(xs)[len(xs) // 2]
+
+    for packed, label in ((False, "F.linear"), (True, "packed (oneDNN)")):
+        print(f"{label:<16} " + " ".join(f"{t:.2f}" for t in times[packed])
+              + f"  median {median(times[packed]):.2f} s")
+    print(f"packed / F.linear: {median(times[True]) / median(times[False]):.2f}; "
+          f"same tokens: {times['same_tokens']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
