@@ -452,8 +452,9 @@ def training_configs() -> list[str]:
 def summary_table(estimates: list[MemoryEstimate]) -> str:
     """One Markdown row per estimate: the components and the peak, in GiB."""
     cols = ["weights", "gradients", "optimizer_state", "reference_model", "kv_cache",
-            "activations", "logits", "gathered_weights", "other"]
-    short = ["weights", "grads", "optim", "ref", "KV", "acts", "logits", "gathered", "other"]
+            "activations", "logits", "gathered_weights", "packed_weights", "other"]
+    short = ["weights", "grads", "optim", "ref", "KV", "acts", "logits", "gathered", "packed",
+             "other"]
     head = "| config | ranks | " + " | ".join(short) + " | peak (phase) |"
     lines = [head, "|" + "---|" * (len(cols) + 3)]
     for e in estimates:
