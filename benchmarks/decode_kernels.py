@@ -22,6 +22,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--model-dir", type=Path,
                         default=Path("/tmp/tune_grpo_models/SmolLM2-135M-Instruct"))
+    parser.add_argument("--out", type=Path, help="write the times as JSON")
     args = parser.parse_args(argv)
     import torch
 
@@ -103,6 +105,13 @@ def main(argv: list[str] | None = None) -> int:
               + f"  median {median(times[packed]):.2f} s")
     print(f"packed / F.linear: {median(times[True]) / median(times[False]):.2f}; "
           f"same tokens: {times['same_tokens']}")
+    if args.out:
+        args.out.write_text(json.dumps({
+            "command": " ".join(["python", "benchmarks/decode_kernels.py",
+                                 *(argv if argv is not None else sys.argv[1:])]),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "linear_s": times[False], "packed_s": times[True],
+            "same_tokens": times["same_tokens"]}, indent=2))
     return 0
 
 
