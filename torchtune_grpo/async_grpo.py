@@ -678,6 +678,12 @@ class RolloutWorker(GRPORecipe):
         self.dataset = config.instantiate(cfg.dataset, tokenizer=self.tokenizer)
         self.generator = (config.instantiate(cfg.generator) if cfg.generator is not None
                           else NativeGenerator())
+        if (isinstance(self.generator, NativeGenerator)
+                and "packed_weights" not in (cfg.generator or {})):
+            # the synchronous recipe on several ranks decodes with F.linear (no packed weights
+            # on FSDP2 models); so do the rollout ranks unless the config asks, so that
+            # max_staleness: 0 samples bit for bit what that recipe samples
+            self.generator.packed_weights = False
         self.tools_on = False
         self.checkpointer = config.instantiate(cfg.checkpointer)
         state = self.checkpointer.load_checkpoint()[training.MODEL_KEY]
