@@ -27,7 +27,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchtune.modules import MultiHeadAttention
+from torchtune.models.llama3_1._position_embeddings import Llama3ScaledRoPE
+from torchtune.modules import MultiHeadAttention, RotaryPositionalEmbeddings
 from torchtune.modules.common_utils import delete_kv_caches
 
 from torchtune_grpo.rlhf.forward import last_position_logits
@@ -434,6 +435,10 @@ class _SpanKVCache(nn.Module):
         return self.k_cache[:b, :, :end], self.v_cache[:b, :, :end]
 
 
+#: Rotary embeddings :func:`_rotate` computes itself (pairwise-interleaved, ``cache [L, d/2, 2]``).
+_INTERLEAVED_ROPES = (RotaryPositionalEmbeddings, Llama3ScaledRoPE)
+
+
 def _rotate(rope: nn.Module, x: torch.Tensor, input_pos: torch.Tensor | None) -> torch.Tensor:
     """``rope(x, input_pos=input_pos)`` for ``x [b, s, h, head_dim]``, as one complex product.
 
@@ -445,10 +450,7 @@ def _rotate(rope: nn.Module, x: torch.Tensor, input_pos: torch.Tensor | None) ->
     module and the ``input_pos`` tensor). Other position embeddings (Qwen2's half rotation) run
     their own forward.
     """
-    from torchtune.models.llama3_1._position_embeddings import Llama3ScaledRoPE
-    from torchtune.modules import RotaryPositionalEmbeddings
-
-    if type(rope) not in (RotaryPositionalEmbeddings, Llama3ScaledRoPE) or input_pos is None:
+    if type(rope) not in _INTERLEAVED_ROPES or input_pos is None:
         return rope(x, input_pos=input_pos)
     memo = rope.__dict__.get("_grpo_angles")
     if memo is None or memo[0] is not input_pos or memo[1] != input_pos._version:
