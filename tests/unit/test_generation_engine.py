@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from torchtune_grpo.rlhf import generation as gen
+from torchtune_grpo.rlhf import kv_cache as kvc
+from torchtune_grpo.rlhf import packed_decode as pd
 from torchtune_grpo.rlhf.forward import response_logprobs
 from torchtune_grpo.rlhf.generation import (
     allowed_token_mask,
@@ -250,8 +252,8 @@ def test_grouped_query_attention_equals_torchtune_forward(num_heads, num_kv_head
     step = torch.randn(b, 1, d)
     outputs = {}
     for name, fn in [("torchtune", lambda *a, **k: type(attn).forward(attn, *a, **k)),
-                     ("grouped", lambda *a, **k: gen.grouped_query_attention(attn, *a, **k))]:
-        with torch.no_grad(), gen._attached(storage, b, None) as caches:
+                     ("grouped", lambda *a, **k: kvc.grouped_query_attention(attn, *a, **k))]:
+        with torch.no_grad(), kvc.attached(storage, b, None) as caches:
             caches[0].start_prefill(None)
             pre = fn(x, x, mask=attention_mask(valid[:, :p]), input_pos=pos[:, :p])
             dec = fn(step, step, mask=valid[:, None, : p + 1], input_pos=pos[:, p : p + 1])
@@ -266,7 +268,7 @@ def test_attached_installs_grouped_forward_and_restores_an_instance_forward(setu
     marker = attn.forward  # a bound method set on the instance by someone else
     attn.forward = marker
     storage = gen.KVCacheStorage(model, rows=1, max_len=4, dtype=torch.float32, device="cpu")
-    with gen._attached(storage, 1, None):
+    with kvc.attached(storage, 1, None):
         assert attn.__dict__["forward"] is not marker
     assert attn.__dict__["forward"] is marker
 
@@ -386,8 +388,9 @@ needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
 @needs_onednn
 @pytest.mark.parametrize("tied", [True, False])
 def test_packed_weights_same_samples_as_plain_linears(tokenizer, setup, tied, monkeypatch):
-    """Decoding on oneDNN-reordered weights samples the same tokens with the same log-probs
-    (to float rounding) as the layers' own F.linear, and really runs on the packed copies."""
+    """Decoding on oneDNN-reordered weights, with the layers fused or each linear on its own,
+    samples the same tokens with the same log-probs (to float rounding) as the layers' own
+    F.linear, and really runs on the packed copies (4 products per fused layer, 7 unfused)."""
     _, bias, stops = setup
     torch.manual_seed(0)
     model = tiny_llama(tie_word_embeddings=tied).eval()
@@ -395,26 +398,30 @@ def test_packed_weights_same_samples_as_plain_linears(tokenizer, setup, tied, mo
         model.tok_embeddings.weight.data.mul_(0.1)
     tokens, mask = _left_pad(_prompts(tokenizer, 4), tokenizer.pad_id)
     kw = _kwargs(tokenizer, bias, stops, temperature=1.0, max_generated_tokens=12)
-    packed_calls = []
-    original = gen._packed_forward
-
-    def counting(weight, b):
-        forward = original(weight, b)
-        return lambda x, *rest: packed_calls.append(x.shape[:-1].numel()) or forward(x, *rest)
-
-    monkeypatch.setattr(gen, "_packed_forward", counting)
-    runs = {packed: generate_trajectory(model, tokens, mask, group_size=4, forward_batch_size=8,
-                                        prompt_seeds=torch.tensor([5, 6, 7, 8]),
-                                        packed_weights=packed, **kw)
-            for packed in (False, True)}
-    layers = 7 * 2 + 1  # q, k, v, output, w1, w2, w3 per layer, and the output projection
-    assert len(packed_calls) >= layers * (runs[True].response_len - 1)  # every decode step
-    plain, packed = runs[False], runs[True]
+    calls = []
+    original, fusable = pd._onednn_linear, pd._fusable
+    monkeypatch.setattr(pd, "_onednn_linear", lambda *a: calls.append(1) or original(*a))
+    runs, products = {}, {}
+    for name, packed, fuse in [("plain", False, True), ("unfused", True, False),
+                               ("fused", True, True)]:
+        monkeypatch.setattr(pd, "_fusable", fusable if fuse else lambda *a: False)
+        calls.clear()
+        runs[name] = generate_trajectory(model, tokens, mask, group_size=4, forward_batch_size=8,
+                                         prompt_seeds=torch.tensor([5, 6, 7, 8]),
+                                         packed_weights=packed, **kw)
+        products[name] = len(calls)
+    decode_steps = runs["plain"].response_len - 1
+    assert products["plain"] == 0
+    assert products["unfused"] >= (7 * 2 + 1) * decode_steps  # every linear, every decode step
+    assert products["fused"] >= (4 * 2 + 1) * decode_steps  # qkv, out, gate|up, down; head
+    assert products["fused"] < products["unfused"]
+    plain = runs["plain"]
     assert plain.response_mask.sum() > 40
     assert plain.response_tokens[plain.response_mask].unique().numel() >= 10  # varied samples
-    assert torch.equal(plain.response_tokens, packed.response_tokens)
-    assert torch.equal(plain.response_mask, packed.response_mask)
-    torch.testing.assert_close(plain.logprobs, packed.logprobs, atol=1e-5, rtol=0)
+    for name in ("unfused", "fused"):
+        assert torch.equal(plain.response_tokens, runs[name].response_tokens), name
+        assert torch.equal(plain.response_mask, runs[name].response_mask), name
+        torch.testing.assert_close(plain.logprobs, runs[name].logprobs, atol=1e-5, rtol=0)
     assert not any("forward" in m.__dict__ for m in model.modules())  # restored
 
 
@@ -422,16 +429,22 @@ def test_packed_weights_same_samples_as_plain_linears(tokenizer, setup, tied, mo
 def test_packed_linear_weights_scope_and_fallbacks(setup, monkeypatch):
     """What gets packed (plain float32 nn.Linear and the tied output projection, not LoRA
     layers, not other dtypes), big inputs keep F.linear bit for bit, and every layer gets its
-    own forward back, also when the rollout raises."""
+    own forward back, also when the rollout raises. (Layers not fused here: see below.)"""
     from torchtune.models.llama3_2 import lora_llama3_2
 
-    from torchtune_grpo.rlhf.generation import PACKED_MAX_ROWS, packed_linear_weights
+    from torchtune_grpo.rlhf.packed_decode import PACKED_MAX_ROWS, packed_linear_weights
 
     model, _, _ = setup
     attn = model.layers[0].attn
     onednn = []
-    original = gen._onednn_linear
-    monkeypatch.setattr(gen, "_onednn_linear", lambda *a: onednn.append(1) or original(*a))
+    original = pd._onednn_linear
+    monkeypatch.setattr(pd, "_onednn_linear", lambda *a: onednn.append(1) or original(*a))
+    with packed_linear_weights(model) as count:  # fused layers: their linears keep F.linear
+        assert count == 7 * len(model.layers) + 1
+        assert all("forward" in layer.__dict__ for layer in model.layers)
+        assert "forward" not in attn.q_proj.__dict__ and "forward" in model.output.linear.__dict__
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    monkeypatch.setattr(pd, "_fusable", lambda *a: False)
     with packed_linear_weights(model) as count:
         assert count == 7 * len(model.layers) + 1
         assert "forward" in attn.q_proj.__dict__ and "forward" in model.output.linear.__dict__
@@ -457,10 +470,69 @@ def test_packed_linear_weights_scope_and_fallbacks(setup, monkeypatch):
                          vocab_size=320, num_layers=1, num_heads=4, num_kv_heads=2,
                          embed_dim=64, max_seq_len=64, intermediate_dim=128, lora_rank=4,
                          lora_alpha=8)
+    monkeypatch.undo()
     with packed_linear_weights(lora) as count:
-        # k_proj, output_proj, w1, w2, w3 and the tied output; q_proj and v_proj are LoRA
+        # k_proj, output_proj, w1, w2, w3 and the tied output; q_proj and v_proj are LoRA, so
+        # the layer is not fused
         assert count == 5 + 1
+        assert "forward" not in lora.layers[0].__dict__
         assert "forward" not in lora.layers[0].attn.q_proj.lora_a.__dict__
+
+
+@needs_onednn
+@pytest.mark.parametrize("qkv_bias", [False, True])
+def test_fused_decode_layer_equals_the_layer_and_falls_back(qkv_bias):
+    """A fused layer's decode step (and short prefill) equals the layer's own forward through
+    the span cache (q/k/v biases as Qwen2 has them included); long inputs, autograd and a
+    layer without a span cache run the layer's own forward, bit for bit."""
+    torch.manual_seed(0)
+    model = tiny_llama(num_heads=4, num_kv_heads=2).eval()
+    layer = model.layers[0]
+    if qkv_bias:
+        for proj in (layer.attn.q_proj, layer.attn.k_proj, layer.attn.v_proj):
+            proj.bias = torch.nn.Parameter(torch.randn(proj.out_features))
+    assert pd._fusable(layer, set())
+    fused = pd.fused_decode_layer(layer)
+    b, p, d = 3, 5, 64
+    valid = torch.ones(b, p + 2, dtype=torch.bool)
+    valid[0, :2] = False  # a left-padded row
+    pos = position_ids(valid)
+    x, step = torch.randn(b, p, d), torch.randn(b, 1, d)
+    storage = gen.KVCacheStorage(model, rows=b, max_len=p + 2, dtype=torch.float32, device="cpu")
+    outputs = {}
+    for name, fn in [("own", lambda *a, **k: type(layer).forward(layer, *a, **k)),
+                     ("fused", fused)]:
+        with torch.no_grad(), kvc.attached(storage, b, None) as caches:
+            caches[0].start_prefill(None)
+            pre = fn(x, mask=attention_mask(valid[:, :p]), input_pos=pos[:, :p])
+            dec = fn(step, mask=valid[:, None, : p + 1], input_pos=pos[:, p : p + 1])
+        outputs[name] = (pre, dec)
+    assert outputs["own"][1].abs().max() > 0.1
+    for ours, theirs in zip(outputs["fused"], outputs["own"]):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+    calls = []
+    original = pd._onednn_linear
+
+    def counting(*a):
+        calls.append(1)
+        return original(*a)
+
+    pd_linear, pd._onednn_linear = pd._onednn_linear, counting
+    try:
+        big = torch.randn(1, pd.PACKED_MAX_ROWS + 1, d)
+        assert torch.equal(fused(big), type(layer).forward(layer, big))  # no cache: own forward
+        with kvc.attached(storage, b, None) as caches:  # autograd on: own forward
+            caches[0].start_prefill(None)
+            pre = fused(x, mask=attention_mask(valid[:, :p]), input_pos=pos[:, :p])
+        assert torch.equal(pre, outputs["own"][0])
+        assert not calls
+        with torch.no_grad(), kvc.attached(storage, b, None) as caches:
+            caches[0].start_prefill(None)
+            fused(x, mask=attention_mask(valid[:, :p]), input_pos=pos[:, :p])
+        assert len(calls) == 4  # qkv, output, gate|up, down
+    finally:
+        pd._onednn_linear = pd_linear
 
 
 # ---------------------------------------------------------------------------- rotary
@@ -477,16 +549,16 @@ def test_rotate_equals_torchtune_rope_and_reuses_the_step_angles(scaled, monkeyp
     torch.manual_seed(0)
     x = torch.randn(3, 2, 4, 16)
     pos = torch.tensor([[5, 6], [0, 1], [40, 41]])
-    torch.testing.assert_close(gen._rotate(rope, x, pos), rope(x, input_pos=pos),
+    torch.testing.assert_close(kvc._rotate(rope, x, pos), rope(x, input_pos=pos),
                                atol=1e-6, rtol=0)
     angles = rope.__dict__["_grpo_angles"][2]
     y = torch.randn(3, 2, 2, 16)  # another layer (fewer heads), same step
-    torch.testing.assert_close(gen._rotate(rope, y, pos), rope(y, input_pos=pos),
+    torch.testing.assert_close(kvc._rotate(rope, y, pos), rope(y, input_pos=pos),
                                atol=1e-6, rtol=0)
     assert rope.__dict__["_grpo_angles"][2] is angles
     pos.add_(1)  # modified in place: gathered again
-    torch.testing.assert_close(gen._rotate(rope, x, pos), rope(x, input_pos=pos),
+    torch.testing.assert_close(kvc._rotate(rope, x, pos), rope(x, input_pos=pos),
                                atol=1e-6, rtol=0)
     assert rope.__dict__["_grpo_angles"][2] is not angles
     # no positions: the module's own forward
-    torch.testing.assert_close(gen._rotate(rope, x, None), rope(x), atol=0, rtol=0)
+    torch.testing.assert_close(kvc._rotate(rope, x, None), rope(x), atol=0, rtol=0)

@@ -21,18 +21,22 @@ Guarantees the recipe relies on:
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchtune.models.llama3_1._position_embeddings import Llama3ScaledRoPE
-from torchtune.modules import MultiHeadAttention, RotaryPositionalEmbeddings
 from torchtune.modules.common_utils import delete_kv_caches
 
 from torchtune_grpo.rlhf.forward import last_position_logits
 from torchtune_grpo.rlhf.generator import GenerationContext, Generator
+from torchtune_grpo.rlhf.kv_cache import (  # noqa: F401 (attention_modules: re-exported)
+    KVCacheStorage,
+    SpanKVCache,
+    attached,
+    attention_modules,
+)
+from torchtune_grpo.rlhf.packed_decode import packed_linear_weights
 from torchtune_grpo.rlhf.seeding import counter_uniform, mix_seeds
 from torchtune_grpo.rlhf.trajectory import (
     Trajectory,
@@ -226,345 +230,6 @@ def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (k * CDF_BLOCK + j).clamp_(max=v - 1)
 
 
-# ---------------------------------------------------------------------------- CPU GEMMs
-#: Inputs of at most this many rows (decode steps) use the packed weights of
-#: :func:`packed_linear_weights`; larger ones (prefill) the layer's own ``F.linear``.
-PACKED_MAX_ROWS = 64
-
-
-def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
-                   ) -> torch.Tensor:
-    """``x @ W.T + bias`` by oneDNN from ``packed`` = ``_reorder_linear_weight(W)``."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-def _packable(weight: torch.Tensor) -> bool:
-    """Whether oneDNN can run ``x @ weight.T`` from a reordered copy of ``weight``."""
-    from torch.distributed.tensor import DTensor
-
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32
-            and not isinstance(weight, DTensor) and torch.backends.mkldnn.is_available())
-
-
-def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None
-                    ) -> Callable[..., torch.Tensor]:
-    """A linear forward that runs small inputs on a oneDNN-reordered copy of ``weight``."""
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-    bias = None if bias is None else bias.detach()
-
-    def forward(x: torch.Tensor, *_ignored) -> torch.Tensor:
-        if x.numel() > PACKED_MAX_ROWS * x.shape[-1] or x.requires_grad:
-            return F.linear(x, weight, bias)
-        return _onednn_linear(x, packed, bias)
-
-    return forward
-
-
-@contextlib.contextmanager
-def packed_linear_weights(model: nn.Module, enabled: bool = True) -> Iterator[int]:
-    """Run ``model``'s small-batch linear layers on weights reordered for oneDNN; undo on exit.
-
-    CPU decoding multiplies ``[rows, D]`` activations (``rows`` = the decode batch, a few to a
-    few dozen) by every weight once per step. For such skinny products ``F.linear`` (MKL) runs
-    far below the CPU's matmul rate (measured 2.5x slower than this path for a 49,152 x 576
-    output projection at 8 rows, 1.2-1.5x for the body's projections). oneDNN's
-    ``_linear_pointwise`` on a weight reordered once (``_reorder_linear_weight``) is faster, so
-    for the duration of a rollout every plain ``nn.Linear`` (and torchtune's ``TiedLinear``
-    output projection) whose weight is a float32 CPU tensor gets an instance ``forward`` that
-    uses the reordered copy for inputs of at most :data:`PACKED_MAX_ROWS` rows (prefill keeps
-    ``F.linear``, which is as fast there). Results agree with ``F.linear`` to float32 rounding
-    of a different summation order (SmolLM2-135M's logits, of magnitude ~100, move by ~1e-4,
-    its log-probs by ~5e-5), so a sampled token can differ where a row's uniform draw falls
-    within that rounding of a CDF boundary: rollouts are reproducible for a given setting,
-    and equal between the settings in the tiny-model tests, not always on a real model.
-
-    Untouched: LoRA/DoRA layers (base weights and adapters), FSDP2-wrapped models (sharded or
-    gathered), other dtypes and devices, and builds without oneDNN. The copies cost one
-    more copy of the packed weights' memory for the rollout, and one pass over them to make
-    (~0.3 s for 135M parameters on 2 cores).
-
-    Args:
-        model: a torchtune decoder.
-        enabled: False makes this a no-op.
-
-    Yields:
-        int: the number of layers that use packed weights (0 when none could).
-    """
-    from torch.distributed.fsdp import FSDPModule
-    from torchtune.modules import TiedLinear
-
-    patched: list[nn.Module] = []
-    # FSDP2: the weights are DTensor shards, or plain tensors while gathered for the rollout
-    # (rollout_gather_weights); either way they stay on F.linear, so that gathering once or
-    # per forward samples the same tokens
-    enabled = enabled and not any(isinstance(m, FSDPModule) for m in model.modules())
-    try:
-        if enabled:
-            adapters = {id(sub) for module in model.modules() if hasattr(module, "adapter_params")
-                        for sub in module.modules()}  # LoRA/DoRA layers and their adapters
-            for module in model.modules():
-                if (type(module) is nn.Linear and "forward" not in module.__dict__
-                        and id(module) not in adapters and _packable(module.weight)):
-                    module.forward = _packed_forward(module.weight, module.bias)
-                    patched.append(module)
-            for module in model.modules():  # the tied output projection is no submodule
-                output = module.__dict__.get("output")
-                if (isinstance(output, TiedLinear) and "forward" not in output.linear.__dict__
-                        and _packable(output.tied_module.weight)):
-                    output.linear.forward = _packed_forward(output.tied_module.weight, None)
-                    patched.append(output.linear)
-        yield len(patched)
-    finally:
-        for module in patched:
-            module.__dict__.pop("forward", None)
-
-
-# ---------------------------------------------------------------------------- KV cache
-def attention_modules(model: nn.Module) -> list[MultiHeadAttention]:
-    """The self-attention modules of ``model``, in layer order (FSDP-wrapped or not)."""
-    found = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
-    if not found:
-        raise ValueError(
-            f"{type(model).__name__} has no torchtune MultiHeadAttention module; the generation "
-            "engine needs a torchtune decoder-only model"
-        )
-    return found
-
-
-class KVCacheStorage:
-    """Key/value storage for every attention layer, allocated once and reused.
-
-    One pair of ``[rows, kv_heads, max_len, head_dim]`` tensors per layer (``torch.empty``:
-    nothing is zeroed, every position is written before it is read). A rollout allocates one
-    storage for its micro-batch size and every micro-batch reuses it.
-
-    Args:
-        model: the torchtune decoder the storage is for.
-        rows: the most sequences decoded at once.
-        max_len: the most positions per sequence (``P + max_generated_tokens``).
-        dtype: cache dtype.
-        device: cache device.
-    """
-
-    def __init__(self, model: nn.Module, *, rows: int, max_len: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
-        self.rows, self.max_len, self.dtype = rows, max_len, dtype
-        self.device = torch.device(device)
-        self.layers: list[tuple[MultiHeadAttention, torch.Tensor, torch.Tensor]] = []
-        for attn in attention_modules(model):
-            shape = (rows, attn.num_kv_heads, max_len, attn.head_dim)
-            k = torch.empty(shape, dtype=dtype, device=self.device)
-            v = torch.empty(shape, dtype=dtype, device=self.device)
-            self.layers.append((attn, k, v))
-
-    def fits(self, rows: int, length: int, dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether ``rows`` sequences of ``length`` positions fit (same dtype and device)."""
-        return (rows <= self.rows and length <= self.max_len and dtype == self.dtype
-                and torch.device(device) == self.device)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the storage."""
-        return sum(k.nbytes + v.nbytes for _, k, v in self.layers)
-
-
-class _SpanKVCache(nn.Module):
-    """Stands in for torchtune's ``KVCache`` on one attention module during a rollout.
-
-    torchtune's ``MultiHeadAttention`` calls ``kv_cache.update(k, v)`` and attends over what it
-    returns. torchtune's own cache returns the whole ``max_seq_len`` buffer, so every decode
-    step attends over (and masks) every future position too. This one returns the filled span
-    only: at decode step ``t`` the attention is ``[n, heads, 1, P + t + 1]``.
-
-    Three phases:
-
-    * **prefill** (:meth:`start_prefill`): the ``u`` distinct prompts are run once; their
-      keys/values are written into the ``n`` rows that share them (``expand_index [n]``) and
-      the prompts attend over their own keys, so a group's ``G`` samples share one prefill.
-    * **span decode** (default): one position per step, attention over ``[:length]``.
-    * **static decode** (``static=True``, for ``torch.compile``): the write position is a
-      tensor and attention spans the whole buffer, so every step has the same shapes.
-    """
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, rows: int,
-                 write_pos: torch.Tensor | None = None) -> None:
-        super().__init__()
-        self.k_cache = k  # plain attributes: not buffers, never in a state dict
-        self.v_cache = v
-        self.rows = rows
-        self.length = 0
-        self.write_pos = write_pos  # [1] long; set: static decode
-        self.expand_index: torch.Tensor | None = None
-        self.prefilling = False
-
-    @property
-    def batch_size(self) -> int:
-        return self.rows
-
-    @property
-    def size(self) -> int:
-        return self.length
-
-    def start_prefill(self, expand_index: torch.Tensor | None) -> None:
-        self.prefilling, self.expand_index, self.length = True, expand_index, 0
-
-    def update(self, k_val: torch.Tensor, v_val: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``[b, kv_heads, s, head_dim]`` keys/values; return those to attend over."""
-        s = k_val.shape[2]
-        if self.prefilling:
-            self.prefilling = False
-            rows = self.rows
-            if self.expand_index is not None:
-                self.k_cache[:rows, :, :s] = k_val.index_select(0, self.expand_index)
-                self.v_cache[:rows, :, :s] = v_val.index_select(0, self.expand_index)
-            else:
-                self.k_cache[:rows, :, :s] = k_val
-                self.v_cache[:rows, :, :s] = v_val
-            self.length = s
-            return k_val, v_val
-        b = k_val.shape[0]
-        if self.write_pos is not None:
-            self.k_cache[:b].index_copy_(2, self.write_pos, k_val)
-            self.v_cache[:b].index_copy_(2, self.write_pos, v_val)
-            return self.k_cache[:b], self.v_cache[:b]
-        end = self.length + s
-        self.k_cache[:b, :, self.length : end] = k_val
-        self.v_cache[:b, :, self.length : end] = v_val
-        self.length = end
-        return self.k_cache[:b, :, :end], self.v_cache[:b, :, :end]
-
-
-#: Rotary embeddings :func:`_rotate` computes itself (pairwise-interleaved, ``cache [L, d/2, 2]``).
-_INTERLEAVED_ROPES = (RotaryPositionalEmbeddings, Llama3ScaledRoPE)
-
-
-def _rotate(rope: nn.Module, x: torch.Tensor, input_pos: torch.Tensor | None) -> torch.Tensor:
-    """``rope(x, input_pos=input_pos)`` for ``x [b, s, h, head_dim]``, as one complex product.
-
-    torchtune's ``RotaryPositionalEmbeddings`` and ``Llama3ScaledRoPE`` rotate each
-    ``(x[2i], x[2i + 1])`` pair by the angle cached in ``rope.cache [max_len, head_dim / 2, 2]``
-    (cos, sin), in about a dozen small ops per call. Multiplying ``x`` viewed as complex by
-    ``cos + i sin`` is the same arithmetic in one kernel (equal results, measured bit for bit),
-    and the ``[b, s]`` angles are gathered once per decode step for all layers (they share the
-    module and the ``input_pos`` tensor). Other position embeddings (Qwen2's half rotation) run
-    their own forward.
-    """
-    if type(rope) not in _INTERLEAVED_ROPES or input_pos is None:
-        return rope(x, input_pos=input_pos)
-    memo = rope.__dict__.get("_grpo_angles")
-    if memo is None or memo[0] is not input_pos or memo[1] != input_pos._version:
-        angles = torch.view_as_complex(rope.cache[input_pos].float().contiguous())
-        memo = (input_pos, input_pos._version, angles.unsqueeze(2))  # [b, s, 1, head_dim / 2]
-        rope.__dict__["_grpo_angles"] = memo
-    b, s, h, d = x.shape
-    pairs = torch.view_as_complex(x.float().reshape(b, s, h, d // 2, 2))
-    return torch.view_as_real(pairs * memo[2]).flatten(3).type_as(x)
-
-
-def grouped_query_attention(
-    attn: MultiHeadAttention,
-    x: torch.Tensor,
-    y: torch.Tensor | None = None,
-    *,
-    mask: torch.Tensor | None = None,
-    input_pos: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """torchtune's ``MultiHeadAttention.forward`` for cached self-attention, without GQA copies.
-
-    torchtune expands the keys and values of its ``kv_heads`` to all ``heads`` before attending
-    (``expand(...).flatten(1, 2)``), which copies the whole cached span, ``heads / kv_heads``
-    times over, in every layer at every decode step. Here the ``g = heads / kv_heads`` query heads
-    that share a key/value head are stacked along the query axis instead, so the cache is read
-    in place: queries ``[b, kv_heads, g * s, head_dim]`` against keys ``[b, kv_heads, S,
-    head_dim]``. Projections, rotary embeddings, q/k norms and the output projection are the
-    module's own (LoRA and FSDP wrappers included); only the attention's data layout differs,
-    so outputs match torchtune's to float rounding.
-
-    Args:
-        attn (MultiHeadAttention): the module (its ``kv_cache`` must be enabled).
-        x (Tensor): ``[b, s, D]`` input.
-        y (Tensor | None): ``[b, s, D]`` key/value input (``x`` for self-attention).
-        mask (Tensor | None): ``[b, s, S]`` bool, True where query ``i`` may attend to ``j``.
-        input_pos (Tensor | None): ``[b, s]`` position ids.
-
-    Returns:
-        Tensor: ``[b, s, D]``, as torchtune's forward returns.
-    """
-    b, s, _ = x.shape
-    kv_heads, head_dim = attn.num_kv_heads, attn.head_dim
-    g = attn.num_heads // kv_heads
-    q = attn.q_proj(x).view(b, s, attn.num_heads, head_dim)
-    if attn.pos_embeddings is not None:
-        q = _rotate(attn.pos_embeddings, q, input_pos)
-    q = q.transpose(1, 2)  # [b, heads, s, hd]; head h reads key/value head h // g
-    if attn.q_norm is not None:
-        q = attn.q_norm(q)
-    k = attn.k_proj(y).view(b, s, kv_heads, head_dim)
-    v = attn.v_proj(y).view(b, s, kv_heads, head_dim)
-    if attn.pos_embeddings is not None:
-        k = _rotate(attn.pos_embeddings, k, input_pos)
-    k, v = k.transpose(1, 2), v.transpose(1, 2)
-    if attn.k_norm is not None:
-        k = attn.k_norm(k)
-    k, v = attn.kv_cache.update(k, v)  # [b', kv_heads, S, hd]
-    q = q.reshape(b, kv_heads, g * s, head_dim)
-    if mask is not None:  # [b, s, S] -> [b, 1, g * s, S], the same row for each of the g heads
-        span = mask.shape[-1]
-        mask = mask[:, None, None].expand(b, 1, g, s, span).reshape(b, 1, g * s, span)
-    out = nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=mask is None and s > 1
-    )  # [b, kv_heads, g * s, hd]
-    out = out.view(b, kv_heads, g, s, head_dim).permute(0, 3, 1, 2, 4).reshape(b, s, -1)
-    return attn.output_proj(out)
-
-
-def _grouped_forward(attn: MultiHeadAttention) -> Callable[..., torch.Tensor]:
-    def forward(x, y=None, *, mask=None, input_pos=None):
-        if y is None or (mask is not None and not isinstance(mask, torch.Tensor)):
-            return type(attn).forward(attn, x, y, mask=mask, input_pos=input_pos)
-        return grouped_query_attention(attn, x, y, mask=mask, input_pos=input_pos)
-
-    return forward
-
-
-_NO_FORWARD = object()
-
-
-@contextlib.contextmanager
-def _attached(storage: KVCacheStorage, rows: int,
-              write_pos: torch.Tensor | None) -> Iterator[list[_SpanKVCache]]:
-    """Install span caches over ``storage`` on every attention module; restore on exit.
-
-    Each module's ``forward`` is also replaced by :func:`grouped_query_attention` for the
-    rollout (an instance attribute, removed on exit).
-    """
-    saved = [(attn, attn.kv_cache, attn.cache_enabled, attn.__dict__.get("forward", _NO_FORWARD))
-             for attn, _, _ in storage.layers]
-    caches = []
-    try:
-        for attn, k, v in storage.layers:
-            if write_pos is not None:  # static decode reads every position: no garbage (NaN)
-                k.zero_()
-                v.zero_()
-            cache = _SpanKVCache(k, v, rows, write_pos)
-            attn.kv_cache = cache
-            attn.cache_enabled = True
-            attn.forward = _grouped_forward(attn)
-            caches.append(cache)
-        yield caches
-    finally:
-        for attn, kv_cache, enabled, forward in saved:
-            if attn.pos_embeddings is not None:
-                attn.pos_embeddings.__dict__.pop("_grpo_angles", None)
-            attn.kv_cache = kv_cache
-            attn.cache_enabled = enabled
-            if forward is _NO_FORWARD:
-                attn.__dict__.pop("forward", None)
-            else:
-                attn.forward = forward
-
-
 def _distinct_rows(prompt_tokens: torch.Tensor, prompt_mask: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows holding the distinct prompts, and which of them each row repeats.
@@ -623,7 +288,7 @@ def _rows_to_keep(stopped: torch.Tensor) -> torch.Tensor | None:
     return keep if keep.numel() else keep.new_zeros(1)
 
 
-def _compact_cache_rows(caches: Sequence[_SpanKVCache], keep: torch.Tensor) -> None:
+def _compact_cache_rows(caches: Sequence[SpanKVCache], keep: torch.Tensor) -> None:
     """Move cache rows ``keep`` of every layer to the front: row ``i`` <- row ``keep[i]``.
 
     Only the filled span ``[:length]`` is copied, and only the rows that move (a row whose
@@ -668,7 +333,7 @@ def generate_micro_batch(
 
     The model is always called through its own ``forward`` (so FSDP2's hooks gather and free
     each layer's weights); only the attention's key/value cache is replaced
-    (:class:`_SpanKVCache`): distinct prompts are prefilled once and copied into the rows that
+    (:class:`SpanKVCache`): distinct prompts are prefilled once and copied into the rows that
     share them, and each decode step attends over the filled positions only.
 
     **Finished rows stop decoding** (``shrink_finished``). The decode batch starts as the ``n``
@@ -739,7 +404,7 @@ def generate_micro_batch(
         seen[:, :prompt_len] = prompt_mask
     step_fn = _compiled(model) if compile_decode else model
 
-    with _attached(kv_storage, n, write_pos) as caches:
+    with attached(kv_storage, n, write_pos) as caches:
         for cache in caches:
             cache.start_prefill(inverse if shared else None)
         rows = first if shared else slice(None)
