@@ -43,6 +43,11 @@ Bounds, measured in the same invocation (the machine is shared: the load average
   ``packed_weights`` runs), the faster of the two per batch size, summed over the decode
   steps with the rows that are really still running (ideal) and with the rows the engine
   keeps in its batch (its shrink rule). The ``F.linear``-only sum is printed as well.
+  (c) the same plus the decode steps' attention over the KV cache, timed: the model's other
+  two decode-shaped products (``q k^T`` and ``p v`` per layer, by the SDPA kernel the engine
+  calls, on each layer's own tensors) at each call's active rows and cache length
+  (``decode_attention_seconds``, timed at three cache lengths and interpolated). This is work
+  the weight matmuls of (b) do not count and that grows with the sequence.
 
 Usage::
 
@@ -192,8 +197,11 @@ def update_matmul_seconds(model, tokens: int, scored: int, repeats: int = 3,
 
 
 def decode_schedule(response_lengths: list[int], stopped: list[bool], max_new: int,
-                    micro_batch: int) -> dict[str, list[int]]:
-    """Rows in each decode forward call: ``ideal`` (only rows still running) and ``engine``.
+                    micro_batch: int, prompt_lengths: list[int] | None = None
+                    ) -> dict[str, list[int]]:
+    """Rows in each decode forward call: ``ideal`` (only rows still running) and ``engine``;
+    with ``prompt_lengths``, also ``span``: the cached positions each call attends over (the
+    micro-batch's padded prompt length ``P``, plus ``t + 1`` at call ``t``).
 
     Rows are rolled out in micro-batches of ``micro_batch`` in order. A row that stopped after
     ``L`` tokens needs its last decode call for token ``L - 1``; the micro-batch's loop makes
@@ -203,9 +211,10 @@ def decode_schedule(response_lengths: list[int], stopped: list[bool], max_new: i
     """
     from torchtune_grpo.rlhf.generation import SHRINK_FRACTION
 
-    ideal, engine = [], []
+    ideal, engine, span = [], [], []
     for i in range(0, len(response_lengths), micro_batch):
         lengths = response_lengths[i:i + micro_batch]
+        padded = max(prompt_lengths[i:i + micro_batch]) if prompt_lengths else 0
         stops = [(length if s else max_new + 1) for length, s in
                  zip(lengths, stopped[i:i + micro_batch])]
         m = len(lengths)
@@ -218,7 +227,63 @@ def decode_schedule(response_lengths: list[int], stopped: list[bool], max_new: i
             if len(batch) - kept >= max(1.0, SHRINK_FRACTION * len(batch)):
                 batch = [j for j in batch if j not in done] or [done[0]]
             engine.append(len(batch))
-    return {"ideal": ideal, "engine": engine}
+            span.append(padded + t + 1)
+    out = {"ideal": ideal, "engine": engine}
+    if prompt_lengths:
+        out["span"] = span
+    return out
+
+
+def decode_attention_seconds(model, rows: list[int], spans: list[int],
+                             repeats: int = 3) -> dict[tuple[int, int], float]:
+    """Seconds of one decode step's attention over the KV cache, every layer, timed now.
+
+    For each active batch size ``r`` in ``rows`` and cache length ``S`` in ``spans``: the
+    ``scaled_dot_product_attention`` call the engine makes per layer (``[r, kv_heads, g, hd]``
+    queries, the ``g = heads / kv_heads`` query heads of a key/value head stacked, against
+    ``[r, kv_heads, S, hd]`` keys and values, an additive mask), once for each layer on that
+    layer's own tensors (so the keys and values come from memory, as in a decode step), best
+    of ``repeats``. These are the model's two decode-shaped products that read the cache
+    instead of a weight (``q k^T`` and ``p v``); :func:`decode_step_seconds` times the others.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from torchtune_grpo.rlhf.generation import attention_modules
+
+    attns = attention_modules(model)
+    a = attns[0]
+    kv, hd, g = a.num_kv_heads, a.head_dim, a.num_heads // a.num_kv_heads
+    out = {}
+    with torch.no_grad():
+        for r in rows:
+            for span in spans:
+                q = [torch.randn(r, kv, g, hd) for _ in attns]
+                k = [torch.randn(r, kv, span, hd) for _ in attns]
+                v = [torch.randn(r, kv, span, hd) for _ in attns]
+                mask = torch.zeros(r, 1, 1, span).expand(r, 1, g, span)
+                best = float("inf")
+                for _ in range(repeats + 1):  # the first pass warms up
+                    t0 = time.perf_counter()
+                    for layer in range(len(attns)):
+                        F.scaled_dot_product_attention(q[layer], k[layer], v[layer],
+                                                       attn_mask=mask)
+                    best = min(best, time.perf_counter() - t0)
+                out[(r, span)] = best
+    return out
+
+
+def interpolate_attention(timed: dict[tuple[int, int], float], rows: int, span: int) -> float:
+    """:func:`decode_attention_seconds` at ``(rows, span)``: linear between the two timed spans
+    around ``span`` (beyond the timed range: the nearest two, extended)."""
+    spans = sorted({s for r, s in timed if r == rows})
+    if len(spans) == 1:
+        return timed[(rows, spans[0])]
+    hi = next((i for i, s in enumerate(spans) if s >= span), len(spans) - 1)
+    hi = max(hi, 1)
+    s0, s1 = spans[hi - 1], spans[hi]
+    t0, t1 = timed[(rows, s0)], timed[(rows, s1)]
+    return max(t0 + (t1 - t0) * (span - s0) / (s1 - s0), 0.0)
 
 
 def measure_rates(model, micro_batch: int) -> dict:
@@ -251,11 +316,15 @@ def weight_bytes(model) -> int:
 def phase_bounds(model, prompt_lengths: list[int], response_lengths: list[int],
                  stopped: list[bool], *, group_size: int, max_new: int, micro_batch: int,
                  flops_per_second: float, read_bytes_per_second: float,
-                 decode_seconds: dict[int, float]) -> dict:
+                 decode_seconds: dict[int, float],
+                 attention_seconds: dict[tuple[int, int], float] | None = None) -> dict:
     """Every phase's bounds for one step of real lengths (see the module docstring).
 
     ``decode_seconds`` maps an active batch size to one decode step's matmul seconds (it must
-    cover 1..micro_batch). Returns a flat dict of GFLOPs and seconds.
+    cover 1..micro_batch); ``attention_seconds`` (optional, from
+    :func:`decode_attention_seconds` for the same batch sizes) adds ``decode_attention_s``, the
+    attention over the cache summed over the decode calls. Returns a flat dict of GFLOPs and
+    seconds.
     """
     import types
 
@@ -271,7 +340,7 @@ def phase_bounds(model, prompt_lengths: list[int], response_lengths: list[int],
     work = phase_flops(model, types.SimpleNamespace(prompt_mask=prompt_mask,
                                                     response_mask=response_mask), group_size)
     params = sum(q.numel() for q in {id(q): q for q in model.parameters()}.values())
-    sched = decode_schedule(response_lengths, stopped, max_new, micro_batch)
+    sched = decode_schedule(response_lengths, stopped, max_new, micro_batch, prompt_lengths)
     wbytes = weight_bytes(model)
     prefill = work["generation"] - work["generation_decode"]
     tokens = sum(prompt_lengths) + sum(response_lengths)
@@ -295,6 +364,9 @@ def phase_bounds(model, prompt_lengths: list[int], response_lengths: list[int],
     }
     out["generation_bandwidth_s"] = out["prefill_s"] + out["decode_bandwidth_s"]
     out["generation_matmul_s"] = out["prefill_s"] + out["decode_matmul_s"]
+    if attention_seconds is not None:
+        out["decode_attention_s"] = sum(interpolate_attention(attention_seconds, r, span)
+                                        for r, span in zip(sched["ideal"], sched["span"]) if r)
     return out
 
 
@@ -491,10 +563,16 @@ def main(argv: list[str] | None = None) -> int:
         s["update_matmul_s"] = update_matmul_seconds(
             model, sum(s["prompt_lengths"]) + sum(s["response_lengths"]),
             sum(s["response_lengths"]))
+    print("timing the decode steps' attention over the cache ...", flush=True)
+    padded = [max(s["prompt_lengths"]) for s in ours["steps"]]
+    spans = sorted({min(padded) + 1, (min(padded) + max(padded) + args.new_tokens) // 2,
+                    max(padded) + args.new_tokens})
+    attention_s = decode_attention_seconds(model, list(range(1, micro + 1)), spans)
     per_step = [phase_bounds(model, s["prompt_lengths"], s["response_lengths"], s["stopped"],
                              group_size=GROUP_SIZE, max_new=args.new_tokens, micro_batch=micro,
                              flops_per_second=flops, read_bytes_per_second=read_bw,
-                             decode_seconds=decode_s) for s in ours["steps"]]
+                             decode_seconds=decode_s, attention_seconds=attention_s)
+                for s in ours["steps"]]
     for bounds, s in zip(per_step, ours["steps"]):
         bounds["update_matmul_s"] = s["update_matmul_s"]
         bounds["generation_linear_matmul_s"] = phase_bounds(
@@ -544,6 +622,8 @@ def main(argv: list[str] | None = None) -> int:
     row("generation", m["generation"], tget("generation"), "prefill FLOP+decode matmul",
         b["generation_matmul_s"])
     row("", m["generation"], None, "same, F.linear only", b["generation_linear_matmul_s"])
+    row("", m["generation"], None, "same + attention, timed", b["generation_matmul_s"]
+        + b["decode_attention_s"])
     row("", m["generation"], None, "prefill FLOP+engine rows", b["prefill_s"]
         + b["decode_matmul_engine_s"])
     row("", m["generation"], None, "prefill FLOP+weight bw", b["generation_bandwidth_s"])
@@ -571,6 +651,8 @@ def main(argv: list[str] | None = None) -> int:
             "rates": {"matmul_flops_per_second": flops, "memory_read_bytes_per_second": read_bw,
                       "decode_step_seconds": decode_s,
                       "decode_step_seconds_linear": decode_linear_s,
+                      "decode_attention_seconds": {f"{r} rows x {span}": t for (r, span), t
+                                                   in attention_s.items()},
                       "before": before, "after": after},
             "bounds_mean": b, "bounds_per_step": per_step, "table": rows,
             "trl_version": trl_version,

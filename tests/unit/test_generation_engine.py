@@ -399,8 +399,9 @@ def test_packed_weights_same_samples_as_plain_linears(tokenizer, setup, tied, mo
     tokens, mask = _left_pad(_prompts(tokenizer, 4), tokenizer.pad_id)
     kw = _kwargs(tokenizer, bias, stops, temperature=1.0, max_generated_tokens=12)
     calls = []
-    original, fusable = pd._onednn_linear, pd._fusable
+    original, original_add, fusable = pd._onednn_linear, pd._onednn_linear_add, pd._fusable
     monkeypatch.setattr(pd, "_onednn_linear", lambda *a: calls.append(1) or original(*a))
+    monkeypatch.setattr(pd, "_onednn_linear_add", lambda *a: calls.append(1) or original_add(*a))
     runs, products = {}, {}
     for name, packed, fuse in [("plain", False, True), ("unfused", True, False),
                                ("fused", True, True)]:
@@ -512,13 +513,9 @@ def test_fused_decode_layer_equals_the_layer_and_falls_back(qkv_bias):
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
 
     calls = []
-    original = pd._onednn_linear
-
-    def counting(*a):
-        calls.append(1)
-        return original(*a)
-
-    pd_linear, pd._onednn_linear = pd._onednn_linear, counting
+    saved = pd._onednn_linear, pd._onednn_linear_add
+    pd._onednn_linear = lambda *a: calls.append(1) or saved[0](*a)
+    pd._onednn_linear_add = lambda *a: calls.append(1) or saved[1](*a)
     try:
         big = torch.randn(1, pd.PACKED_MAX_ROWS + 1, d)
         assert torch.equal(fused(big), type(layer).forward(layer, big))  # no cache: own forward
@@ -532,7 +529,7 @@ def test_fused_decode_layer_equals_the_layer_and_falls_back(qkv_bias):
             fused(x, mask=attention_mask(valid[:, :p]), input_pos=pos[:, :p])
         assert len(calls) == 4  # qkv, output, gate|up, down
     finally:
-        pd._onednn_linear = pd_linear
+        pd._onednn_linear, pd._onednn_linear_add = saved
 
 
 # ---------------------------------------------------------------------------- rotary

@@ -83,6 +83,27 @@ def test_decode_schedule_follows_the_rows_still_running():
                                                                       sched["ideal"]))
 
 
+def test_decode_schedule_spans_and_the_timed_attention():
+    """Each decode call attends over the padded prompt plus the tokens so far; the timed
+    attention grows with the cache length and is interpolated between the timed lengths."""
+    from torchtune_grpo.tiny import tiny_llama
+
+    module = _module()
+    sched = module.decode_schedule([2, 4, 4, 4], [True, True, False, True], max_new=4,
+                                   micro_batch=2, prompt_lengths=[3, 5, 7, 2])
+    assert sched["span"] == [6, 7, 8, 8, 9, 10]  # P = 5, then 7; 3 calls each (max length 4)
+    assert "span" not in module.decode_schedule([2], [True], max_new=4, micro_batch=1)
+    torch.manual_seed(0)
+    timed = module.decode_attention_seconds(tiny_llama(), [1, 2], [8, 2048], repeats=2)
+    assert set(timed) == {(1, 8), (1, 2048), (2, 8), (2, 2048)}
+    assert timed[(2, 2048)] > timed[(2, 8)] > 0
+    fake = {(1, 10): 1.0, (1, 20): 2.0, (1, 40): 3.0}
+    assert module.interpolate_attention(fake, 1, 15) == pytest.approx(1.5)
+    assert module.interpolate_attention(fake, 1, 30) == pytest.approx(2.5)
+    assert module.interpolate_attention(fake, 1, 60) == pytest.approx(4.0)  # extended
+    assert module.interpolate_attention({(1, 10): 1.0}, 1, 99) == 1.0
+
+
 def test_phase_bounds_on_a_tiny_model_are_positive_and_consistent():
     """The FLOP, bandwidth and timed-matmul bounds of a tiny model agree with their parts."""
     from torchtune_grpo.tiny import tiny_llama
@@ -116,6 +137,12 @@ def test_phase_bounds_on_a_tiny_model_are_positive_and_consistent():
                                                         + b["decode_bandwidth_s"])
     assert b["decode_matmul_engine_s"] >= b["decode_matmul_s"]
     assert b["decode_row_steps_ideal"] == 4 + 3 + 3 + 2 + 2
+    assert "decode_attention_s" not in b
+    attention = {(r, s): 0.001 * r for r in (1, 2, 3, 4) for s in (5, 11)}
+    with_attention = module.phase_bounds(model, [5, 5, 3, 3], [6, 2, 4, 6],
+                                         [False, True, True, False],
+                                         **{**kwargs, "attention_seconds": attention})
+    assert with_attention["decode_attention_s"] == pytest.approx(0.001 * (4 + 3 + 3 + 2 + 2))
     # twice the flop rate halves every FLOP bound
     faster = module.phase_bounds(model, [5, 5, 3, 3], [6, 2, 4, 6],
                                  [False, True, True, False],

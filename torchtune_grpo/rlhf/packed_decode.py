@@ -40,6 +40,13 @@ def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def _onednn_linear_add(x: torch.Tensor, residual: torch.Tensor, packed: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias + residual`` in one oneDNN call (the sum as a post-op: the same values
+    as adding afterwards); ``residual`` is shaped as the output."""
+    return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
+
+
 def _packable(weight: torch.Tensor) -> bool:
     """Whether oneDNN can run ``x @ weight.T`` from a reordered copy of ``weight``."""
     from torch.distributed.tensor import DTensor
@@ -109,7 +116,7 @@ def fused_decode_layer(layer: TransformerSelfAttentionLayer) -> Callable[..., to
     ``x -> RMSNorm -> [q | k | v]`` (one product with the three weights stacked) ``->``
     :func:`~torchtune_grpo.rlhf.kv_cache.attend_projected` ``-> output projection + x ->
     RMSNorm -> [gate | up]`` (one product) ``-> activation(gate) * up -> down projection +``
-    residual. Every output element is the same dot product as the layer's own, so results
+    residual, each residual sum a post-op of its product. Every output element is the same dot product as the layer's own, so results
     agree to float32 rounding of oneDNN's summation order (equal in the tests).
 
     Runs only for inputs of at most :data:`PACKED_MAX_ROWS` positions, without autograd, on a
@@ -142,7 +149,7 @@ def fused_decode_layer(layer: TransformerSelfAttentionLayer) -> Callable[..., to
         h = F.rms_norm(x, sa_norm.normalized_shape, sa_norm.scale, sa_norm.eps)
         q, k, v = _onednn_linear(h, qkv, qkv_bias).split(split, dim=-1)
         a = attend_projected(attn, q, k, v, mask=mask, input_pos=input_pos)
-        h = _onednn_linear(a, out, out_bias) + x
+        h = _onednn_linear_add(a, x, out, out_bias)  # + x: the residual
         m = F.rms_norm(h, mlp_norm.normalized_shape, mlp_norm.scale, mlp_norm.eps)
         gu = _onednn_linear(m, up, up_bias)
         if gated:
@@ -150,7 +157,7 @@ def fused_decode_layer(layer: TransformerSelfAttentionLayer) -> Callable[..., to
             m = activation(gate) * value
         else:
             m = activation(gu)
-        return h + _onednn_linear(m, down, down_bias)
+        return _onednn_linear_add(m, h, down, down_bias)  # + h
 
     return forward
 
