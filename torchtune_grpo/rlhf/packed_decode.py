@@ -116,8 +116,9 @@ def fused_decode_layer(layer: TransformerSelfAttentionLayer) -> Callable[..., to
     ``x -> RMSNorm -> [q | k | v]`` (one product with the three weights stacked) ``->``
     :func:`~torchtune_grpo.rlhf.kv_cache.attend_projected` ``-> output projection + x ->
     RMSNorm -> [gate | up]`` (one product) ``-> activation(gate) * up -> down projection +``
-    residual, each residual sum a post-op of its product. Every output element is the same dot product as the layer's own, so results
-    agree to float32 rounding of oneDNN's summation order (equal in the tests).
+    residual, each residual sum a post-op of its product. Every output element is the same dot
+    product as the layer's own, so results agree to float32 rounding of oneDNN's summation
+    order (equal in the tests).
 
     Runs only for inputs of at most :data:`PACKED_MAX_ROWS` positions, without autograd, on a
     layer whose attention decodes into a rollout's :class:`~torchtune_grpo.rlhf.kv_cache.
