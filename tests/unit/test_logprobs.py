@@ -359,3 +359,46 @@ def test_kept_softmax_blocks_only_with_gradients_and_validated(monkeypatch):
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="keep_probs"):
             chunked_token_logprobs(hidden, head, targets, keep_probs=bad)
+
+
+def test_block_pool_reuses_free_blocks_and_never_shares_one_in_use():
+    """From the second call on, the fused function's blocks come from the pool (no fresh
+    memory); two forwards whose backwards are still pending get distinct kept blocks, and
+    both backwards give the gradients of a pool-less run; the pool stays within its limit."""
+    from torchtune_grpo.rlhf import logprobs as lp
+
+    head, hidden, targets, bias, weights = _setup(forbid=True)
+    kw = dict(logit_bias=bias, chunk_size=5, keep_probs=N * T * V)
+    lp._POOL.clear()
+    want = torch.autograd.grad((chunked_token_logprobs(hidden, head, targets, **kw)[0]
+                                * weights).sum(), (hidden, head.weight))
+    assert any(lp._POOL.free.values())  # the first call's blocks went back to the pool
+    pooled = {t.data_ptr() for ts in lp._POOL.free.values() for t in ts}
+    held = sum(t.nbytes for ts in lp._POOL.free.values() for t in ts)
+    assert 0 < held <= lp._POOL.limit
+
+    taken = []
+    original = lp._POOL.take
+    lp._POOL.take = lambda *a: taken.append(original(*a)) or taken[-1]
+    try:
+        first, _ = chunked_token_logprobs(hidden, head, targets, **kw)
+        ptrs_first = {t.data_ptr() for t in taken}
+        taken.clear()
+        second, _ = chunked_token_logprobs(hidden * 2, head, targets, **kw)
+        ptrs_second = {t.data_ptr() for t in taken}
+    finally:
+        lp._POOL.take = original
+    assert ptrs_first & pooled  # reused, not fresh
+    # the first call's kept blocks are in use until its backward: never handed out again
+    kept_first = ptrs_first - {t.data_ptr() for ts in lp._POOL.free.values() for t in ts}
+    assert kept_first and not kept_first & ptrs_second
+    got = torch.autograd.grad((first * weights).sum(), (hidden, head.weight))
+    for a, b in zip(got, want):
+        assert b.abs().max() > 0
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    lp._POOL.clear()
+    want2 = torch.autograd.grad((chunked_token_logprobs(hidden * 2, head, targets, **kw)[0]
+                                 * weights).sum(), (hidden, head.weight))
+    got2 = torch.autograd.grad((second * weights).sum(), (hidden, head.weight))
+    for a, b in zip(got2, want2):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
