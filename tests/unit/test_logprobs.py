@@ -383,6 +383,7 @@ def test_block_pool_reuses_free_blocks_and_never_shares_one_in_use():
     try:
         first, _ = chunked_token_logprobs(hidden, head, targets, **kw)
         ptrs_first = {t.data_ptr() for t in taken}
+        alive = list(taken)  # no address of the first call is freed and reused by malloc
         taken.clear()
         second, _ = chunked_token_logprobs(hidden * 2, head, targets, **kw)
         ptrs_second = {t.data_ptr() for t in taken}
@@ -392,6 +393,7 @@ def test_block_pool_reuses_free_blocks_and_never_shares_one_in_use():
     # the first call's kept blocks are in use until its backward: never handed out again
     kept_first = ptrs_first - {t.data_ptr() for ts in lp._POOL.free.values() for t in ts}
     assert kept_first and not kept_first & ptrs_second
+    del alive
     got = torch.autograd.grad((first * weights).sum(), (hidden, head.weight))
     for a, b in zip(got, want):
         assert b.abs().max() > 0

@@ -166,7 +166,7 @@ class _FusedLinearLogProbs(torch.autograd.Function):
         _POOL.limit = (3 + -(-kept_rows // rows)) * rows * v * 4
         buf = _POOL.take((rows, v), hidden, torch.float32)
         low = None if hidden.dtype == torch.float32 else hidden.new_empty((rows, v))
-        probs = _POOL.take((rows, v), hidden, torch.float32) if want_entropy else None
+        probs = None  # taken when a chunk that is not kept needs it (metric entropy)
         logp = hidden.new_empty(m_total, dtype=torch.float32)
         entropy = hidden.new_empty(m_total if want_entropy else 0, dtype=torch.float32)
         kept: list[Tensor] = []
@@ -189,6 +189,8 @@ class _FusedLinearLogProbs(torch.autograd.Function):
                 continue
             if want_entropy:
                 # H = logsumexp(z) - sum_v p_v z_v; logsumexp(z) = max(z) - max(log_softmax(z))
+                if probs is None:
+                    probs = _POOL.take((rows, v), hidden, torch.float32)
                 p = probs[: e - s]
                 torch._softmax(z, 1, False, out=p)
                 expected_z = torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).view(-1)  # no [m, V] temp
@@ -197,7 +199,8 @@ class _FusedLinearLogProbs(torch.autograd.Function):
             logp[s:e] = z.gather(1, y).squeeze(1)
             if want_entropy:
                 entropy[s:e] = (z_max - z.amax(1)) - expected_z
-        _POOL.give(buf, probs)
+        if not kept:  # else freed now: the backward needs no scratch until the kept blocks
+            _POOL.give(buf, probs)  # come back, and holding it would raise the peak
         # a forbidden target has log-prob -inf, as in the unfused path
         logp.masked_fill_(logp < _FORBIDDEN_LOGIT / 2, float("-inf"))
         ctx.save_for_backward(hidden, weight, targets, bias)
