@@ -34,9 +34,7 @@ recipe keeps alive, component by component:
   at a time, times :data:`FUSED_LOGIT_COPIES` for the fused log-prob function (the default), or
   :data:`LOGIT_COPIES` on the checkpointed path (entropy bonus, LoRA on the output); the fused
   update also keeps the softmax of its first chunks for the backward, up to
-  ``logprob_keep_probs_mib`` (whole chunks). On CPU the fused function's blocks stay mapped
-  between updates (a pool it reuses, so later updates skip the page faults of fresh memory):
-  they count in the rollout and reference phases too.
+  ``logprob_keep_probs_mib`` (whole chunks).
 
 The peak is the static part (weights, optimizer state, reference) plus the largest of the
 phases that follow each other: rollout (KV cache), reference pass, update (gradients,
@@ -402,11 +400,9 @@ def estimate_memory(cfg: DictConfig, world_size: int = 1, *,
         update = max(activations + logits, 0.0) + buffers + gathered
 
     static = weights + optimizer + reference
-    # CPU: the fused log-prob blocks are pooled between updates (logprobs._BlockPool)
-    pooled = logits if fused and device == "cpu" else 0.0
-    phases = {"rollout": static + generation + pooled}
+    phases = {"rollout": static + generation}
     if kl:
-        phases["reference"] = static + reference_pass + max(0.0, pooled - ref_logits)
+        phases["reference"] = static + reference_pass
     phases["update"] = static + update
     if device == "cpu":  # the checkpoint's state dict and the fresh model side by side
         phases["load"] = 2 * weights + reference

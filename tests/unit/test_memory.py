@@ -297,19 +297,3 @@ def test_rollout_counts_the_packed_weights_on_cpu_only():
     assert estimate_memory(cfg).phases["rollout"] - off.phases["rollout"] == packed
     assert estimate_memory(_quickstart("device=cuda", "dtype=fp32")).components[
         "packed_weights"] == 0
-
-
-def test_pooled_logprob_blocks_count_between_updates_on_cpu_only():
-    """On CPU the fused log-prob blocks stay pooled after the update: the rollout phase holds
-    them too (their size follows logprob_keep_probs_mib); on CUDA it does not."""
-    def phases(*over):
-        est = estimate_memory(_quickstart("dtype=fp32", *over))
-        return est.components["logits"], est.phases["rollout"]
-
-    logits_small, rollout_small = phases("device=cpu", "logprob_keep_probs_mib=0")
-    logits_big, rollout_big = phases("device=cpu", "logprob_keep_probs_mib=512")
-    assert logits_big > logits_small > 0
-    assert rollout_big - rollout_small == logits_big - logits_small
-    gpu_small = phases("device=cuda", "logprob_keep_probs_mib=0")
-    gpu_big = phases("device=cuda", "logprob_keep_probs_mib=512")
-    assert gpu_big[0] > gpu_small[0] and gpu_big[1] == gpu_small[1]

@@ -20,7 +20,6 @@ the log-softmax in place (``g * (onehot(y) - softmax(z)) / temperature``) before
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import torch
@@ -55,52 +54,6 @@ def auto_chunk_size(vocab_size: int, budget: int = CHUNK_LOGITS_BUDGET) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return max(16, budget // vocab_size // 16 * 16)
-
-
-class _BlockPool:
-    """Freed ``[rows, V]`` blocks of the fused log-prob function, kept for the next call (CPU).
-
-    On CPU every fresh multi-hundred-megabyte tensor is new memory from the OS, page-faulted
-    in on first write: 45-50 ms for a 131 MB ``[256, 128256]`` float32 block on a 2-core
-    machine, where the softmax that fills it takes ~25 ms. The fused function takes its
-    scratch blocks and the softmax blocks it keeps for the backward from here and gives them
-    back when done, so from the second update on they are memory already mapped. Only free
-    blocks are pooled (a block in use is never handed out twice), only on CPU (the CUDA caching
-    allocator does this already), and at most ``limit`` bytes of them: what the last call
-    needed, so the pool never holds more than one update's log-prob blocks between updates.
-    """
-
-    def __init__(self) -> None:
-        self.free: dict[tuple, list[Tensor]] = {}
-        self.limit = 0
-        self._lock = threading.Lock()
-
-    def take(self, shape: tuple[int, int], like: Tensor, dtype: torch.dtype) -> Tensor:
-        """An uninitialised ``shape`` tensor of ``dtype`` on ``like``'s device."""
-        if like.device.type == "cpu":
-            with self._lock:
-                blocks = self.free.get((shape, dtype))
-                if blocks:
-                    return blocks.pop()
-        return like.new_empty(shape, dtype=dtype)
-
-    def give(self, *blocks: Tensor | None) -> None:
-        """Return blocks (whole tensors from :meth:`take`); dropped beyond ``limit`` bytes."""
-        with self._lock:
-            held = sum(t.nbytes for ts in self.free.values() for t in ts)
-            for t in blocks:
-                if t is None or t.device.type != "cpu" or held + t.nbytes > self.limit:
-                    continue
-                self.free.setdefault((tuple(t.shape), t.dtype), []).append(t)
-                held += t.nbytes
-
-    def clear(self) -> None:
-        """Drop every pooled block."""
-        with self._lock:
-            self.free.clear()
-
-
-_POOL = _BlockPool()
 
 
 #: ``logit_bias`` entries of ``-inf`` become this inside the fused path: ``exp`` still gives exactly
@@ -161,12 +114,9 @@ class _FusedLinearLogProbs(torch.autograd.Function):
                 keep_probs):
         m_total, v = hidden.shape[0], weight.shape[0]
         rows = min(chunk_size, m_total)
-        kept_rows = min(m_total, keep_probs // max(v, 1))
-        # the pool may hold this call's blocks until the next: the scratch and the kept ones
-        _POOL.limit = (3 + -(-kept_rows // rows)) * rows * v * 4
-        buf = _POOL.take((rows, v), hidden, torch.float32)
+        buf = hidden.new_empty((rows, v), dtype=torch.float32)
         low = None if hidden.dtype == torch.float32 else hidden.new_empty((rows, v))
-        probs = None  # taken when a chunk that is not kept needs it (metric entropy)
+        probs = hidden.new_empty((rows, v), dtype=torch.float32) if want_entropy else None
         logp = hidden.new_empty(m_total, dtype=torch.float32)
         entropy = hidden.new_empty(m_total if want_entropy else 0, dtype=torch.float32)
         kept: list[Tensor] = []
@@ -179,8 +129,7 @@ class _FusedLinearLogProbs(torch.autograd.Function):
                 # read off the largest probability (>= 1 / V, so its log is exact to rounding):
                 # softmax is monotone, so max p sits where max z does (two plain reductions,
                 # cheaper than an argmax and two gathers)
-                p = _POOL.take((rows, v), hidden, torch.float32)[: e - s]
-                torch.ops.aten._softmax.out(z, 1, False, out=p)
+                p = torch._softmax(z, 1, False)
                 lse = z.amax(1) - p.amax(1).log()
                 logp[s:e] = z.gather(1, y).squeeze(1) - lse
                 if want_entropy:  # H = logsumexp(z) - sum_v p_v z_v
@@ -189,8 +138,6 @@ class _FusedLinearLogProbs(torch.autograd.Function):
                 continue
             if want_entropy:
                 # H = logsumexp(z) - sum_v p_v z_v; logsumexp(z) = max(z) - max(log_softmax(z))
-                if probs is None:
-                    probs = _POOL.take((rows, v), hidden, torch.float32)
                 p = probs[: e - s]
                 torch._softmax(z, 1, False, out=p)
                 expected_z = torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).view(-1)  # no [m, V] temp
@@ -199,8 +146,6 @@ class _FusedLinearLogProbs(torch.autograd.Function):
             logp[s:e] = z.gather(1, y).squeeze(1)
             if want_entropy:
                 entropy[s:e] = (z_max - z.amax(1)) - expected_z
-        if not kept:  # else freed now: the backward needs no scratch until the kept blocks
-            _POOL.give(buf, probs)  # come back, and holding it would raise the peak
         # a forbidden target has log-prob -inf, as in the unfused path
         logp.masked_fill_(logp < _FORBIDDEN_LOGIT / 2, float("-inf"))
         ctx.save_for_backward(hidden, weight, targets, bias)
@@ -217,9 +162,9 @@ class _FusedLinearLogProbs(torch.autograd.Function):
         m_total, v = hidden.shape[0], weight.shape[0]
         rows = min(chunk_size, m_total)
         recompute = m_total > len(kept) * chunk_size
-        buf = _POOL.take((rows, v), hidden, torch.float32) if recompute else None
+        buf = hidden.new_empty((rows, v), dtype=torch.float32) if recompute else None
         low = None if hidden.dtype == torch.float32 else hidden.new_empty((rows, v))
-        probs = _POOL.take((rows, v), hidden, torch.float32) if recompute else None
+        probs = hidden.new_empty((rows, v), dtype=torch.float32) if recompute else None
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
             if need_w else None
@@ -227,11 +172,9 @@ class _FusedLinearLogProbs(torch.autograd.Function):
         g = grad_logp.float() / temperature
         for i, s in enumerate(range(0, m_total, chunk_size)):
             e = min(s + chunk_size, m_total)
-            block = None
             if i < len(kept):
                 p = kept[i]
-                kept[i] = None  # back to the pool as soon as this chunk is done
-                block = p if p._base is None else p._base
+                kept[i] = None  # freed as soon as this chunk is done
             else:
                 z = _chunk_scores(hidden[s:e], weight, temperature, bias, buf, low)
                 p = probs[: e - s]
@@ -248,8 +191,6 @@ class _FusedLinearLogProbs(torch.autograd.Function):
                 else:
                     grad_w.add_((grad_z.t() @ hidden[s:e]).float())
             del p, grad_z
-            _POOL.give(block)
-        _POOL.give(buf, probs)
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
         return grad_h, grad_w, None, None, None, None, None, None
