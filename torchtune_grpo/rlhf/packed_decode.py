@@ -121,9 +121,9 @@ def fused_decode_layer(layer: TransformerSelfAttentionLayer) -> Callable[..., to
     order (equal in the tests).
 
     Runs only for inputs of at most :data:`PACKED_MAX_ROWS` positions, without autograd, on a
-    layer whose attention decodes into a rollout's :class:`~torchtune_grpo.rlhf.kv_cache.
-    SpanKVCache`; anything else (prefill of long prompts, training forwards) goes to the
-    layer's own forward.
+    layer whose attention decodes into a rollout's
+    :class:`~torchtune_grpo.rlhf.kv_cache.SpanKVCache`; anything else (prefill of long prompts,
+    training forwards) goes to the layer's own forward.
 
     Args:
         layer: a layer :func:`_fusable` accepts.
