@@ -117,13 +117,11 @@ class SpanKVCache(nn.Module):
         Only for masks whose every query row attends to something (decode steps): a row with
         no True gives NaN here where SDPA's bool path returns zeros.
         """
-        memo = self.step_memo.get("mask")
-        if (memo is None or memo[0] is not mask or memo[1] != mask._version
-                or memo[2].dtype != dtype):
-            bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-            memo = (mask, mask._version, bias.masked_fill_(~mask, float("-inf")))
-            self.step_memo["mask"] = memo
-        return memo[2]
+        def bias() -> torch.Tensor:
+            zeros = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+            return zeros.masked_fill_(~mask, float("-inf"))
+
+        return _derived(self.step_memo, f"mask:{dtype}", mask, bias)
 
     @property
     def batch_size(self) -> int:
@@ -163,6 +161,22 @@ class SpanKVCache(nn.Module):
         return self.k_cache[:b, :, :end], self.v_cache[:b, :, :end]
 
 
+def _derived(store: dict, key: str, source: torch.Tensor,
+             make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``make()``, computed once per ``source`` tensor and kept in ``store[key]``.
+
+    The layers of one decode step receive the same mask and position tensors; what is derived
+    from them (the additive mask, the rotary angles) is made by the first layer and reused by
+    the others. ``store[key] = (source, source._version, value)``: a new tensor, or the same one
+    modified in place, makes it again.
+    """
+    memo = store.get(key)
+    if memo is None or memo[0] is not source or memo[1] != source._version:
+        memo = (source, source._version, make())
+        store[key] = memo
+    return memo[2]
+
+
 #: Rotary embeddings :func:`_rotate` computes itself (pairwise-interleaved, ``cache [L, d/2, 2]``).
 _INTERLEAVED_ROPES = (RotaryPositionalEmbeddings, Llama3ScaledRoPE)
 
@@ -180,14 +194,11 @@ def _rotate(rope: nn.Module, x: torch.Tensor, input_pos: torch.Tensor | None) ->
     """
     if type(rope) not in _INTERLEAVED_ROPES or input_pos is None:
         return rope(x, input_pos=input_pos)
-    memo = rope.__dict__.get("_grpo_angles")
-    if memo is None or memo[0] is not input_pos or memo[1] != input_pos._version:
-        angles = torch.view_as_complex(rope.cache[input_pos].float().contiguous())
-        memo = (input_pos, input_pos._version, angles.unsqueeze(2))  # [b, s, 1, head_dim / 2]
-        rope.__dict__["_grpo_angles"] = memo
+    angles = _derived(rope.__dict__, "_grpo_angles", input_pos, lambda: torch.view_as_complex(
+        rope.cache[input_pos].float().contiguous()).unsqueeze(2))  # [b, s, 1, head_dim / 2]
     b, s, h, d = x.shape
     pairs = torch.view_as_complex(x.float().reshape(b, s, h, d // 2, 2))
-    return torch.view_as_real(pairs * memo[2]).flatten(3).type_as(x)
+    return torch.view_as_real(pairs * angles).flatten(3).type_as(x)
 
 
 def grouped_query_attention(
