@@ -44,6 +44,7 @@ from torchtune import config, training, utils
 from torchtune.modules.peft import disable_adapter
 
 from torchtune_grpo import distributed as D
+from torchtune_grpo.allocator import keep_freed_memory
 from torchtune_grpo.batching import (
     SampledGroups,
     StepBatches,
@@ -126,6 +127,8 @@ class GRPORecipe:
         self.validate(cfg)
         self.cfg = cfg = with_defaults(cfg, {**RECIPE_KEYS, **self.EXTRA_KEYS})
         self.device = utils.get_device(cfg.device)
+        if self.device.type == "cpu" and cfg.keep_freed_cpu_memory:
+            keep_freed_memory()  # before the model and the step's tensors are allocated
         self.dtype = DTYPES[cfg.dtype]
         self.world_size, self.rank = self.init_process_group()
         self.dp_mesh = None  # FSDP2 shards over the whole world (the async trainers: theirs)
