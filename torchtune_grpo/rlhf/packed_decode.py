@@ -27,7 +27,7 @@ from torchtune.modules import (
     TransformerSelfAttentionLayer,
 )
 
-from torchtune_grpo.rlhf.kv_cache import SpanKVCache, attend_projected
+from torchtune_grpo.rlhf.kv_cache import SpanKVCache, attend_decode_step, attend_projected
 
 #: Inputs of at most this many rows (decode steps) use the packed weights of
 #: :func:`packed_linear_weights`; larger ones (prefill) the layer's own ``F.linear``.
@@ -116,9 +116,10 @@ def fused_decode_layer(layer: TransformerSelfAttentionLayer) -> Callable[..., to
     ``x -> RMSNorm -> [q | k | v]`` (one product with the three weights stacked) ``->``
     :func:`~torchtune_grpo.rlhf.kv_cache.attend_projected` ``-> output projection + x ->
     RMSNorm -> [gate | up]`` (one product) ``-> activation(gate) * up -> down projection +``
-    residual, each residual sum a post-op of its product. Every output element is the same dot
-    product as the layer's own, so results agree to float32 rounding of oneDNN's summation
-    order (equal in the tests).
+    residual, each residual sum a post-op of its product; a decode step's attention goes through
+    :func:`~torchtune_grpo.rlhf.kv_cache.attend_decode_step` (straight from the stacked
+    product). Every output element is the same dot product as the layer's own, so results agree
+    to float32 rounding of oneDNN's summation order (equal in the tests).
 
     Runs only for inputs of at most :data:`PACKED_MAX_ROWS` positions, without autograd, on a
     layer whose attention decodes into a rollout's
@@ -148,8 +149,13 @@ def fused_decode_layer(layer: TransformerSelfAttentionLayer) -> Callable[..., to
                 or (mask is not None and not isinstance(mask, torch.Tensor))):
             return type(layer).forward(layer, x, mask=mask, input_pos=input_pos, **kwargs)
         h = F.rms_norm(x, sa_norm.normalized_shape, sa_norm.scale, sa_norm.eps)
-        q, k, v = _onednn_linear(h, qkv, qkv_bias).split(split, dim=-1)
-        a = attend_projected(attn, q, k, v, mask=mask, input_pos=input_pos)
+        projected = _onednn_linear(h, qkv, qkv_bias)
+        a = None
+        if x.shape[1] == 1 and mask is not None:  # a decode step
+            a = attend_decode_step(attn, projected, mask=mask, input_pos=input_pos)
+        if a is None:
+            q, k, v = projected.split(split, dim=-1)
+            a = attend_projected(attn, q, k, v, mask=mask, input_pos=input_pos)
         h = _onednn_linear_add(a, x, out, out_bias)  # + x: the residual
         m = F.rms_norm(h, mlp_norm.normalized_shape, mlp_norm.scale, mlp_norm.eps)
         gu = _onednn_linear(m, up, up_bias)
