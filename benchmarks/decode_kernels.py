@@ -1,10 +1,16 @@
-"""Rollout seconds with the native engine's packed (oneDNN-reordered) weights on and off, A/B.
+"""Rollout seconds with one decoding feature of the native engine off and on, A/B.
 
 On a shared machine the speed drifts by tens of percent between runs, so the two settings are
 timed alternately in one process: the recipe is built once, then ``--rollouts`` rollouts of
-the same prompts are run with ``NativeGenerator.packed_weights`` off and on, in turn (after one
-warm-up rollout each). Prints every time and the medians, and checks that both settings
-sample the same tokens.
+the same prompts are run with the feature off and on, in turn (after one warm-up rollout each).
+Prints every time and the medians, and checks that both settings sample the same tokens.
+
+Features (``--compare``):
+
+* ``packed``: ``NativeGenerator.packed_weights`` (oneDNN-reordered weights, fused layers);
+* ``decode-attention``: the fused layers' one-step attention
+  (:func:`torchtune_grpo.rlhf.kv_cache.attend_decode_step`) against their general path
+  (``attend_projected`` after splitting the q|k|v product), packed weights on in both.
 
 Shapes:
 
@@ -17,6 +23,8 @@ Usage::
 
     python benchmarks/decode_kernels.py --shape step --rollouts 4
     python benchmarks/decode_kernels.py --shape smollm2 --new-tokens 64 --rollouts 3
+    python benchmarks/decode_kernels.py --shape smollm2 --new-tokens 64 --rollouts 6 \
+        --compare decode-attention
 """
 
 from __future__ import annotations
@@ -55,21 +63,42 @@ def build_recipe(shape: str, workdir: Path, new_tokens: int, model_dir: Path):
     return recipe
 
 
-def ab(recipe, rollouts: int) -> dict:
-    """``{False: [seconds], True: [seconds], "same_tokens": bool}`` over alternating rollouts."""
+def _setter(recipe, compare: str):
+    """``set(on: bool)`` that switches the compared feature of ``recipe``'s engine."""
+    if compare == "packed":
+        def set_packed(on: bool) -> None:
+            recipe.generator.packed_weights = on
+        return set_packed
+    from torchtune_grpo.rlhf import packed_decode
+
+    step = packed_decode.attend_decode_step
+
+    def set_decode_attention(on: bool) -> None:
+        recipe.generator.packed_weights = True
+        packed_decode.attend_decode_step = step if on else (lambda *a, **k: None)
+    return set_decode_attention
+
+
+def ab(recipe, rollouts: int, compare: str = "packed") -> dict:
+    """``{False: [seconds], True: [seconds], "same_tokens": bool}`` over alternating rollouts
+    with the ``compare`` feature off (False) and on (True)."""
     batch = recipe.batches.batch(0)
+    switch = _setter(recipe, compare)
     times: dict = {False: [], True: []}
     tokens = {}
-    for packed in (False, True):  # warm-up of each setting
-        recipe.generator.packed_weights = packed
-        recipe.rollout(batch)
-    for _ in range(rollouts):
-        for packed in (False, True):
-            recipe.generator.packed_weights = packed
-            t0 = time.perf_counter()
-            traj = recipe.rollout(batch)
-            times[packed].append(time.perf_counter() - t0)
-            tokens[packed] = traj.tokens
+    try:
+        for on in (False, True):  # warm-up of each setting
+            switch(on)
+            recipe.rollout(batch)
+        for _ in range(rollouts):
+            for on in (False, True):
+                switch(on)
+                t0 = time.perf_counter()
+                traj = recipe.rollout(batch)
+                times[on].append(time.perf_counter() - t0)
+                tokens[on] = traj.tokens
+    finally:
+        switch(True)
     times["same_tokens"] = bool(tokens[False].shape == tokens[True].shape
                                 and (tokens[False] == tokens[True]).all())
     return times
@@ -80,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=["step", "smollm2"], default="step")
     parser.add_argument("--rollouts", type=int, default=4, help="timed rollouts per setting")
+    parser.add_argument("--compare", choices=["packed", "decode-attention"], default="packed",
+                        help="the feature switched off and on")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--model-dir", type=Path,
@@ -95,22 +126,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         recipe = build_recipe(args.shape, Path(tmp), args.new_tokens, args.model_dir)
-        times = ab(recipe, args.rollouts)
+        times = ab(recipe, args.rollouts, args.compare)
 
     def median(xs: list[float]) -> float:
         return sorted(xs)[len(xs) // 2]
 
-    for packed, label in ((False, "F.linear"), (True, "packed (oneDNN)")):
-        print(f"{label:<16} " + " ".join(f"{t:.2f}" for t in times[packed])
-              + f"  median {median(times[packed]):.2f} s")
-    print(f"packed / F.linear: {median(times[True]) / median(times[False]):.2f}; "
+    labels = {"packed": ("F.linear", "packed (oneDNN)"),
+              "decode-attention": ("attend_projected", "attend_decode_step")}[args.compare]
+    for on, label in zip((False, True), labels):
+        print(f"{label:<18} " + " ".join(f"{t:.2f}" for t in times[on])
+              + f"  median {median(times[on]):.2f} s")
+    print(f"{labels[1]} / {labels[0]}: {median(times[True]) / median(times[False]):.2f}; "
           f"same tokens: {times['same_tokens']}")
     if args.out:
         args.out.write_text(json.dumps({
             "command": " ".join(["python", "benchmarks/decode_kernels.py",
                                  *(argv if argv is not None else sys.argv[1:])]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "linear_s": times[False], "packed_s": times[True],
+            "compare": args.compare, "off_s": times[False], "on_s": times[True],
             "same_tokens": times["same_tokens"]}, indent=2))
     return 0
 

@@ -7,15 +7,18 @@ serves every block above its mmap threshold (128 KiB, raised dynamically up to 3
 fresh ``mmap`` and gives it back to the kernel on ``free``, and trims the top of its heap when
 more than the trim threshold lies free there. Either way the next block of that size starts
 as untouched pages, and the kernel page-faults and zeroes them one 4 KiB page at a time as
-the tensor is first written: measured on SmolLM2-135M's update (2 threads), an elementwise
-``[2006, 1536]`` product took 7 ms instead of about 1, and the update as a whole 1.3-1.5x
-its time with the memory kept (``docs/performance.md``).
+the tensor is first written. Profiled on SmolLM2-135M's update (2 threads), an elementwise
+product of two ``[2006, 1536]`` tensors took 7.0 ms a call with glibc's default and 2.4 ms with
+the memory kept, ``silu_backward`` at that shape 11.5 and 2.8 ms; the whole update took 1.27x
+as long with the default (``benchmarks/allocator.py``, ``docs/performance.md``).
 
 :func:`keep_freed_memory` turns that off for the process: no block is served by ``mmap``
 (``M_MMAP_MAX = 0``) and the heap is trimmed only when more than :data:`TRIM_THRESHOLD` bytes
-lie free at its top, so a freed block is reused by the next allocation that fits. The cost is
+lie free at its top, so a freed block is reused by the next allocation that fits (not always
+one of exactly the freed size: glibc 2.36 asks a little more for torch's 64-byte-aligned
+blocks, so the heap grows for a few steps before its free blocks cover the step). The cost is
 that the process's resident memory stays near its peak instead of shrinking between phases
-(the peak itself moves by the allocator's fragmentation, ~2% on the real-model step). The
+(the peak itself moves by the allocator's fragmentation: +3% on the real-model step). The
 training recipes call it on ``device: cpu`` (config key ``keep_freed_cpu_memory``, on by
 default); the CUDA caching allocator already does the same for GPU tensors.
 """
