@@ -46,7 +46,8 @@ def worker(shape: str, keep: bool, updates: int, new_tokens: int, threads: int,
     from torchtune_grpo.memory import peak_rss_bytes
 
     with tempfile.TemporaryDirectory() as tmp:
-        recipe = _build(decode_kernels, shape, Path(tmp), new_tokens, model_dir, keep)
+        recipe = decode_kernels.build_recipe(shape, Path(tmp), new_tokens, model_dir,
+                                             {"keep_freed_cpu_memory": keep})
         batch = recipe.batches.batch(0)
         t0 = time.perf_counter()
         traj = recipe.rollout(batch)
@@ -60,24 +61,6 @@ def worker(shape: str, keep: bool, updates: int, new_tokens: int, threads: int,
             recipe.update(*args, old_logprobs=recipe.old_logprobs(traj))
             times.append(time.perf_counter() - t0)
     return {"rollout_s": rollout_s, "update_s": times, "peak_rss_bytes": peak_rss_bytes()}
-
-
-def _build(decode_kernels, shape: str, workdir: Path, new_tokens: int, model_dir: Path,
-           keep: bool):
-    """``decode_kernels.build_recipe`` with ``keep_freed_cpu_memory`` set to ``keep``."""
-    from torchtune_grpo import recipe as recipe_module
-
-    original = recipe_module.GRPORecipe.__init__
-
-    def init(self, cfg):
-        cfg.keep_freed_cpu_memory = keep
-        original(self, cfg)
-
-    recipe_module.GRPORecipe.__init__ = init
-    try:
-        return decode_kernels.build_recipe(shape, workdir, new_tokens, model_dir)
-    finally:
-        recipe_module.GRPORecipe.__init__ = original
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,8 +39,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def build_recipe(shape: str, workdir: Path, new_tokens: int, model_dir: Path):
-    """A set-up ``GRPORecipe`` at ``shape`` (see the module docstring)."""
+def build_recipe(shape: str, workdir: Path, new_tokens: int, model_dir: Path,
+                 overrides: dict | None = None):
+    """A set-up ``GRPORecipe`` at ``shape`` (see the module docstring), with the top-level config
+    keys of ``overrides`` set."""
     import torch
 
     sys.path.insert(0, str(REPO / "benchmarks"))
@@ -58,6 +60,8 @@ def build_recipe(shape: str, workdir: Path, new_tokens: int, model_dir: Path):
         import real_step
 
         cfg = real_step.build_config(workdir, model_dir, new_tokens)
+    for key, value in (overrides or {}).items():
+        cfg[key] = value
     recipe = GRPORecipe(cfg)
     recipe.setup()
     return recipe
