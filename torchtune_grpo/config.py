@@ -30,6 +30,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from torchtune_grpo.settings import (
     AdvantageSettings,
     DynamicSamplingSettings,
+    HealthSettings,
     EvalSettings,
     sampling_problems,
     settings_from_config,
@@ -304,6 +305,13 @@ RECIPE_KEYS: dict[str, Key] = {
         "bool", False,
         "Groups whose rewards are all equal (zero advantage) add nothing to the loss or its "
         "normaliser; they are always counted in zero_std_group_fraction."),
+    "skip_zero_advantage_sequences": Key(
+        "bool", True,
+        "Leave rollouts whose advantage is exactly 0 (groups whose rewards all tie) out of the "
+        "update's forward and backward passes: they add nothing to the gradient unless the loss "
+        "has a KL or entropy term (then nothing is skipped); they still count in the loss "
+        "normaliser. The step's ``entropy``, ``clip_fraction`` and ``ratio`` metrics then cover "
+        "the rollouts that were run."),
     "dynamic_sampling": Key(
         "dict|null", None,
         "DAPO's dynamic sampling: groups whose rewards all tie are dropped and up to "
@@ -312,6 +320,12 @@ RECIPE_KEYS: dict[str, Key] = {
         "short of that, tied groups complete the batch. The field of "
         ":class:`torchtune_grpo.settings.DynamicSamplingSettings`; null: off.",
         settings=DynamicSamplingSettings),
+    "run_health": Key(
+        "dict|null", {},
+        "When to warn that a run is not learning (no signal, length collapse, reward hacking), "
+        "in the log, as ``health/...`` metrics and in a summary at the end: the fields of "
+        ":class:`torchtune_grpo.settings.HealthSettings` (``{}``: the defaults); null: off.",
+        settings=HealthSettings),
     "clip_grad_norm": Key("float|null", None, "Clip the gradient norm (null: no clipping).",
                           _optional_positive),
     "log_every_n_steps": Key("int", 1, "Log metrics every N steps.", _at_least(1)),

@@ -69,6 +69,7 @@ from torchtune_grpo.config import (
 )
 from torchtune_grpo.datasets import collate_prompts
 from torchtune_grpo.evaluation import EvalResult, evaluate
+from torchtune_grpo.health import RunHealth
 from torchtune_grpo.metrics import PhaseTimer, peak_memory_gb
 from torchtune_grpo.modeling import DTYPES, build_model, has_adapters, meta_model, token_rules
 from torchtune_grpo.rlhf.advantages import AdvantageOutput, group_advantages, loss_token_mask
@@ -86,6 +87,7 @@ from torchtune_grpo.settings import (
     AdvantageSettings,
     DynamicSamplingSettings,
     EvalSettings,
+    HealthSettings,
     settings_from_config,
 )
 
@@ -170,6 +172,9 @@ class GRPORecipe:
         check_input_files(cfg)  # the base model is read even when resuming
         self.tokenizer = config.instantiate(cfg.tokenizer)
         self.rewards = build_reward_set(cfg.rewards)
+        self.health = None if cfg.run_health is None else RunHealth(
+            settings_from_config(HealthSettings, cfg.run_health, "run_health"),
+            success_component=self.rewards.success_name)
         self.loss_fn = config.instantiate(cfg.loss)
         self.generator: Generator = self.build_generator()
         self.tools_on = bool(cfg.tools)
@@ -516,25 +521,41 @@ class GRPORecipe:
         stats, grad_norms = [], []
         gap = torch.zeros(3, dtype=torch.float64, device=self.device)  # max, sum, count
         measure_gap = self.behavior_is_current()
+        skip = self.skipped_sequences(advantages)
+        skipped_stats = self._skipped_share(response_mask[skip], normalizer) if skip.any() \
+            else None
+        kept = (~skip).nonzero().flatten().cpu()
+        # every rank runs the same number of micro-batches (FSDP's collectives), at least one
+        count = D.all_reduce(torch.tensor([float(-(-kept.numel() // self.forward_batch_size))],
+                                          device=self.device), "max")
+        num_micro = max(1, int(count))
         for epoch in range(cfg.ppo_epochs):
             # micro-batch order: a pure function of (seed, step, epoch, rank), like sampling
             gen = torch.Generator().manual_seed(
                 int(mix_seeds(self.seed, self.step, epoch, self.rank, 0x5F0F)))
             order = torch.randperm(traj.num_sequences, generator=gen)
-            for i in range(0, traj.num_sequences, self.forward_batch_size):
+            if skip.any():
+                order = order[~skip.cpu()[order]]  # the same order, less the skipped rows
+            if skipped_stats is not None:
+                stats.append(skipped_stats)
+            for i in range(0, num_micro * self.forward_batch_size, self.forward_batch_size):
                 idx = order[i : i + self.forward_batch_size].to(self.device)
+                counts = True
+                if idx.numel() == 0:  # lockstep filler: one row that adds nothing
+                    idx, counts = torch.zeros(1, dtype=torch.long, device=self.device), False
                 with self.activation_offloading:
                     logprobs, entropy = self._micro_batch_logprobs(
                         self.model, traj, idx, return_entropy=True,
                         entropy_grad=self.loss_fn.needs_entropy)
-                if epoch == 0 and measure_gap:
+                if epoch == 0 and measure_gap and counts:
                     diff = (logprobs.detach() - traj.logprobs[idx]).abs()[traj.response_mask[idx]]
                     if diff.numel():
                         gap[0] = torch.maximum(gap[0], diff.max().double())
                         gap[1] += diff.double().sum()
                         gap[2] += diff.numel()
+                mb_mask = response_mask[idx] if counts else torch.zeros_like(response_mask[idx])
                 loss, mb_stats = self.loss_fn(
-                    logprobs, old[idx], advantages[idx], response_mask[idx],
+                    logprobs, old[idx], advantages[idx], mb_mask,
                     normalizer=normalizer,
                     ref_logprobs=None if ref_logprobs is None else ref_logprobs[idx],
                     entropy=entropy,
@@ -552,6 +573,36 @@ class GRPORecipe:
         metrics["grad_norm"] = float(sum(grad_norms) / len(grad_norms))
         metrics["skipped_steps"] = float(self.skipped_steps)
         return metrics
+
+    def skipped_sequences(self, advantages: torch.Tensor) -> torch.Tensor:
+        """``[N]`` bool: rollouts the update leaves out because they cannot move the weights.
+
+        With ``skip_zero_advantage_sequences`` (the default), a sequence whose advantage is
+        exactly 0 (every member of a group whose rewards all tie) adds exactly 0 to the
+        gradient of every shipped loss unless it has a KL or entropy term, so its forward and
+        backward passes are skipped; it still counts in the loss normaliser, so the gradient is
+        the same as without skipping (up to float summation order). Nothing is skipped when
+        the loss needs reference log-probs or the entropy.
+        """
+        if (not self.cfg.skip_zero_advantage_sequences or self.loss_fn.needs_reference
+                or self.loss_fn.needs_entropy):
+            return torch.zeros_like(advantages, dtype=torch.bool)
+        return advantages == 0
+
+    def _skipped_share(self, skipped_mask: torch.Tensor,
+                       normalizer: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The loss stats of skipped rollouts: zero, but their share of the normaliser (so that
+        :func:`~torchtune_grpo.rlhf.loss.summarize_loss_stats` still counts whole epochs)."""
+        template = self.loss_fn(
+            torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1),
+            torch.zeros(1, 1, dtype=torch.bool), normalizer=1.0,
+            **({"behavior_logprobs": torch.zeros(1, 1)} if self.needs_proximal else {}))[1]
+        stats = {k: torch.zeros_like(v) for k, v in template.items()}
+        share = self.loss_fn.normalizer_contribution(skipped_mask).to(torch.float32).cpu()
+        norm = normalizer.detach().float().cpu()
+        stats["normalizer_share"] = torch.where(norm > 0, share / norm.clamp(min=1e-30),
+                                                torch.zeros_like(share)).reshape(())
+        return stats
 
     def behavior_is_current(self) -> bool:
         """Whether this step's rollout was sampled with the weights the update starts from
@@ -634,6 +685,9 @@ class GRPORecipe:
                 metrics["time/step"] = time.perf_counter() - start  # whole step, rank 0
                 if not self.after_step(metrics):
                     break
+        if self.health is not None and self.is_rank_zero:
+            summary = self.health.summary()
+            (log.warning if any(self.health.spans.values()) else log.info)(summary)
 
     def after_step(self, metrics: dict[str, float]) -> bool:
         """Step 7: log, evaluate, checkpoint; returns False when the run must stop.
@@ -644,6 +698,11 @@ class GRPORecipe:
         in a row).
         """
         cfg = self.cfg
+        if self.health is not None:  # the same metrics on every rank: the same flags
+            flags, warnings = self.health.update(self.step, metrics)
+            metrics.update(flags)
+            for message in warnings if self.is_rank_zero else ():
+                log.warning(message)
         self.log_metrics(metrics)
         preempted = not D.all_ranks_true(not self._stop_requested, self.device)
         diverged = self.consecutive_skips >= cfg.max_consecutive_skipped_steps

@@ -18,8 +18,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from torchtune_grpo.rlhf.advantages import ADVANTAGE_SCALES, DEFAULT_EPS, DEFAULT_SCALE
 
-__all__ = ["AdvantageSettings", "DynamicSamplingSettings", "EvalSettings", "sampling_problems",
-           "settings_from_config"]
+__all__ = ["AdvantageSettings", "DynamicSamplingSettings", "EvalSettings", "HealthSettings",
+           "sampling_problems", "settings_from_config"]
 
 S = TypeVar("S")
 
@@ -66,6 +66,47 @@ class DynamicSamplingSettings:
         if isinstance(self.max_batches, bool) or not isinstance(self.max_batches, int) \
                 or self.max_batches < 1:
             raise ValueError(f"max_batches must be an integer >= 1, got {self.max_batches!r}")
+
+
+@dataclass(frozen=True)
+class HealthSettings:
+    """The ``run_health:`` block: when the recipe warns about a run (see :mod:`torchtune_grpo.health`).
+
+    Attributes:
+        window: steps averaged for every comparison (the first ``window`` steps are the
+            baseline; no condition is checked before ``window`` steps, nor the length and
+            hacking conditions before ``2 * window``); ``>= 1``.
+        no_signal_fraction: warn when the mean ``zero_std_group_fraction`` of the last
+            ``window`` steps reaches this (``0 < x <= 1``).
+        length_collapse_ratio: warn when the mean response length of the last ``window`` steps
+            falls to this fraction of the first ``window`` steps' mean or below, while success
+            has not risen by ``min_success_gain`` (``0 < x < 1``).
+        min_success_gain: the rise of the mean ``success_rate`` (latest window minus first
+            window) below which success counts as flat (``>= 0``).
+        hacking_rise: warn when a non-success reward component's window mean rose by at least
+            this while success is flat (``> 0``; in the component's own units, which are 0-1
+            for the shipped components).
+    """
+
+    window: int = 5
+    no_signal_fraction: float = 0.9
+    length_collapse_ratio: float = 0.5
+    min_success_gain: float = 0.05
+    hacking_rise: float = 0.1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"window must be an integer >= 1, got {self.window!r}")
+        if not 0 < float(self.no_signal_fraction) <= 1:
+            raise ValueError(f"no_signal_fraction must be in (0, 1], got "
+                             f"{self.no_signal_fraction!r}")
+        if not 0 < float(self.length_collapse_ratio) < 1:
+            raise ValueError(f"length_collapse_ratio must be in (0, 1), got "
+                             f"{self.length_collapse_ratio!r}")
+        if not float(self.min_success_gain) >= 0:
+            raise ValueError(f"min_success_gain must be >= 0, got {self.min_success_gain!r}")
+        if not float(self.hacking_rise) > 0:
+            raise ValueError(f"hacking_rise must be > 0, got {self.hacking_rise!r}")
 
 
 def sampling_problems(num_samples: int, temperature: float, k: list[int]) -> dict[str, str]:

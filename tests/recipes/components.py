@@ -8,6 +8,12 @@ def length_reward(completions: list[str], answers: list[str], **kwargs) -> list[
     return [float(len(c)) for c in completions]
 
 
+def half_tied_length_reward(completions: list[str], answers: list[str], **kwargs) -> list[float]:
+    """Reward = number of characters for prompts whose gold answer is even, 0 for the others:
+    about half the groups tie (advantage 0) and the rest vary."""
+    return [float(len(c)) if int(a) % 2 == 0 else 0.0 for c, a in zip(completions, answers)]
+
+
 def _vllm_generator_without_sync():
     from torchtune_grpo.rlhf.vllm_generation import VLLMGenerator
 

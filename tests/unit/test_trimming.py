@@ -311,5 +311,8 @@ def test_padding_benchmark_runs_and_checks_equality(tmp_path) -> None:
     assert padding.main(["--quick", "--repeats", "1", "--threads", "1", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert set(result["median_seconds"]) == {"untrimmed", "trimmed", "packed"}
-    assert 0 < result["loss_rel_diff"] <= 1e-5 and 0 < result["grad_max_rel_diff"] <= 1e-5
+    # the benchmark's own rounding bound: another reduction order in attention and the matmuls
+    # (AVX-512 kernels differ from AVX2 ones by ~2e-5 here); a real mismatch is orders larger
+    assert 0 < result["loss_rel_diff"] <= 1e-5
+    assert 0 < result["grad_max_rel_diff"] <= padding.GRAD_TOLERANCE
     assert result["real_token_fraction"] < 0.7

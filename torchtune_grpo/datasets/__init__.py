@@ -17,6 +17,11 @@ from torchtune_grpo.datasets.addition import (
     addition_dataset,
     addition_problems,
 )
+from torchtune_grpo.datasets.arithmetic import (
+    ARITHMETIC_TEMPLATE,
+    arithmetic_dataset,
+    arithmetic_problems,
+)
 from torchtune_grpo.datasets.gsm8k import (
     extract_gsm8k_answer,
     gsm8k_dataset,
@@ -38,6 +43,9 @@ from torchtune_grpo.datasets.multiplication import (
 )
 
 __all__ = [
+    "ARITHMETIC_TEMPLATE",
+    "arithmetic_dataset",
+    "arithmetic_problems",
     "ADDITION_TEMPLATE",
     "addition_dataset",
     "addition_problems",

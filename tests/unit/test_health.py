@@ -1,0 +1,117 @@
+"""Run health (torchtune_grpo.health) on synthetic metric streams."""
+
+from __future__ import annotations
+
+import pytest
+
+from torchtune_grpo.health import CONDITIONS, RunHealth
+from torchtune_grpo.settings import HealthSettings, settings_from_config
+
+
+def _feed(health: RunHealth, rows: list[dict[str, float]]):
+    flags, said = [], []
+    for step, row in enumerate(rows, start=1):
+        f, w = health.update(step, row)
+        flags.append(f)
+        said.extend(w)
+    return flags, said
+
+
+def _row(zero=0.5, success=0.1, length=40.0, **rewards):
+    row = {"zero_std_group_fraction": zero, "success_rate": success,
+           "response_length/mean": length, "reward/mean": success,
+           "reward/correctness": success}
+    row.update({f"reward/{k}": v for k, v in rewards.items()})
+    return row
+
+
+def test_a_learning_run_raises_nothing():
+    health = RunHealth(HealthSettings(window=3), success_component="correctness")
+    rows = [_row(zero=0.5, success=0.1 + 0.02 * i, length=40 - i, format=0.2 + 0.03 * i)
+            for i in range(20)]
+    flags, said = _feed(health, rows)
+    assert said == []
+    assert all(v == 0.0 for f in flags for v in f.values())
+    assert set(flags[-1]) == {f"health/{name}" for name in CONDITIONS}
+    assert "no warnings" in health.summary()
+
+
+def test_no_signal_fires_once_spans_and_clears():
+    health = RunHealth(HealthSettings(window=3, no_signal_fraction=0.9))
+    zeros = [0.5, 0.5, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 0.2, 0.2, 0.2, 0.2]
+    flags, said = _feed(health, [_row(zero=z) for z in zeros])
+    on = [f["health/no_signal"] for f in flags]
+    # window means: step 5 = (0.5+1+1)/3 < 0.9, step 6 = 1.0 ... step 9 = (1+1+0.2)/3 < 0.9
+    assert on == [0, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0]
+    assert len(said) == 1 and said[0].startswith("step 6: no learning signal")
+    assert "group_size" in said[0] and "dynamic_sampling" in said[0]
+    assert health.spans["no_signal"] == [[6, 8]]
+    assert "no_signal: steps 6-8" in health.summary()
+
+
+def test_the_documented_failure_fires_length_collapse_and_hacking():
+    """The SmolLM2/GSM8K run of docs/smollm2_gsm8k.md: format 0.2 -> 1.0, length 144 -> 41
+    tokens, correctness flat near 0."""
+    health = RunHealth(HealthSettings(window=5), success_component="correctness")
+    rows = []
+    for i in range(45):
+        t = i / 44
+        rows.append(_row(zero=0.5 + 0.5 * t, success=0.0 if i != 3 else 1 / 16,
+                         length=144 - 103 * t, answer_phrase_format=0.22 + 0.78 * t))
+    flags, said = _feed(health, rows)
+    kinds = {w.split(": ", 1)[1].split(":")[0] for w in said}
+    assert {"response length collapse", "possible reward hacking"} <= kinds
+    hacking = next(w for w in said if "reward hacking" in w)
+    assert "reward/answer_phrase_format" in hacking
+    assert flags[-1]["health/length_collapse"] == 1.0
+    assert flags[-1]["health/reward_hacking"] == 1.0
+
+
+def test_rising_success_silences_length_and_hacking():
+    health = RunHealth(HealthSettings(window=5, min_success_gain=0.05),
+                       success_component="correctness")
+    rows = [_row(success=0.05 + 0.02 * i, length=100 - 3 * i, answer_phrase_format=0.1 + 0.03 * i)
+            for i in range(25)]
+    _, said = _feed(health, rows)
+    assert said == []
+
+
+def test_the_success_component_is_never_called_hacking():
+    health = RunHealth(HealthSettings(window=2, min_success_gain=0.5),
+                       success_component="correctness")
+    rows = [_row(success=0.0) for _ in range(2)] + [
+        {**_row(success=0.0), "reward/correctness": 0.4} for _ in range(4)]
+    _, said = _feed(health, rows)
+    assert not any("hacking" in w for w in said)
+
+
+@pytest.mark.parametrize("block, key", [
+    ({"window": 0}, "window"), ({"no_signal_fraction": 1.5}, "no_signal_fraction"),
+    ({"length_collapse_ratio": 1.0}, "length_collapse_ratio"),
+    ({"min_success_gain": -1}, "min_success_gain"), ({"hacking_rise": 0}, "hacking_rise"),
+    ({"windw": 3}, "window"),
+])
+def test_bad_settings_name_the_key(block, key):
+    with pytest.raises(ValueError, match=key):
+        settings_from_config(HealthSettings, block, "run_health")
+
+
+def test_plot_shades_the_health_steps(tmp_path):
+    """``tune-grpo plot`` shades the steps where a condition held; the length axis starts at 0."""
+    from torchtune.training.metric_logging import DiskLogger
+
+    from torchtune_grpo.plot import health_spans, plot_run
+
+    logger = DiskLogger(log_dir=str(tmp_path / "logs"))
+    health = RunHealth(HealthSettings(window=2))
+    for step in range(1, 11):
+        row = _row(zero=1.0 if 4 <= step <= 7 else 0.3, length=4.99 + 0.01 * (step % 2))
+        flags, _ = health.update(step, row)
+        logger.log_dict({**row, **flags}, step=step)
+    logger.close()
+    from torchtune_grpo.metrics import read_disk_log
+
+    rows = read_disk_log(tmp_path / "logs")
+    assert health_spans(rows) == {"no_signal": [(5, 8)]}
+    out = plot_run(tmp_path)
+    assert out.exists() and out.stat().st_size > 10_000
