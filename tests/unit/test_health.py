@@ -112,6 +112,6 @@ def test_plot_shades_the_health_steps(tmp_path):
     from torchtune_grpo.metrics import read_disk_log
 
     rows = read_disk_log(tmp_path / "logs")
-    assert health_spans(rows) == {"no_signal": [(5, 8)]}
+    assert health_spans(rows) == {"no_signal": [(5, 7)]}  # window of 2: steps 4-7 all 1.0
     out = plot_run(tmp_path)
     assert out.exists() and out.stat().st_size > 10_000
