@@ -454,13 +454,15 @@ def test_reward_entry_keys_are_checked_in_one_place():
     from torchtune_grpo.rlhf.reward_set import REWARD_ENTRY_KEYS, check_reward_entry
 
     assert REWARD_ENTRY_KEYS == {
-        "_component_", "weight", "name", "success", "success_threshold", "on_error"
+        "_component_", "weight", "name", "success", "success_threshold", "on_error",
+        "requires_success",
     }
     options, arguments = check_reward_entry(
         {"_component_": CORRECT, "weight": 2, "answer_tag": None}, "rewards[0]"
     )
     assert options == {"weight": 2.0, "name": None, "success": None,
-                       "success_threshold": None, "on_error": "raise"}
+                       "success_threshold": None, "on_error": "raise",
+                       "requires_success": False}
     assert arguments == {"answer_tag": None}
     with pytest.raises(ValueError, match=r"rewards\[0\] \(a\): `weight` must be finite"):
         RewardSet([RewardEntry("a", FormatReward(), float("nan"))])

@@ -40,7 +40,8 @@ SPLIT_SEED = 4321
 #: The phrase that introduces the final answer (the reward's ``answer_phrase``).
 MULTIPLICATION_ANSWER_PHRASE = "Answer:"
 #: Plain-text prompt: the question as is, no chat headers.
-MULTIPLICATION_TEMPLATE = PromptTemplate(user="{question}", chat=False)
+MULTIPLICATION_TEMPLATE = PromptTemplate(user="{question}", chat=False,
+                                         answer_phrase=MULTIPLICATION_ANSWER_PHRASE)
 
 
 def multiplication_operands(split: str) -> list[tuple[int, int]]:

@@ -4,7 +4,7 @@
 entry names a reward component (see :mod:`torchtune_grpo.rlhf.rewards` for the signature and
 the shipped ones) with ``_component_`` and holds the keys of :data:`REWARD_ENTRY_KEYS`, which
 belong to the set, not to the component: ``weight``, ``name``, ``success``,
-``success_threshold`` and ``on_error``. :func:`check_reward_entry` is the one place those keys
+``success_threshold``, ``on_error`` and ``requires_success``. :func:`check_reward_entry` is the one place those keys
 are checked: by :func:`build_reward_set`, by :class:`RewardSet` for entries made in code, and
 by :func:`torchtune_grpo.config.validate_config` before any model is loaded.
 
@@ -42,7 +42,8 @@ DEFAULT_SUCCESS_THRESHOLD = 1.0 - 1e-6
 #: Keys of a ``rewards`` config entry that the reward set consumes; every other key of the
 #: entry is a keyword argument of the component.
 REWARD_ENTRY_KEYS = frozenset(
-    {"_component_", "weight", "name", "success", "success_threshold", "on_error"}
+    {"_component_", "weight", "name", "success", "success_threshold", "on_error",
+     "requires_success"}
 )
 #: Accepted ``on_error`` values.
 ON_ERROR = ("raise", "zero")
@@ -67,6 +68,7 @@ def check_reward_entry(
     - ``success``: ``true`` or ``false``.
     - ``success_threshold``: a finite number.
     - ``on_error``: ``raise`` (default) or ``zero``.
+    - ``requires_success``: ``true`` or ``false`` (default).
 
     Checks that involve several entries (one ``success: true``, distinct names) are made by
     :func:`build_reward_set` and :class:`RewardSet`.
@@ -107,8 +109,15 @@ def check_reward_entry(
     on_error = entry.get("on_error", "raise")
     if on_error not in ON_ERROR:
         raise ValueError(f"{where}: `on_error` must be 'raise' or 'zero', got {on_error!r}")
+    requires_success = entry.get("requires_success", False)
+    if not isinstance(requires_success, bool):
+        raise ValueError(
+            f"{where}: `requires_success` must be true or false, got {requires_success!r}")
+    if requires_success and success is True:
+        raise ValueError(f"{where}: `requires_success` cannot be set on the success entry itself")
     options = {
         "weight": float(weight),
+        "requires_success": requires_success,
         "name": name,
         "success": success,
         "success_threshold": None if threshold is None else float(threshold),
@@ -130,6 +139,10 @@ class RewardEntry:
             component).
         on_error: ``"raise"`` (an exception stops the step) or ``"zero"`` (a sample whose scoring
             raises gets 0 and is counted in :attr:`RewardOutput.errors`).
+        requires_success: the term pays only completions that succeed: a positive weighted
+            value counts in the total only where the success component says success; a
+            negative one (a penalty) counts everywhere. For shaping terms (format, style), so
+            that a wrong answer is never paid for its form.
     """
 
     name: str
@@ -137,6 +150,7 @@ class RewardEntry:
     weight: float = 1.0
     success_threshold: float = DEFAULT_SUCCESS_THRESHOLD
     on_error: str = "raise"
+    requires_success: bool = False
 
 
 @dataclass
@@ -144,7 +158,8 @@ class RewardOutput:
     """Scores of a batch of ``N`` completions.
 
     Attributes:
-        total: ``[N]`` float32, the weighted sum of the components.
+        total: ``[N]`` float32, the weighted sum of the components (a ``requires_success``
+            component's positive part only where ``success``).
         components: name -> ``[N]`` float32 unweighted values of each component.
         success: ``[N]`` bool, the success component's value ``>=`` its threshold.
         errors: name -> number of samples that component failed on and scored 0
@@ -270,15 +285,22 @@ class RewardSet:
                 f"RewardSet: got {n} completions but {len(answers)} answers; they must match"
             )
         components: dict[str, torch.Tensor] = {}
+        raw: dict[str, torch.Tensor] = {}
         errors: dict[str, int] = {}
-        total = torch.zeros(n, dtype=torch.float64)
         for entry in self.entries:
             values, n_errors = self._run(entry, completions, answers, kwargs)
+            raw[entry.name] = values
             components[entry.name] = values.to(torch.float32)
             errors[entry.name] = n_errors
-            total += entry.weight * values
         success_entry = next(e for e in self.entries if e.name == self._success_name)
         success = components[success_entry.name] >= success_entry.success_threshold
+        total = torch.zeros(n, dtype=torch.float64)
+        for entry in self.entries:
+            weighted = entry.weight * raw[entry.name]
+            if entry.requires_success:  # bonuses only where right, penalties everywhere
+                weighted = torch.where((weighted > 0) & ~success, torch.zeros_like(weighted),
+                                       weighted)
+            total += weighted
         return RewardOutput(
             total=total.to(torch.float32), components=components, success=success, errors=errors
         )
@@ -490,6 +512,8 @@ def build_reward_set(cfg_list: ListConfig | Sequence[Mapping[str, Any]]) -> Rewa
       only on the success entry.
     - ``on_error``: ``raise`` (default) or ``zero`` (score samples whose scoring raises 0 and
       count them in :attr:`RewardOutput.errors`).
+    - ``requires_success`` (default false): the term's positive values count in the total only
+      for completions that succeed (see :class:`RewardEntry`); not on the success entry.
 
     Args:
         cfg_list: an OmegaConf ``ListConfig`` or a list of dicts.
@@ -546,6 +570,7 @@ def build_reward_set(cfg_list: ListConfig | Sequence[Mapping[str, Any]]) -> Rewa
                 weight=options["weight"],
                 success_threshold=DEFAULT_SUCCESS_THRESHOLD if threshold is None else threshold,
                 on_error=options["on_error"],
+                requires_success=options["requires_success"],
             )
         )
         success_flags.append(options["success"])
