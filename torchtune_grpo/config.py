@@ -30,8 +30,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from torchtune_grpo.settings import (
     AdvantageSettings,
     DynamicSamplingSettings,
-    HealthSettings,
     EvalSettings,
+    HealthSettings,
     sampling_problems,
     settings_from_config,
 )

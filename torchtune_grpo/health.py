@@ -18,7 +18,8 @@ them, and returns what changed: the conditions that turned on at this step (warn
 log) and ``health/<condition>`` flags (0 or 1) that go into the metric log, so that
 ``tune-grpo plot`` can shade the steps where a condition held. :meth:`RunHealth.summary` says,
 at the end of a run, which conditions held and over which steps. Thresholds are the fields of
-:class:`~torchtune_grpo.settings.HealthSettings` (the ``run_health:`` config block; ``run_health: null`` turns it off).
+:class:`~torchtune_grpo.settings.HealthSettings` (the ``run_health:`` config block;
+``run_health: null`` turns it off).
 
 Success means the success component's training reward (``success_rate``): noisy from step to
 step, so every comparison is between window means: the first ``window`` steps of the run

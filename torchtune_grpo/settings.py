@@ -70,7 +70,7 @@ class DynamicSamplingSettings:
 
 @dataclass(frozen=True)
 class HealthSettings:
-    """The ``run_health:`` block: when the recipe warns about a run (see :mod:`torchtune_grpo.health`).
+    """The ``run_health:`` block: when the recipe warns about a run (:mod:`torchtune_grpo.health`).
 
     Attributes:
         window: steps averaged for every comparison (the first ``window`` steps are the

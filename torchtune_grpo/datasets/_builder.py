@@ -85,6 +85,8 @@ def build_prompt_dataset(
     max_prompt_tokens: int | None = None,
     invalid_rows: str = "error",
     load_kwargs: Mapping[str, Any] | None = None,
+    difficulty_file: str | None = None,
+    difficulty_band: Sequence[float] = (0.0, 1.0),
 ) -> PromptDataset:
     """Load a question/answer source and build its :class:`PromptDataset`.
 
@@ -121,6 +123,10 @@ def build_prompt_dataset(
         max_prompt_tokens: the longest prompt allowed, or ``None``.
         invalid_rows: ``"error"`` or ``"skip"``.
         load_kwargs: passed to ``datasets.load_dataset``.
+        difficulty_file: per-row pass rates (``tune-grpo difficulty``); keep only the rows whose
+            pass rate lies strictly inside ``difficulty_band`` (see
+            :class:`~torchtune_grpo.datasets.PromptDataset`). ``None``: every row.
+        difficulty_band: ``[low, high]``; default ``(0, 1)``.
 
     Returns:
         The :class:`~torchtune_grpo.datasets.PromptDataset` of ``{"tokens", "answer",
@@ -171,4 +177,6 @@ def build_prompt_dataset(
         invalid_rows=invalid_rows,
         skipped_rows=skipped,
         name=f"{builder} ({label}, split {split!r})",
+        difficulty_file=difficulty_file,
+        difficulty_band=difficulty_band,
     )

@@ -292,6 +292,11 @@ class PromptDataset(Dataset):
             count it in :attr:`skipped_rows`).
         skipped_rows: rows the caller already dropped (added to :attr:`skipped_rows`).
         name: the dataset's name, used in error messages.
+        difficulty_file: a file of per-row pass rates from ``tune-grpo difficulty``
+            (:mod:`torchtune_grpo.difficulty`); only rows whose pass rate lies strictly inside
+            ``difficulty_band`` are kept. ``None``: every row.
+        difficulty_band: ``[low, high]``, ``0 <= low < high <= 1``; default ``(0, 1)``: the
+            rows the scoring model solved sometimes.
 
     Raises:
         ValueError: on an unknown ``invalid_rows``, a non-positive ``max_prompt_tokens``, an
@@ -312,6 +317,8 @@ class PromptDataset(Dataset):
         invalid_rows: str = "error",
         skipped_rows: int = 0,
         name: str = "dataset",
+        difficulty_file: str | None = None,
+        difficulty_band: Sequence[float] = (0.0, 1.0),
     ) -> None:
         if invalid_rows not in INVALID_ROW_POLICIES:
             raise ValueError(
@@ -328,6 +335,13 @@ class PromptDataset(Dataset):
             )
         self.template = resolve_template(template)
         self.skipped_rows = int(skipped_rows)
+        #: rows left out by ``difficulty_file`` (pass rate outside ``difficulty_band``)
+        self.dropped_by_difficulty = 0
+        if difficulty_file is not None:
+            from torchtune_grpo.difficulty import select_by_difficulty
+
+            samples, self.dropped_by_difficulty = select_by_difficulty(
+                list(samples), difficulty_file, difficulty_band, name=name)
         seq_limit = getattr(tokenizer, "max_seq_len", None)
         self._tokens: list[list[int]] = []
         self._answers: list[str] = []

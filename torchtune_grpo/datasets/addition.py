@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Sequence
 from typing import Any
 
 from torchtune_grpo.datasets._prompt import PromptDataset, PromptTemplate
@@ -75,6 +76,8 @@ def addition_dataset(
     *,
     split: str = "train",
     limit: int | None = None,
+    difficulty_file: str | None = None,
+    difficulty_band: Sequence[float] = (0.0, 1.0),
 ) -> PromptDataset:
     """The quickstart task as a :class:`PromptDataset`.
 
@@ -82,7 +85,12 @@ def addition_dataset(
         tokenizer: a torchtune tokenizer.
         split: ``"train"``, ``"test"`` or ``"warmup"``.
         limit: keep only the first ``limit`` problems of the split.
+        difficulty_file: per-row pass rates from ``tune-grpo difficulty``: keep only the rows
+            whose pass rate lies strictly inside ``difficulty_band``
+            (:mod:`torchtune_grpo.difficulty`). ``None``: every row.
+        difficulty_band: ``[low, high]``, default ``[0, 1]``: the rows solved sometimes.
     """
     problems = addition_problems(split)[:limit]
     samples = [(q, a, i) for i, (q, a) in enumerate(problems)]
-    return PromptDataset(samples, tokenizer, ADDITION_TEMPLATE, name=f"addition[{split}]")
+    return PromptDataset(samples, tokenizer, ADDITION_TEMPLATE, name=f"addition[{split}]",
+                         difficulty_file=difficulty_file, difficulty_band=difficulty_band)

@@ -114,6 +114,8 @@ def arithmetic_dataset(
     operations: Sequence[str] = ("add", "sub", "mul"),
     template: PromptTemplate | Any = None,
     limit: int | None = None,
+    difficulty_file: str | None = None,
+    difficulty_band: Sequence[float] = (0.0, 1.0),
 ) -> PromptDataset:
     """Arithmetic in chat as a :class:`PromptDataset` (``grpo/smollm2_arithmetic_cpu``).
 
@@ -124,6 +126,10 @@ def arithmetic_dataset(
         template: the prompt template (``None``: :data:`ARITHMETIC_TEMPLATE`; anything
             :func:`~torchtune_grpo.datasets.resolve_template` accepts).
         limit: keep only the first ``limit`` problems of the split.
+        difficulty_file: per-row pass rates from ``tune-grpo difficulty``: keep only the rows
+            whose pass rate lies strictly inside ``difficulty_band``
+            (:mod:`torchtune_grpo.difficulty`). ``None``: every row.
+        difficulty_band: ``[low, high]``, default ``[0, 1]``: the rows solved sometimes.
 
     Raises:
         ValueError: on an unknown split or operation, or a non-positive ``limit``.
@@ -134,4 +140,5 @@ def arithmetic_dataset(
     problems = arithmetic_problems(split, operations)[:limit]
     samples = [(q, a, i) for i, (q, a) in enumerate(problems)]
     return PromptDataset(samples, tokenizer, template if template is not None
-                         else ARITHMETIC_TEMPLATE, name=f"arithmetic[{split}]")
+                         else ARITHMETIC_TEMPLATE, name=f"arithmetic[{split}]",
+                         difficulty_file=difficulty_file, difficulty_band=difficulty_band)

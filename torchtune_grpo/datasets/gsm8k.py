@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torchtune_grpo.datasets._builder import InvalidRow, build_prompt_dataset, required_text
@@ -70,6 +70,8 @@ def gsm8k_dataset(
     template: PromptTemplate | Mapping[str, Any] | str | None = None,
     max_prompt_tokens: int | None = None,
     invalid_rows: str = "error",
+    difficulty_file: str | None = None,
+    difficulty_band: Sequence[float] = (0.0, 1.0),
     **load_kwargs: Any,
 ) -> PromptDataset:
     """GSM8K prompts with their gold final answers.
@@ -96,6 +98,10 @@ def gsm8k_dataset(
         invalid_rows: ``"error"``: raise on the first invalid row (missing, empty or non-string
             ``question``/``answer``, no ``####``) or too-long prompt; ``"skip"``: drop such rows
             and count them in ``dataset.skipped_rows``.
+        difficulty_file: per-row pass rates from ``tune-grpo difficulty``: keep only the rows
+            whose pass rate lies strictly inside ``difficulty_band``
+            (:mod:`torchtune_grpo.difficulty`). ``None``: every row.
+        difficulty_band: ``[low, high]``, default ``[0, 1]``: the rows solved sometimes.
         **load_kwargs: passed to ``datasets.load_dataset`` (e.g. ``cache_dir``).
 
     Returns:
@@ -110,4 +116,5 @@ def gsm8k_dataset(
     return build_prompt_dataset(
         tokenizer, builder="gsm8k_dataset", read_row=_read_row, default_template=GSM8K_TEMPLATE,
         source=source, split=split, data_files=data_files, name=name, template=template,
-        max_prompt_tokens=max_prompt_tokens, invalid_rows=invalid_rows, load_kwargs=load_kwargs)
+        max_prompt_tokens=max_prompt_tokens, invalid_rows=invalid_rows, load_kwargs=load_kwargs,
+        difficulty_file=difficulty_file, difficulty_band=difficulty_band)

@@ -161,6 +161,8 @@ def math_dataset(
     template: PromptTemplate | Mapping[str, Any] | str | None = None,
     max_prompt_tokens: int | None = None,
     invalid_rows: str = "error",
+    difficulty_file: str | None = None,
+    difficulty_band: Sequence[float] = (0.0, 1.0),
     **load_kwargs: Any,
 ) -> PromptDataset:
     """MATH problems with their gold answers.
@@ -192,6 +194,10 @@ def math_dataset(
         invalid_rows: ``"error"``: raise on the first invalid row (missing, empty or non-string
             ``problem``, no answer) or too-long prompt; ``"skip"``: drop such rows and count
             them in ``dataset.skipped_rows``.
+        difficulty_file: per-row pass rates from ``tune-grpo difficulty``: keep only the rows
+            whose pass rate lies strictly inside ``difficulty_band``
+            (:mod:`torchtune_grpo.difficulty`). ``None``: every row.
+        difficulty_band: ``[low, high]``, default ``[0, 1]``: the rows solved sometimes.
         **load_kwargs: passed to ``datasets.load_dataset``.
 
     Returns:
@@ -208,7 +214,8 @@ def math_dataset(
         tokenizer, builder="math_dataset", read_row=_read_row, default_template=MATH_TEMPLATE,
         source=source, split=split, data_files=data_files, name=name,
         configurations=partial(_subjects, source=source, data_files=data_files), template=template,
-        max_prompt_tokens=max_prompt_tokens, invalid_rows=invalid_rows, load_kwargs=load_kwargs)
+        max_prompt_tokens=max_prompt_tokens, invalid_rows=invalid_rows, load_kwargs=load_kwargs,
+        difficulty_file=difficulty_file, difficulty_band=difficulty_band)
 
 
 def deepscaler_dataset(
@@ -220,6 +227,8 @@ def deepscaler_dataset(
     template: PromptTemplate | Mapping[str, Any] | str | None = None,
     max_prompt_tokens: int | None = None,
     invalid_rows: str = "error",
+    difficulty_file: str | None = None,
+    difficulty_band: Sequence[float] = (0.0, 1.0),
     **load_kwargs: Any,
 ) -> PromptDataset:
     """Problems in the DeepScaleR format (``problem``, ``answer``, ``solution``).
@@ -236,6 +245,10 @@ def deepscaler_dataset(
         template: prompt template; default :data:`MATH_TEMPLATE`.
         max_prompt_tokens: the longest prompt allowed, or ``None``.
         invalid_rows: ``"error"`` or ``"skip"`` (see :func:`math_dataset`).
+        difficulty_file: per-row pass rates from ``tune-grpo difficulty``: keep only the rows
+            whose pass rate lies strictly inside ``difficulty_band``
+            (:mod:`torchtune_grpo.difficulty`). ``None``: every row.
+        difficulty_band: ``[low, high]``, default ``[0, 1]``: the rows solved sometimes.
         **load_kwargs: passed to ``datasets.load_dataset``.
 
     Returns:
@@ -250,4 +263,5 @@ def deepscaler_dataset(
         tokenizer, builder="deepscaler_dataset", read_row=_read_row,
         default_template=MATH_TEMPLATE, source=source, split=split, data_files=data_files,
         template=template, max_prompt_tokens=max_prompt_tokens, invalid_rows=invalid_rows,
-        load_kwargs=load_kwargs)
+        load_kwargs=load_kwargs,
+        difficulty_file=difficulty_file, difficulty_band=difficulty_band)

@@ -25,6 +25,7 @@ for the supervised warm-up of ``tune-grpo prepare-quickstart --tools``, see
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from typing import Any
 
 from torchtune_grpo.datasets._prompt import PromptDataset, PromptTemplate
@@ -90,6 +91,8 @@ def multiplication_dataset(
     *,
     split: str = "train",
     limit: int | None = None,
+    difficulty_file: str | None = None,
+    difficulty_band: Sequence[float] = (0.0, 1.0),
 ) -> PromptDataset:
     """The tool quickstart's task as a :class:`PromptDataset` (``grpo/quickstart_cpu_tools``).
 
@@ -97,8 +100,13 @@ def multiplication_dataset(
         tokenizer: a torchtune tokenizer.
         split: ``"train"``, ``"test"`` or ``"warmup"``.
         limit: keep only the first ``limit`` problems of the split.
+        difficulty_file: per-row pass rates from ``tune-grpo difficulty``: keep only the rows
+            whose pass rate lies strictly inside ``difficulty_band``
+            (:mod:`torchtune_grpo.difficulty`). ``None``: every row.
+        difficulty_band: ``[low, high]``, default ``[0, 1]``: the rows solved sometimes.
     """
     problems = multiplication_problems(split)[:limit]
     samples = [(q, a, i) for i, (q, a) in enumerate(problems)]
     return PromptDataset(samples, tokenizer, MULTIPLICATION_TEMPLATE,
-                         name=f"multiplication[{split}]")
+                         name=f"multiplication[{split}]", difficulty_file=difficulty_file,
+                         difficulty_band=difficulty_band)
