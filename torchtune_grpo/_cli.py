@@ -13,6 +13,7 @@ Subcommands::
     tune-grpo estimate-memory --config grpo/NAME [key=value ...] [--world-size N]
     tune-grpo difficulty --config grpo/NAME --out FILE [--num-samples 8] [key=value ...]
         # each training prompt's pass rate under the config's model, for dataset.difficulty_file
+    tune-grpo compare-evals BASE_DIR STEP_DIR     # paired comparison of two evaluations
 """
 
 from __future__ import annotations
@@ -165,7 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("difficulty", add_help=False,
                    help="write each prompt's pass rate under a model (dataset.difficulty_file)"
                    ).set_defaults(func=None)
+    sub.add_parser("compare-evals", add_help=False,
+                   help="compare two evaluations of the same problems (McNemar's exact test)"
+                   ).set_defaults(func=None)
     args, rest = parser.parse_known_args(argv)
+    if args.command == "compare-evals":
+        from torchtune_grpo.eval_stats import main as compare_main
+
+        return compare_main(rest)
     if args.command == "difficulty":
         from torchtune_grpo.difficulty import main as difficulty_main
 

@@ -45,6 +45,7 @@ from torch import nn
 
 from torchtune_grpo import distributed as D
 from torchtune_grpo.datasets import collate_prompts
+from torchtune_grpo.eval_stats import wilson_interval
 from torchtune_grpo.rlhf.generation import (
     generate_trajectory,
     safe_decode,
@@ -550,6 +551,9 @@ def _metrics(rows: list[dict[str, Any]], settings: EvalSettings) -> dict[str, fl
     metrics: dict[str, float] = {}
     for k in sorted(set(settings.k) | {1}):
         metrics[f"pass@{k}"] = sum(pass_at_k(n, sum(r["correct"]), k) for r in rows) / len(rows)
+        if k == 1:  # 95% Wilson interval over problems (of per-problem pass rates when n > 1)
+            low, high = wilson_interval(metrics["pass@1"] * len(rows), len(rows))
+            metrics["pass@1/ci95_low"], metrics["pass@1/ci95_high"] = low, high
         if k > 1:
             metrics[f"maj@{k}"] = sum(
                 majority_correct(r["extracted"], r["correct"], k) for r in rows

@@ -1,4 +1,4 @@
-"""Prompt datasets for GRPO: templates, local/Hub loading, GSM8K, the quickstart tasks."""
+"""Prompt datasets for GRPO: templates, local/Hub loading, GSM8K, MATH, the generated tasks."""
 
 from torchtune_grpo.datasets._loading import LOCAL_FORMATS, load_rows
 from torchtune_grpo.datasets._prompt import (
@@ -41,6 +41,11 @@ from torchtune_grpo.datasets.multiplication import (
     multiplication_dataset,
     multiplication_problems,
 )
+from torchtune_grpo.datasets.word_problems import (
+    WORD_PROBLEM_TEMPLATE,
+    word_problem_dataset,
+    word_problems,
+)
 
 __all__ = [
     "ARITHMETIC_TEMPLATE",
@@ -73,4 +78,7 @@ __all__ = [
     "resolve_template",
     "split_gsm8k_solution",
     "tokenize_prompt",
+    "WORD_PROBLEM_TEMPLATE",
+    "word_problem_dataset",
+    "word_problems",
 ]

@@ -1,0 +1,61 @@
+"""Intervals and paired tests of evaluations (torchtune_grpo.eval_stats)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from torchtune_grpo._cli import main as cli
+from torchtune_grpo.eval_stats import compare_evaluations, mcnemar_exact, wilson_interval
+
+
+def test_wilson_interval_known_values():
+    # 30 of 100: the textbook Wilson interval (0.2189, 0.3958)
+    low, high = wilson_interval(30, 100)
+    assert low == pytest.approx(0.2189, abs=1e-4) and high == pytest.approx(0.3958, abs=1e-4)
+    assert wilson_interval(0, 50)[0] == pytest.approx(0.0, abs=1e-12) and 0 < wilson_interval(0, 50)[1] < 0.08
+    assert wilson_interval(50, 50)[1] == 1.0
+    with pytest.raises(ValueError):
+        wilson_interval(1, 0)
+
+
+def test_mcnemar_exact_known_values():
+    assert mcnemar_exact(0, 0) == 1.0
+    assert mcnemar_exact(5, 5) == 1.0
+    # 0 vs 10 discordant: 2 * 0.5**10
+    assert mcnemar_exact(0, 10) == pytest.approx(2 / 1024)
+    # 2 vs 12: 2 * sum_{i<=2} C(14, i) / 2**14
+    assert mcnemar_exact(12, 2) == pytest.approx(2 * (1 + 14 + 91) / 2**14)
+
+
+def _samples(path, correct, chars=10):
+    path.mkdir()
+    with (path / "eval_samples.jsonl").open("w") as f:
+        for i, c in enumerate(correct):
+            f.write(json.dumps({"index": i, "question": f"q{i}", "correct": [c],
+                                "completions": ["x" * chars]}) + "\n")
+    return path
+
+
+def test_compare_evaluations_is_paired(tmp_path, capsys):
+    base = [True] * 10 + [False] * 90
+    step = [True] * 8 + [False] * 2 + [True] * 30 + [False] * 60
+    a, b = _samples(tmp_path / "a", base, 100), _samples(tmp_path / "b", step, 40)
+    out = compare_evaluations(a, b)
+    assert out["problems"] == 100 and out["only_a"] == 2 and out["only_b"] == 30
+    assert out["accuracy_a"] == 0.10 and out["accuracy_b"] == 0.38
+    assert out["difference"] == pytest.approx(0.28)
+    assert out["mcnemar_p"] == pytest.approx(mcnemar_exact(2, 30)) and out["mcnemar_p"] < 1e-5
+    lo, hi = out["ci95_difference"]
+    assert lo < 0.28 < hi and lo > 0.1
+    assert out["chars_a"] == 100 and out["chars_b"] == 40
+    assert cli(["compare-evals", str(a), str(b)]) == 0
+    assert "McNemar exact p" in capsys.readouterr().out
+    other = _samples(tmp_path / "c", base[:50])
+    with pytest.raises(ValueError, match="different problems"):
+        compare_evaluations(a, other)
+    with pytest.raises(FileNotFoundError, match="grpo_eval"):
+        compare_evaluations(tmp_path / "missing", a)
+    assert math.isfinite(out["ci95_a"][0])

@@ -1,0 +1,158 @@
+"""How sure an evaluation is: intervals for an accuracy, and paired tests between two models.
+
+A held-out accuracy of 0.30 on 400 problems is 0.30 +- 0.045 (95%), and two models evaluated on
+the same problems are compared best problem by problem (a paired test), not by their two
+means. This module holds the two pieces every report here uses:
+
+- :func:`wilson_interval`: the 95% Wilson score interval of a proportion (``k`` right of ``n``);
+  the recipe and ``grpo_eval`` log it as ``eval/pass@1/ci95_low`` and ``_high``.
+- :func:`mcnemar_exact`: the exact two-sided McNemar test on the discordant pairs (problems one
+  model gets right and the other wrong), and :func:`compare_evaluations`, which reads two
+  ``eval_samples.jsonl`` files of the same problems and reports both accuracies, their
+  difference with a 95% interval, and the p-value. From the command line::
+
+      tune-grpo compare-evals BASE_DIR STEP_DIR [--samples N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+__all__ = ["compare_evaluations", "mcnemar_exact", "wilson_interval"]
+
+#: The normal quantile of a two-sided 95% interval.
+Z95 = 1.959963984540054
+
+
+def wilson_interval(k: float, n: int, z: float = Z95) -> tuple[float, float]:
+    """The Wilson score interval of a proportion ``k / n``.
+
+    Args:
+        k: successes (may be fractional: a sum of per-problem pass rates).
+        n: trials (``> 0``).
+        z: the normal quantile (default: 95% two-sided).
+
+    Returns:
+        ``(low, high)`` within ``[0, 1]``.
+    """
+    if n <= 0:
+        raise ValueError(f"wilson_interval: n must be > 0, got {n}")
+    p = k / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def mcnemar_exact(only_a: int, only_b: int) -> float:
+    """Two-sided exact McNemar p-value from the discordant counts.
+
+    Args:
+        only_a: problems model A gets right and model B wrong.
+        only_b: problems model B gets right and model A wrong.
+
+    Returns:
+        The probability, under "A and B are equally good", of a split of the ``only_a +
+        only_b`` discordant problems at least as uneven as this one (binomial, p = 1/2).
+    """
+    n = only_a + only_b
+    if n == 0:
+        return 1.0
+    k = min(only_a, only_b)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2.0**n
+    return min(1.0, 2 * tail)
+
+
+def _read_samples(path: Path) -> dict[int, dict[str, Any]]:
+    if path.is_dir():
+        path = path / "eval_samples.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: run tune run grpo_eval on that folder "
+                                "first")
+    rows = {}
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        try:
+            row = json.loads(line)
+            rows[int(row["index"])] = row
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path} line {number}: not an eval sample row ({exc})") from None
+    return rows
+
+
+def compare_evaluations(a: str | Path, b: str | Path) -> dict[str, Any]:
+    """Compare two evaluations of the same problems (greedy or first-sample correctness).
+
+    Args:
+        a: the first ``eval_samples.jsonl`` (or the folder holding it), e.g. the base model.
+        b: the second, e.g. a trained step.
+
+    Returns:
+        ``problems``, ``accuracy_a``, ``accuracy_b`` (of each one's first sample), their
+        ``ci95_a``/``ci95_b`` (Wilson), ``difference`` (b - a) with ``ci95_difference`` (a
+        paired normal interval), ``only_a``/``only_b`` (discordant problems),
+        ``mcnemar_p`` (exact, two-sided), and mean completion lengths in characters
+        (``chars_a``, ``chars_b``).
+
+    Raises:
+        ValueError: when the two files do not hold the same problems (same indices and
+            questions).
+    """
+    rows_a, rows_b = _read_samples(Path(a)), _read_samples(Path(b))
+    if rows_a.keys() != rows_b.keys():
+        raise ValueError(f"{a} and {b} hold different problems ({len(rows_a)} vs {len(rows_b)} "
+                         "rows, or other indices): evaluate both on the same split")
+    for index, row in rows_a.items():
+        if row.get("question") != rows_b[index].get("question"):
+            raise ValueError(f"row {index} is another question in {a} and {b}")
+    n = len(rows_a)
+    right_a = [bool(rows_a[i]["correct"][0]) for i in sorted(rows_a)]
+    right_b = [bool(rows_b[i]["correct"][0]) for i in sorted(rows_a)]
+    only_a = sum(x and not y for x, y in zip(right_a, right_b))
+    only_b = sum(y and not x for x, y in zip(right_a, right_b))
+    acc_a, acc_b = sum(right_a) / n, sum(right_b) / n
+    diffs = [float(y) - float(x) for x, y in zip(right_a, right_b)]
+    mean = sum(diffs) / n
+    var = sum((d - mean) ** 2 for d in diffs) / max(n - 1, 1)
+    half = Z95 * math.sqrt(var / n)
+
+    def chars(rows):
+        texts = [rows[i]["completions"][0] for i in rows]
+        return sum(len(t) for t in texts) / n
+
+    return {
+        "problems": n,
+        "accuracy_a": acc_a, "ci95_a": wilson_interval(sum(right_a), n),
+        "accuracy_b": acc_b, "ci95_b": wilson_interval(sum(right_b), n),
+        "difference": acc_b - acc_a, "ci95_difference": (mean - half, mean + half),
+        "only_a": only_a, "only_b": only_b, "mcnemar_p": mcnemar_exact(only_a, only_b),
+        "chars_a": chars(rows_a), "chars_b": chars(rows_b),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``tune-grpo compare-evals A B [--json]``: the paired comparison of two evaluations."""
+    parser = argparse.ArgumentParser(
+        prog="tune-grpo compare-evals",
+        description="Compare two evaluations of the same problems (McNemar's exact test)")
+    parser.add_argument("a", help="eval_samples.jsonl or its folder (e.g. the base model)")
+    parser.add_argument("b", help="eval_samples.jsonl or its folder (e.g. a trained step)")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    args = parser.parse_args(argv)
+    result = compare_evaluations(args.a, args.b)
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    lo, hi = result["ci95_difference"]
+    print(f"{result['problems']} problems\n"
+          f"  A {result['accuracy_a']:.3f} [{result['ci95_a'][0]:.3f}, {result['ci95_a'][1]:.3f}]"
+          f"  mean length {result['chars_a']:.0f} chars  ({args.a})\n"
+          f"  B {result['accuracy_b']:.3f} [{result['ci95_b'][0]:.3f}, {result['ci95_b'][1]:.3f}]"
+          f"  mean length {result['chars_b']:.0f} chars  ({args.b})\n"
+          f"  B - A {result['difference']:+.3f} [{lo:+.3f}, {hi:+.3f}]; right only in A: "
+          f"{result['only_a']}, only in B: {result['only_b']}; McNemar exact p = "
+          f"{result['mcnemar_p']:.2g}")
+    return 0
