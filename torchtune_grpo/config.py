@@ -305,6 +305,12 @@ RECIPE_KEYS: dict[str, Key] = {
         "bool", False,
         "Groups whose rewards are all equal (zero advantage) add nothing to the loss or its "
         "normaliser; they are always counted in zero_std_group_fraction."),
+    "share_prompt_forward": Key(
+        "bool", True,
+        "With ``packed_forward``: the rollouts of a group run their common prompt once in the "
+        "update's (and the reference's) forward passes, each response attending to it "
+        "(``SharedPrefixSegments``); the update's micro-batches keep groups together. Same "
+        "log-probs and gradients up to float rounding, ``G - 1`` prompts fewer per group."),
     "skip_zero_advantage_sequences": Key(
         "bool", True,
         "Leave rollouts whose advantage is exactly 0 (groups whose rewards all tie) out of the "

@@ -488,7 +488,25 @@ class GRPORecipe:
             model, traj.tokens[rows], traj.prompt_mask[rows], traj.response_mask[rows],
             tool_mask=traj.tool_mask[rows], temperature=self.cfg.temperature,
             logit_bias=self.logit_bias, chunk_size=self.chunk_size, keep_probs=self.keep_probs,
-            pack=self.cfg.packed_forward and not self.cfg.compile, **kwargs)
+            pack=self.packed, share_prompts=self.packed and self.cfg.share_prompt_forward,
+            **kwargs)
+
+    @property
+    def packed(self) -> bool:
+        """Whether training-time forward passes run on packed rows (``packed_forward``)."""
+        return bool(self.cfg.packed_forward and not self.cfg.compile)
+
+    def micro_batch_order(self, num_sequences: int, epoch: int) -> torch.Tensor:
+        """``[N]`` the update's row order in ``epoch``: a pure function of (seed, step, epoch,
+        rank). With prompt sharing (``share_prompt_forward``) whole groups are shuffled and
+        their rows kept together, so that a micro-batch holds few distinct prompts."""
+        gen = torch.Generator().manual_seed(
+            int(mix_seeds(self.seed, self.step, epoch, self.rank, 0x5F0F)))
+        group = self.group_size
+        if self.packed and self.cfg.share_prompt_forward and num_sequences % group == 0:
+            groups = torch.randperm(num_sequences // group, generator=gen)
+            return (groups[:, None] * group + torch.arange(group)[None, :]).flatten()
+        return torch.randperm(num_sequences, generator=gen)
 
     def update(self, traj: Trajectory, advantages: torch.Tensor,
                ref_logprobs: torch.Tensor | None,
@@ -530,10 +548,7 @@ class GRPORecipe:
                                           device=self.device), "max")
         num_micro = max(1, int(count))
         for epoch in range(cfg.ppo_epochs):
-            # micro-batch order: a pure function of (seed, step, epoch, rank), like sampling
-            gen = torch.Generator().manual_seed(
-                int(mix_seeds(self.seed, self.step, epoch, self.rank, 0x5F0F)))
-            order = torch.randperm(traj.num_sequences, generator=gen)
+            order = self.micro_batch_order(traj.num_sequences, epoch)
             if skip.any():
                 order = order[~skip.cpu()[order]]  # the same order, less the skipped rows
             if skipped_stats is not None:

@@ -1,5 +1,6 @@
-"""``skip_zero_advantage_sequences``: rollouts with advantage 0 are left out of the update's
-passes, and the update is the same as with them (in-process runs, one rank)."""
+"""Two ways the update does less work for the same step (in-process runs, one rank):
+``skip_zero_advantage_sequences`` (rollouts with advantage 0 left out of its passes) and
+``share_prompt_forward`` (a group's prompt run once)."""
 
 from __future__ import annotations
 
@@ -66,3 +67,15 @@ def test_nothing_skipped_with_a_kl_term(base_model, tmp_path):
     assert 0 < row["zero_std_group_fraction"]
     assert sum(rows) == 32
 
+
+
+def test_shared_prompt_forward_keeps_the_update(base_model, tmp_path):
+    """``share_prompt_forward`` (groups run their prompt once) against the unshared packed
+    forward: the same step, to float rounding."""
+    shared_w, _, shared = _run(base_model, tmp_path / "shared")
+    plain_w, _, plain = _run(base_model, tmp_path / "plain", "share_prompt_forward=false")
+    assert 0 < plain["zero_std_group_fraction"] < 1 and plain["grad_norm"] > 0
+    assert shared["reward/mean"] == plain["reward/mean"]
+    assert shared["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5)
+    for key in plain_w:
+        torch.testing.assert_close(shared_w[key], plain_w[key], rtol=1e-5, atol=1e-7)

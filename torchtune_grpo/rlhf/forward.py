@@ -85,12 +85,59 @@ class PackedSegments:
     lengths: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class SharedPrefixSegments:
+    """The attention "mask" of a packed row whose sequences share their prompts.
+
+    The row is a run of blocks; a block is one prompt (the *prefix*) followed by the responses
+    of every sequence that has that prompt (the *suffixes*). The prefix attends causally within
+    itself; each suffix attends to the whole prefix and causally within itself, never to
+    another suffix or block. Every suffix token therefore sees exactly the tokens of its own
+    sequence, while the prompt's tokens are run once for the whole group instead of once per
+    sequence.
+
+    Attributes:
+        blocks: ``(prefix_length, (suffix_length, ...))`` per block, in order; all lengths
+            add up to the packed row's length.
+    """
+
+    blocks: tuple[tuple[int, tuple[int, ...]], ...]
+
+
+@functools.lru_cache(maxsize=256)
+def _suffix_mask(prefix: int, length: int) -> torch.Tensor:
+    """``[length, prefix + length]`` bool: all of the prefix, then causal over the suffix."""
+    return torch.ones(length, prefix + length, dtype=torch.bool).tril(diagonal=prefix)
+
+
+def _shared_prefix_attention(q, k, v, blocks, dropout_p=0.0):
+    """SDPA for a :class:`SharedPrefixSegments` row; ``q, k, v``: ``[1, heads, S, head_dim]``."""
+    sizes = [n for prefix, suffixes in blocks for n in (prefix, *suffixes)]
+    parts = list(zip(*(x.split(sizes, dim=2) for x in (q, k, v))))
+    outs, i = [], 0
+    for prefix, suffixes in blocks:
+        q_p, k_p, v_p = parts[i]
+        outs.append(F.scaled_dot_product_attention(q_p, k_p, v_p, dropout_p=dropout_p,
+                                                   is_causal=True))
+        for j, length in enumerate(suffixes, start=i + 1):
+            q_s, k_s, v_s = parts[j]
+            mask = _suffix_mask(prefix, length).to(q.device)
+            outs.append(F.scaled_dot_product_attention(
+                q_s, torch.cat([k_p, k_s], dim=2), torch.cat([v_p, v_s], dim=2),
+                attn_mask=mask, dropout_p=dropout_p))
+        i += 1 + len(suffixes)
+    return torch.cat(outs, dim=2)
+
+
 def _segment_attention(original, q, k, v, mask=None, dropout_p=0.0, is_causal=True):
     """torchtune's ``_attention_call`` signature; per-segment causal SDPA for a
-    :class:`PackedSegments` mask, the wrapped call for anything else.
+    :class:`PackedSegments` mask, per-block SDPA for a :class:`SharedPrefixSegments` mask, the
+    wrapped call for anything else.
 
     ``q, k, v``: ``[1, heads, S, head_dim]`` (k and v already expanded to the query heads).
     """
+    if isinstance(mask, SharedPrefixSegments):
+        return _shared_prefix_attention(q, k, v, mask.blocks, dropout_p=dropout_p)
     if not isinstance(mask, PackedSegments):
         return original(q, k, v, mask=mask, dropout_p=dropout_p, is_causal=is_causal)
     if len(mask.lengths) == 1:
@@ -103,7 +150,8 @@ def _segment_attention(original, q, k, v, mask=None, dropout_p=0.0, is_causal=Tr
 
 
 def install_packed_attention(model: nn.Module) -> None:
-    """Let every torchtune attention module of ``model`` take a :class:`PackedSegments` mask.
+    """Let every torchtune attention module of ``model`` take a :class:`PackedSegments` (or
+    :class:`SharedPrefixSegments`) mask.
 
     Wraps each module's ``_attention_call`` (torchtune's SDPA/flex dispatcher, an instance
     attribute); any other mask (boolean tensors, ``BlockMask``, None) goes to the original
@@ -244,6 +292,7 @@ def micro_batch_logprobs(
     tool_mask: torch.Tensor | None = None,
     trim: bool = True,
     pack: bool = False,
+    share_prompts: bool = False,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`response_logprobs` of one micro-batch, run on its own extent only.
@@ -272,6 +321,8 @@ def micro_batch_logprobs(
         trim: run on the trimmed slice (False: on the whole ``[n, P + T]`` rectangle).
         pack: run on the rows' real tokens laid end to end (see
             :func:`packed_micro_batch_logprobs`; 0 at every non-response position).
+        share_prompts: with ``pack``, rows with the same prompt run it once
+            (:class:`SharedPrefixSegments`).
         **kwargs: ``temperature``, ``logit_bias``, ``chunk_size``, ``return_entropy``,
             ``entropy_grad``, ``keep_probs`` of :func:`response_logprobs`.
 
@@ -280,7 +331,8 @@ def micro_batch_logprobs(
     """
     if pack:
         return packed_micro_batch_logprobs(model, tokens, prompt_mask, response_mask,
-                                           tool_mask=tool_mask, **kwargs)
+                                           tool_mask=tool_mask, share_prompts=share_prompts,
+                                           **kwargs)
     full_response_len = response_mask.shape[1]
     if trim:
         tokens, padding, prompt_len, response_len = trim_to_extent(
@@ -338,6 +390,7 @@ def packed_micro_batch_logprobs(
     return_entropy: bool = False,
     entropy_grad: bool = True,
     keep_probs: int = 0,
+    share_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of a micro-batch's response tokens, the model run on its real tokens only.
 
@@ -360,6 +413,13 @@ def packed_micro_batch_logprobs(
             tokens attend to them) but get no log-prob: 0, like every non-response position.
         temperature, logit_bias, chunk_size, return_entropy, entropy_grad, keep_probs: as for
             :func:`response_logprobs`.
+        share_prompts: rows whose real prompt tokens are the same (the members of a GRPO group)
+            run that prompt once: the packed row holds each distinct prompt followed by the
+            responses of its rows (:class:`SharedPrefixSegments`), so a group of ``G`` rows
+            costs ``P + sum(T_i)`` tokens instead of ``G * P + sum(T_i)``. Every response token
+            still attends to exactly its own prompt and earlier response tokens, at the same
+            positions: the results equal the unshared ones up to float rounding, gradients to
+            the prompt positions summed over the group.
 
     Returns:
         ``(logprobs [n, T] float32, entropy [n, T] or None)``, 0 wherever ``response_mask`` is
@@ -377,29 +437,97 @@ def packed_micro_batch_logprobs(
         tool_mask = tool_mask.to(device)
         scored = response_mask & ~tool_mask
         present = response_mask | tool_mask
+    response_present = present
     present = torch.cat([prompt_mask, present], dim=1)  # [n, P + T]
-    # index of every real token in the packed row (row-major order)
-    packed_index = present.flatten().long().cumsum(0).view_as(present) - 1
-    # the hidden state predicting response token t of row i is that of the real token before it,
-    # which is in the same row (every row has a prompt token before its first response token)
-    index = packed_index[:, prompt_len:][scored] - 1  # [M]
-    targets = tokens[:, prompt_len:][scored].unsqueeze(0)  # [1, M]
-    lengths = tuple(int(x) for x in present.sum(1).tolist() if x > 0)
     n, num_response = response_mask.shape
-    if not lengths or index.numel() == 0:
-        zeros = torch.zeros(n, num_response, device=device)
-        return zeros, (zeros.clone() if return_entropy else None)
+    targets = tokens[:, prompt_len:][scored].unsqueeze(0)  # [1, M]
+    positions = present.long().cumsum(1) - 1  # [n, P + T] each real token's position in its row
+    if share_prompts:
+        keep, packed_index, segments = _shared_prompt_layout(tokens, prompt_mask,
+                                                             response_present)
+        # the hidden state predicting response token t is that of the real token before it:
+        # the previous response token, or the prompt's last token (present tokens of a row are
+        # contiguous: the prompt is left-padded, the response right-padded)
+        index = packed_index[:, prompt_len - 1 : -1][scored]  # [M]
+        if index.numel() == 0:
+            zeros = torch.zeros(n, num_response, device=device)
+            return zeros, (zeros.clone() if return_entropy else None)
+        packed_tokens = tokens[keep].unsqueeze(0)  # [1, S], row-major within the layout
+        input_pos = positions[keep].unsqueeze(0)
+        order = packed_index[keep].argsort()
+        packed_tokens, input_pos = packed_tokens[:, order], input_pos[:, order]
+    else:
+        # index of every real token in the packed row (row-major order)
+        packed_index = present.flatten().long().cumsum(0).view_as(present) - 1
+        # the hidden state predicting response token t of row i is that of the real token
+        # before it, in the same row (every row has a prompt token before its first response)
+        index = packed_index[:, prompt_len:][scored] - 1  # [M]
+        lengths = tuple(int(x) for x in present.sum(1).tolist() if x > 0)
+        if not lengths or index.numel() == 0:
+            zeros = torch.zeros(n, num_response, device=device)
+            return zeros, (zeros.clone() if return_entropy else None)
+        segments = PackedSegments(lengths)
+        packed_tokens = tokens[present].unsqueeze(0)  # [1, S]
+        input_pos = positions[present].unsqueeze(0)  # [1, S]
     install_packed_attention(model)
     mode = _PackedLogProbs(index=index, targets=targets, temperature=temperature,
                            logit_bias=logit_bias, chunk_size=chunk_size,
                            return_entropy=return_entropy, entropy_grad=entropy_grad,
                            keep_probs=keep_probs)
-    packed_tokens = tokens[present].unsqueeze(0)  # [1, S]
-    input_pos = (present.long().cumsum(1) - 1)[present].unsqueeze(0)  # [1, S]
     with _mode(model, mode), _max_seq_len_at_least(model, packed_tokens.shape[1]):
-        logprobs, entropy = model(packed_tokens, mask=PackedSegments(lengths),
-                                  input_pos=input_pos)
+        logprobs, entropy = model(packed_tokens, mask=segments, input_pos=input_pos)
     out = logprobs.new_zeros(n, num_response).masked_scatter(scored, logprobs[0])
     if entropy is not None:
         entropy = entropy.new_zeros(n, num_response).masked_scatter(scored, entropy[0])
     return out, entropy
+
+
+def _shared_prompt_layout(
+    tokens: torch.Tensor, prompt_mask: torch.Tensor, response_present: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, SharedPrefixSegments]:
+    """Where each real token of a micro-batch goes in a prompt-sharing packed row.
+
+    Rows are grouped by their real prompt tokens (first appearance order). A group's block is
+    its prompt, taken from its first row, then each member's response tokens in row order.
+
+    Args:
+        tokens: ``[n, P + T]``.
+        prompt_mask: ``[n, P]`` real prompt tokens.
+        response_present: ``[n, T]`` real response (and tool) tokens.
+
+    Returns:
+        ``(keep [n, P + T] bool, packed_index [n, P + T] long, segments)``: ``keep`` marks the
+        tokens that are laid out (each group's first prompt, every response token);
+        ``packed_index`` gives every real token its position in the packed row (a shared
+        prompt token: its group's copy; -1 elsewhere); ``segments`` the block lengths.
+    """
+    n, prompt_len = prompt_mask.shape
+    keep = torch.zeros(n, tokens.shape[1], dtype=torch.bool, device=tokens.device)
+    packed_index = torch.full_like(tokens, -1, dtype=torch.long)
+    prompt_lengths = prompt_mask.sum(1).tolist()
+    response_lengths = response_present.sum(1).tolist()
+    groups: dict[tuple[int, ...], list[int]] = {}
+    prompts = tokens[:, :prompt_len].tolist()
+    for row in range(n):
+        real = prompts[row][prompt_len - prompt_lengths[row]:]
+        if response_lengths[row] == 0 and prompt_lengths[row] == 0:
+            continue
+        groups.setdefault(tuple(real), []).append(row)
+    blocks, offset = [], 0
+    for rows in groups.values():
+        first, plen = rows[0], prompt_lengths[rows[0]]
+        keep[first, prompt_len - plen: prompt_len] = True
+        prompt_slots = torch.arange(offset, offset + plen, device=tokens.device)
+        offset += plen
+        suffixes = []
+        for row in rows:
+            packed_index[row, prompt_len - plen: prompt_len] = prompt_slots
+            length = response_lengths[row]
+            if length:
+                keep[row, prompt_len: prompt_len + length] = True
+                packed_index[row, prompt_len: prompt_len + length] = torch.arange(
+                    offset, offset + length, device=tokens.device)
+                offset += length
+                suffixes.append(length)
+        blocks.append((plen, tuple(suffixes)))
+    return keep, packed_index, SharedPrefixSegments(tuple(blocks))
