@@ -43,6 +43,41 @@ def list_step_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def claim_output_dir(output_dir: str | Path, *, overwrite: bool = False) -> list[Path]:
+    """Make sure a fresh run does not mix its steps with another run's.
+
+    A fresh run (no ``resume_from_checkpoint``) into a folder that already holds step
+    checkpoints would write ``step_2`` beside another run's ``step_11``, and a later resume
+    would pick the stale ``step_11``. So that is refused, unless ``overwrite``: then the old
+    step folders (and any half-written ``.step_N.partial``) are deleted. Call on rank 0.
+
+    Args:
+        output_dir: the run's output folder.
+        overwrite: delete the step folders found instead of refusing.
+
+    Returns:
+        The step folders deleted (empty when there were none).
+
+    Raises:
+        FileExistsError: ``output_dir`` holds step checkpoints and ``overwrite`` is False; the
+            message names the newest one and the two ways on.
+    """
+    import shutil
+
+    root = Path(output_dir)
+    found = [path for _, path in list_step_checkpoints(root)]
+    partial = sorted(root.glob(".step_*.partial")) if root.is_dir() else []
+    if found and not overwrite:
+        raise FileExistsError(
+            f"output_dir {root} already holds {len(found)} step checkpoint(s) of a run "
+            f"(newest: {found[-1].name}); continue that run with resume_from_checkpoint=true, "
+            "start over with overwrite_output_dir=true (deletes them), or choose another "
+            "output_dir")
+    for path in found + partial:
+        shutil.rmtree(path)
+    return found
+
+
 def latest_step_checkpoint(output_dir: str | Path) -> Path | None:
     """The newest complete ``step_{N}`` folder, or None."""
     found = list_step_checkpoints(output_dir)

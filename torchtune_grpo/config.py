@@ -251,6 +251,10 @@ RECIPE_KEYS: dict[str, Key] = {
                 ":class:`torchtune_grpo.settings.EvalSettings`; unknown keys are errors).",
                 settings=EvalSettings),
     "eval_at_start": Key("bool", True, "Also evaluate before the first step (logged as step 0)."),
+    "overwrite_output_dir": Key(
+        "bool", False,
+        "A fresh run (no ``resume_from_checkpoint``) into an ``output_dir`` that holds step "
+        "checkpoints deletes them first; false (default): it refuses to start, naming them."),
     "resume_from_checkpoint": Key("bool|str", False,
                                   "Continue from the newest complete ``step_{N}`` (or a path)."),
     "model": Key("component", REQUIRED, "torchtune model builder."),

@@ -53,6 +53,7 @@ from torchtune_grpo.batching import (
     split_batch,
 )
 from torchtune_grpo.checkpointing import (
+    claim_output_dir,
     load_recipe_state,
     lora_checkpoint,
     resolve_resume,
@@ -206,6 +207,12 @@ class GRPORecipe:
         self.eval_dataset = (config.instantiate(cfg.eval_dataset, tokenizer=self.tokenizer)
                              if cfg.eval_dataset is not None else None)
         self.resume_dir = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir)
+        if self.resume_dir is None and self.is_rank_zero:  # before any model is built
+            deleted = claim_output_dir(cfg.output_dir, overwrite=cfg.overwrite_output_dir)
+            if deleted:
+                log.warning(f"overwrite_output_dir: deleted {len(deleted)} step folder(s) of "
+                            f"an earlier run in {cfg.output_dir}")
+        D.barrier()
         self._build_models()
         self._build_optimizer()
         if self.resume_dir is not None:
@@ -691,6 +698,12 @@ class GRPORecipe:
     # ------------------------------------------------------------------ loop
     def train(self) -> None:
         """Run the remaining of ``num_steps`` GRPO steps: a list of calls."""
+        if self.step >= self.cfg.num_steps:
+            if self.is_rank_zero:
+                log.warning(f"already finished: {self.resume_dir} is step {self.step} and "
+                            f"num_steps={self.cfg.num_steps}; nothing to do (raise num_steps to "
+                            "train further)")
+            return
         if self.eval_dataset is not None and self.step == 0 and self.cfg.eval_at_start:
             self.run_eval()
         with self._progress_bar(), self._sigterm_stops_after_the_step():
@@ -729,8 +742,10 @@ class GRPORecipe:
                 cfg.save_every_n_steps and self.step % cfg.save_every_n_steps == 0):
             self.save_checkpoint(evaluated)
         if preempted:
-            log.warning(f"stopped after step {self.step} on request; resume with "
-                        "resume_from_checkpoint=true")
+            if self.is_rank_zero:
+                log.warning(f"stopped after step {self.step} on request; saved "
+                            f"{cfg.output_dir}/step_{self.step}; continue with the same command "
+                            "and resume_from_checkpoint=true")
             return False
         if diverged:
             raise RuntimeError(
@@ -766,17 +781,24 @@ class GRPORecipe:
 
     @contextlib.contextmanager
     def _sigterm_stops_after_the_step(self) -> Iterator[None]:
-        """SIGTERM (preemption) sets a flag: the step finishes, is saved, and the loop stops."""
+        """SIGTERM (preemption) and SIGINT (Ctrl-C) set a flag: the step finishes, is saved,
+        and the loop stops with the command that resumes it. A second SIGINT stops at once
+        (``KeyboardInterrupt``), losing the step in progress."""
         def request_stop(signum, _frame) -> None:
-            log.warning(f"received signal {signum}: saving at the end of this step, then "
-                        "stopping")
+            if signum == signal.SIGINT and self._stop_requested:
+                raise KeyboardInterrupt
+            name = signal.Signals(signum).name
+            extra = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""
+            log.warning(f"received {name}: saving at the end of this step, then stopping{extra}")
             self._stop_requested = True
 
-        previous = signal.signal(signal.SIGTERM, request_stop)
+        previous = {sig: signal.signal(sig, request_stop)
+                    for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             yield
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     def run_eval(self) -> EvalResult:
         """Evaluate the current policy on ``eval_dataset``; log ``eval/...`` metrics."""

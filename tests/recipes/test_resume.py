@@ -106,7 +106,10 @@ def test_crash_during_save_keeps_previous_checkpoint(base_model, tmp_path):
                                               reference / "step_4"))
 
 
-def test_sigterm_saves_at_step_boundary_and_exits_cleanly(base_model, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_sigterm_saves_at_step_boundary_and_exits_cleanly(base_model, tmp_path, sig):
+    """Preemption (SIGTERM) and Ctrl-C (SIGINT) alike: the step in progress finishes and is
+    saved, the run exits 0 and says how to resume."""
     out = tmp_path / "run"
     args = quickstart_overrides(base_model, out, "num_steps=500")
     proc = subprocess.Popen(tune_cmd(*launch(1), *args), cwd=tmp_path, env=recipe_env(2),
@@ -117,7 +120,7 @@ def test_sigterm_saves_at_step_boundary_and_exits_cleanly(base_model, tmp_path):
         if logs and "Step 1 |" in logs[0].read_text():
             break
         time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output[-3000:]
     from torchtune_grpo.checkpointing import list_step_checkpoints

@@ -82,3 +82,26 @@ def test_weight_files_skip_lora_adapters(tmp_path):
     for name in ("model-00001-of-00001.safetensors", "adapter_model.safetensors"):
         (tmp_path / name).write_bytes(b"")
     assert weight_files(tmp_path) == ["model-00001-of-00001.safetensors"]
+
+
+def test_a_fresh_run_refuses_another_runs_steps_unless_told(tmp_path):
+    from torchtune_grpo.checkpointing import (
+        COMPLETE_MARKER,
+        claim_output_dir,
+        list_step_checkpoints,
+    )
+
+    assert claim_output_dir(tmp_path / "new") == []  # nothing there: fine
+    for step in (4, 11):
+        (tmp_path / f"step_{step}").mkdir()
+        (tmp_path / f"step_{step}" / COMPLETE_MARKER).write_text("")
+    (tmp_path / ".step_12.partial").mkdir()
+    (tmp_path / "logs").mkdir()
+    with pytest.raises(FileExistsError, match=r"step_11.*resume_from_checkpoint=true.*"
+                                              r"overwrite_output_dir=true"):
+        claim_output_dir(tmp_path)
+    assert len(list_step_checkpoints(tmp_path)) == 2  # refused: nothing deleted
+    deleted = claim_output_dir(tmp_path, overwrite=True)
+    assert [p.name for p in deleted] == ["step_4", "step_11"]
+    assert list_step_checkpoints(tmp_path) == [] and not (tmp_path / ".step_12.partial").exists()
+    assert (tmp_path / "logs").is_dir()

@@ -1,0 +1,38 @@
+"""A run owns its output_dir: a fresh run refuses another run's steps unless told, and a resume
+that has nothing left to do says so (in-process runs, one rank)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from tests.recipes._helpers import quickstart_config, train_in_process, train_metrics
+from torchtune_grpo.checkpointing import list_step_checkpoints
+from torchtune_grpo.recipe import GRPORecipe
+
+pytestmark = pytest.mark.slow
+
+SHORT = ["num_steps=2", "batch_size=2", "group_size=2"]
+
+
+def test_fresh_run_refuses_then_overwrites_and_resume_says_finished(base_model, tmp_path,
+                                                                     caplog):
+    out = tmp_path / "run"
+    train_in_process(base_model, out, *SHORT)
+    assert [s for s, _ in list_step_checkpoints(out)] == [2]
+
+    recipe = GRPORecipe(quickstart_config(base_model, out, *SHORT))
+    with pytest.raises(FileExistsError, match="step_2.*resume_from_checkpoint=true"):
+        recipe.setup()  # before any model is built
+    assert not hasattr(recipe, "model")
+    recipe.cleanup()
+
+    caplog.set_level(logging.INFO)
+    finished = train_in_process(base_model, out, *SHORT, "resume_from_checkpoint=true")
+    assert finished.step == 2 and "already finished" in caplog.text
+    assert [r["step"] for r in train_metrics(out)] == [1, 2]  # no step was added
+
+    train_in_process(base_model, out, "num_steps=1", "batch_size=2", "group_size=2",
+                     "overwrite_output_dir=true")
+    assert [s for s, _ in list_step_checkpoints(out)] == [1]  # the old step_2 is gone
