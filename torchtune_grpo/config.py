@@ -83,8 +83,61 @@ def load_config(config: str | Path, overrides: list[str] | None = None) -> DictC
             raise ValueError(
                 f"override {item!r} is not of the form key=value (use --config for the file)"
             )
+    plain, direct = _split_overrides(yaml_cfg, list(overrides or []))
     namespace = argparse.Namespace(**OmegaConf.to_container(yaml_cfg, resolve=False))
-    return _merge_yaml_and_cli_args(namespace, list(overrides or []))
+    cfg = _merge_yaml_and_cli_args(namespace, plain)
+    for key, raw in direct:
+        _set_path(cfg, key, raw)
+    return cfg
+
+
+def _split_overrides(cfg: DictConfig, overrides: list[str]) -> tuple[list[str], list[tuple]]:
+    """Overrides torchtune's parser handles, and ``(key, value)`` pairs it gets wrong: a key
+    with a list index (``rewards.0.weight=0.5``) and ``null`` for a whole node
+    (``eval_dataset=null``, which torchtune would read as ``eval_dataset._component_=null``)."""
+    plain, direct = [], []
+    for item in overrides:
+        key, eq, raw = item.partition("=")
+        parts = key.split(".")
+        is_null = raw.strip() in ("null", "None", "~")
+        if eq and not key.startswith("~") and (
+                any(p.isdigit() for p in parts)
+                or (is_null and isinstance(OmegaConf.select(cfg, key, default=None),
+                                           DictConfig))):
+            direct.append((key, raw))
+        else:
+            plain.append(item)
+    return plain, direct
+
+
+def _set_path(cfg: DictConfig, key: str, raw: str) -> None:
+    """Set ``key`` (dotted, list indices allowed) to the YAML value ``raw``; a clear error for a
+    path that does not exist (an index past the end of a list, a missing parent)."""
+    import yaml
+
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    parts = key.split(".")
+    node: Any = cfg
+    for depth, part in enumerate(parts[:-1]):
+        where = ".".join(parts[: depth + 1])
+        if isinstance(node, ListConfig):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ValueError(f"override {key}={raw}: {'.'.join(parts[:depth]) or 'config'} "
+                                 f"is a list of {len(node)} entries; {part!r} is not an index "
+                                 "of it")
+            node = node[int(part)]
+        elif isinstance(node, DictConfig) and part in node and node[part] is not None:
+            node = node[part]
+        else:
+            raise ValueError(f"override {key}={raw}: {where} is not in the config")
+    last = parts[-1]
+    if isinstance(node, ListConfig):
+        if not last.isdigit() or int(last) >= len(node):
+            raise ValueError(f"override {key}={raw}: the list has {len(node)} entries; "
+                             f"{last!r} is not an index of it")
+        node[int(last)] = value
+    else:
+        node[last] = value
 
 
 #: Top-level key naming a config this one starts from (merged first, this file on top).
@@ -602,6 +655,40 @@ class ConfigError(ValueError):
     """A config that cannot run; the message lists every problem found."""
 
 
+def _optimizer_range_errors(node: Any) -> list[str]:
+    """Values of the ``optimizer:`` component whose meaning is known and out of range: ``lr``
+    and ``weight_decay`` (finite, ``>= 0``; an lr of 0 is a control run), ``betas`` (each in
+    ``[0, 1)``), ``eps`` (``> 0``), ``momentum`` (``>= 0``)."""
+    if not isinstance(node, dict):
+        return []
+    errors = []
+
+    def number(name: str) -> float | None:
+        value = node.get(name)
+        if value is None or isinstance(value, bool) or isinstance(value, str):
+            return None  # an interpolation or a type the component check reports
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            return None
+
+    for name in ("lr", "weight_decay", "momentum"):
+        value = number(name)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            errors.append(f"config key 'optimizer.{name}' must be a finite number >= 0 "
+                          f"(got {node.get(name)!r})")
+    eps = number("eps")
+    if eps is not None and not (math.isfinite(eps) and eps > 0):
+        errors.append(f"config key 'optimizer.eps' must be > 0 (got {node.get('eps')!r})")
+    betas = node.get("betas")
+    if isinstance(betas, (list, tuple)):
+        if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool)
+                                      and 0 <= b < 1 for b in betas):
+            errors.append(f"config key 'optimizer.betas' must be two numbers in [0, 1) "
+                          f"(got {betas!r})")
+    return errors
+
+
 def validate_config(cfg: DictConfig, *, world_size: int = 1,
                     extra_keys: dict[str, Key] | None = None,
                     schema: dict[str, Key] | None = None) -> None:
@@ -655,6 +742,7 @@ def validate_config(cfg: DictConfig, *, world_size: int = 1,
             except ValueError as e:
                 errors.append(str(e))
     errors.extend(component_errors)
+    errors.extend(_optimizer_range_errors(raw.get("optimizer")))
     rewards = cfg.get("rewards")
     if isinstance(rewards, (list, ListConfig)) and len(rewards) == 0:
         errors.append("config key 'rewards' must list at least one reward component")

@@ -204,8 +204,10 @@ class GRPORecipe:
             rank=self.rank, seed=self.seed, shuffle=cfg.shuffle,
             collate=partial(collate_prompts, pad_id=int(getattr(self.tokenizer, "pad_id", 0))),
         )
+        # built only when an evaluation is scheduled (eval_dataset=null: none at all)
+        evaluates = bool(cfg.eval_every_n_steps) or bool(cfg.eval_at_start)
         self.eval_dataset = (config.instantiate(cfg.eval_dataset, tokenizer=self.tokenizer)
-                             if cfg.eval_dataset is not None else None)
+                             if cfg.eval_dataset is not None and evaluates else None)
         self.resume_dir = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir)
         if self.resume_dir is None and self.is_rank_zero:  # before any model is built
             deleted = claim_output_dir(cfg.output_dir, overwrite=cfg.overwrite_output_dir)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torchtune import config as tt_config
@@ -260,3 +262,34 @@ def _my_vllm():
 
 
 MyVLLM = _my_vllm()
+
+
+def test_list_entry_and_null_node_overrides():
+    """``rewards.0.weight=...`` sets one list entry and ``eval_dataset=null`` the whole node
+    (torchtune's parser alone fails on the first and sets ``eval_dataset._component_`` on the
+    second); ordinary overrides still go through torchtune's parser."""
+    from torchtune_grpo.config import load_config
+
+    cfg = load_config("grpo/smollm2_gsm8k_cpu", [
+        "rewards.1.weight=0.5", "rewards.0.fallback=none", "eval_dataset=null",
+        "batch_size=3", "tokenizer=torchtune_grpo.models.hf_tokenizer"])
+    assert cfg.rewards[1].weight == 0.5 and cfg.rewards[0].fallback == "none"
+    assert cfg.eval_dataset is None and cfg.batch_size == 3
+    assert cfg.tokenizer._component_ == "torchtune_grpo.models.hf_tokenizer"
+    validate_config(cfg)
+    with pytest.raises(ValueError, match=r"rewards is a list of 2 entries; '5' is not an index"):
+        load_config("grpo/smollm2_gsm8k_cpu", ["rewards.5.weight=1"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optimizer.lr=-1e-3", "'optimizer.lr' must be a finite number >= 0"),
+    ("optimizer.weight_decay=-0.1", "'optimizer.weight_decay' must be a finite number >= 0"),
+    ("optimizer.betas=[0.9,1.5]", "'optimizer.betas' must be two numbers in [0, 1)"),
+    ("optimizer.eps=0", "'optimizer.eps' must be > 0"),
+])
+def test_optimizer_values_out_of_range_are_rejected(override, message):
+    from torchtune_grpo.config import load_config
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate_config(load_config("grpo/quickstart_cpu", [override]))
+    validate_config(load_config("grpo/quickstart_cpu", ["optimizer.lr=0.0"]))  # a control run
