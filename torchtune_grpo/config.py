@@ -297,7 +297,10 @@ RECIPE_KEYS: dict[str, Key] = {
                               "Evaluate on ``eval_dataset`` every N steps and at the end; the "
                               "results go into that step's checkpoint (null: never).",
                               _optional_positive),
-    "eval_dataset": Key("component|null", None, "Held-out prompt dataset (takes ``tokenizer``)."),
+    "eval_dataset": Key("component|null", None,
+                        "Held-out prompt dataset (takes ``tokenizer``); null (also "
+                        "``eval_dataset=null`` on the command line): no evaluation at all, "
+                        "whatever ``eval_every_n_steps`` and ``eval_at_start`` say."),
     "eval": Key("dict|null", None,
                 "Evaluation sampling: ``num_samples``, ``temperature`` (0: greedy), ``top_k``, "
                 "``k`` (list), ``max_generated_tokens``, ``forward_batch_size`` (the fields of "
@@ -866,8 +869,6 @@ def _batch_errors(cfg: DictConfig, world_size: int) -> list[str]:
         )
     errors.extend(_tool_errors(cfg))
     errors.extend(_chat_tool_errors(cfg))
-    if cfg.eval_every_n_steps and cfg.eval_dataset is None:
-        errors.append("config key 'eval_every_n_steps' is set but 'eval_dataset' is not")
     global_batch = cfg.get("global_batch_size")
     if global_batch is None and cfg.get("batch_size") is None:
         return ["set config key 'batch_size' (prompts per rank) or 'global_batch_size'"]

@@ -738,7 +738,8 @@ class GRPORecipe:
         diverged = self.consecutive_skips >= cfg.max_consecutive_skipped_steps
         last = self.step == cfg.num_steps
         evaluated = None
-        if cfg.eval_every_n_steps and (self.step % cfg.eval_every_n_steps == 0 or last):
+        if self.eval_dataset is not None and cfg.eval_every_n_steps and (
+                self.step % cfg.eval_every_n_steps == 0 or last):
             evaluated = self.run_eval()
         if last or preempted or diverged or evaluated is not None or (
                 cfg.save_every_n_steps and self.step % cfg.save_every_n_steps == 0):
