@@ -169,3 +169,22 @@ def test_required_text():
         with pytest.raises(InvalidRow) as raised:
             required_text(row, "q")
         assert (raised.value.field, raised.value.what) == ("q", what)
+
+
+def test_empty_and_malformed_local_files_are_named(tmp_path):
+    """A bad data file fails with one line naming the file (and the row), before ``datasets``."""
+    from torchtune_grpo.datasets import load_rows
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match=r"empty\.jsonl' is empty"):
+        load_rows(str(empty))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "a", "answer": "#### 1"}\n{"question": "b", "answer": \n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl' line 2 is not valid JSON"):
+        load_rows(str(bad))
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text('{"question": "a"}\n[1, 2]\n')
+    with pytest.raises(ValueError, match=r"train\.jsonl' line 2 is a JSON list"):
+        load_rows(str(folder), split="train")

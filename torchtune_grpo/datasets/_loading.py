@@ -74,6 +74,62 @@ def _check_local_files(files: list[str]) -> None:
             )
 
 
+def _check_local_contents(files: list[str]) -> None:
+    """Read JSON Lines files before ``datasets`` does, so a bad file is named with its line.
+
+    Raises:
+        ValueError: a file that is empty, or a ``.jsonl`` line that is not a JSON object
+            (naming the file, the line number and the parser's message).
+    """
+    import json
+
+    for path in files:
+        if any(ch in path for ch in "*?[") or "://" in path:
+            continue
+        file = Path(path).expanduser()
+        if file.is_dir():
+            _check_local_contents([str(p) for p in sorted(file.iterdir())
+                                   if p.suffix in (".jsonl", ".json")])
+            continue
+        if not file.is_file():
+            continue
+        if file.stat().st_size == 0 or not file.read_text(errors="replace").strip():
+            raise ValueError(f"data file {str(file)!r} is empty")
+        if file.suffix != ".jsonl":
+            continue
+        with file.open(errors="replace") as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(
+                        f"data file {str(file)!r} line {number} is not valid JSON ({exc.msg} at "
+                        f"column {exc.colno}): {line.strip()[:80]!r}; fix or remove the line"
+                    ) from None
+                if not isinstance(row, dict):
+                    raise ValueError(
+                        f"data file {str(file)!r} line {number} is a JSON "
+                        f"{type(row).__name__}, not an object with named fields")
+
+
+def _load_hub(source: str, name: str | None, split: str, **kwargs: Any) -> Any:
+    """``datasets.load_dataset`` of a Hub id; a connection failure says how to use local files."""
+    import datasets
+
+    try:
+        return datasets.load_dataset(source, name, split=split, **kwargs)
+    except (ConnectionError, OSError, TimeoutError) as exc:
+        if isinstance(exc, FileNotFoundError) and "doesn't exist on the Hub" in str(exc):
+            raise
+        raise ConnectionError(
+            f"could not load the Hub dataset {source!r} ({type(exc).__name__}: "
+            f"{str(exc)[:200]}). Without Hub access, point the dataset at local files: "
+            f"source=/path/to/folder (with train.jsonl and test.jsonl) or source=FILE.jsonl"
+        ) from exc
+
+
 def _split_names(split: str) -> list[str]:
     """Split names used in a split expression: ``"train[:200]+test"`` -> ``["train", "test"]``."""
     return [part.split("[", 1)[0].strip() for part in split.split("+") if part.strip()]
@@ -114,7 +170,10 @@ def load_rows(
 
     Raises:
         FileNotFoundError: when a local file or folder does not exist.
-        ValueError: when the format of local files cannot be determined.
+        ValueError: when the format of local files cannot be determined, a local file is
+            empty, or a JSON Lines row does not parse (naming the file and the line).
+        ConnectionError: a Hub dataset could not be reached (the message says how to use
+            local files instead).
     """
     import datasets
 
@@ -128,9 +187,10 @@ def load_rows(
                 f"dataset source {source!r} looks like a local path but does not exist; check "
                 f"the path (relative paths are resolved from {os.getcwd()!r})"
             )
-        return datasets.load_dataset(source, name, split=split, **kwargs)
+        return _load_hub(source, name, split, **kwargs)
 
     if data_files is None and source_path.is_dir():
+        _check_local_contents([str(source_path)])
         return datasets.load_dataset(str(source_path), split=split, **kwargs)
 
     if data_files is None:
@@ -150,6 +210,7 @@ def load_rows(
             f"source to one of {sorted(LOCAL_FORMATS)}"
         )
     _check_local_files(_file_list(data_files))
+    _check_local_contents(_file_list(data_files))
     if not isinstance(data_files, Mapping):
         names = set(_split_names(split))
         if len(names) == 1:
