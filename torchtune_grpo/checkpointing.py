@@ -43,6 +43,42 @@ def list_step_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def non_finite_tensors(state_dict: dict[str, Any]) -> list[str]:
+    """Names of the floating-point tensors of ``state_dict`` that hold a NaN or an infinity.
+
+    Args:
+        state_dict: name -> tensor (other values are ignored).
+
+    Returns:
+        The offending names, in the state dict's order.
+    """
+    bad = []
+    for name, value in state_dict.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
+            if not bool(torch.isfinite(value).all()):
+                bad.append(name)
+    return bad
+
+
+def check_finite(state_dict: dict[str, Any], where: str, *, action: str) -> None:
+    """Refuse weights with NaN or infinite values.
+
+    Args:
+        state_dict: the weights.
+        where: the folder or file they come from (or go to), for the message.
+        action: what is refused, e.g. ``"load"`` or ``"save"``.
+
+    Raises:
+        ValueError: naming ``where``, the first offending tensors and their number.
+    """
+    bad = non_finite_tensors(state_dict)
+    if bad:
+        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise ValueError(
+            f"refusing to {action} {where}: {len(bad)} weight tensor(s) hold NaN or infinite "
+            f"values ({shown}); resume from an earlier step_N, or lower the learning rate")
+
+
 def claim_output_dir(output_dir: str | Path, *, overwrite: bool = False) -> list[Path]:
     """Make sure a fresh run does not mix its steps with another run's.
 

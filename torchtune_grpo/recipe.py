@@ -53,7 +53,9 @@ from torchtune_grpo.batching import (
     split_batch,
 )
 from torchtune_grpo.checkpointing import (
+    check_finite,
     claim_output_dir,
+    non_finite_tensors,
     load_recipe_state,
     lora_checkpoint,
     resolve_resume,
@@ -247,6 +249,8 @@ class GRPORecipe:
             # a LoRA step folder holds merged weights: rebuild base + saved adapters instead
             self.checkpointer = base_checkpointer
             state_dict = base_state = self.checkpointer.load_checkpoint()[training.MODEL_KEY]
+            check_finite(state_dict, f"the weights in {cfg.checkpointer.get('checkpoint_dir')}",
+                         action="load")
             if self.resume_dir is not None:
                 adapter_state = load_recipe_state(self.resume_dir)["adapter"]
         else:
@@ -255,6 +259,7 @@ class GRPORecipe:
                 checkpoint_files=weight_files(self.resume_dir),
             )
             state_dict = self.checkpointer.load_checkpoint()[training.MODEL_KEY]
+            check_finite(state_dict, f"the weights in {self.resume_dir}", action="load")
             base_state = (base_checkpointer.load_checkpoint()[training.MODEL_KEY]
                           if needs_reference else None)
         self.model = self._build_model(state_dict, trainable=True, adapter_state=adapter_state)
@@ -891,6 +896,14 @@ class GRPORecipe:
         optimizer_state = self._full_optimizer_state_dict()
         extra_state = self.extra_recipe_state()
         self._adapter_state = None
+        # a step with non-finite weights is never saved: the last good one stays the newest
+        # (rank 0 holds the gathered weights; every rank raises together)
+        finite = not self.is_rank_zero or not non_finite_tensors(state)
+        if not D.all_ranks_true(finite, self.device):
+            if self.is_rank_zero:
+                check_finite(state, f"step_{self.step} to {cfg.output_dir}", action="save")
+            raise ValueError(f"refusing to save step_{self.step}: rank 0 found non-finite "
+                             "weights")
         if self.is_rank_zero:
             checkpoint = {training.MODEL_KEY: state}
             if self.is_lora:

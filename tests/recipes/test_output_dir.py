@@ -36,3 +36,34 @@ def test_fresh_run_refuses_then_overwrites_and_resume_says_finished(base_model, 
     train_in_process(base_model, out, "num_steps=1", "batch_size=2", "group_size=2",
                      "overwrite_output_dir=true")
     assert [s for s, _ in list_step_checkpoints(out)] == [1]  # the old step_2 is gone
+
+
+def test_non_finite_weights_never_enter_or_leave_a_checkpoint(base_model, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "run"
+    recipe = train_in_process(base_model, out, *SHORT)
+    # leaving: a policy whose weights went NaN is not saved; step_2 stays the newest
+    recipe = GRPORecipe(quickstart_config(base_model, out, "num_steps=3", "batch_size=2",
+                                          "group_size=2", "resume_from_checkpoint=true"))
+    recipe.setup()
+    with torch.no_grad():
+        next(recipe.model.parameters())[0, 0] = float("nan")
+    recipe.step = 3
+    with pytest.raises(ValueError, match=r"refusing to save step_3 .* NaN or infinite"):
+        recipe.save_checkpoint()
+    recipe.cleanup()
+    assert [s for s, _ in list_step_checkpoints(out)] == [2]
+    # entering: a step folder whose bytes were overwritten with NaN is refused at load
+    (weights,) = sorted((out / "step_2").glob("model*.safetensors"))
+    tensors = load_file(str(weights))
+    name = sorted(tensors)[0]
+    tensors[name] = torch.full_like(tensors[name], float("nan"))
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    recipe = GRPORecipe(quickstart_config(base_model, out, "num_steps=3", "batch_size=2",
+                                          "group_size=2", "resume_from_checkpoint=true"))
+    with pytest.raises(ValueError, match=r"refusing to load the weights in .*step_2: 1 weight"):
+        recipe.setup()
+    recipe.cleanup()
+    assert [s for s, _ in list_step_checkpoints(out)] == [2]
