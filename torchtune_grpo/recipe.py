@@ -55,9 +55,9 @@ from torchtune_grpo.batching import (
 from torchtune_grpo.checkpointing import (
     check_finite,
     claim_output_dir,
-    non_finite_tensors,
     load_recipe_state,
     lora_checkpoint,
+    non_finite_tensors,
     resolve_resume,
     save_step_checkpoint,
     weight_files,

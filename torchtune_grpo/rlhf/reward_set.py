@@ -5,8 +5,8 @@ entry names a reward component (see :mod:`torchtune_grpo.rlhf.rewards` for the s
 the shipped ones) with ``_component_`` and holds the keys of :data:`REWARD_ENTRY_KEYS`, which
 belong to the set, not to the component: ``weight``, ``name``, ``success``,
 ``success_threshold``, ``on_error`` and ``requires_success``. :func:`check_reward_entry` is the
-one place those keys are checked: by :func:`build_reward_set`, by :class:`RewardSet` for entries made in code, and
-by :func:`torchtune_grpo.config.validate_config` before any model is loaded.
+one place those keys are checked: by :func:`build_reward_set`, by :class:`RewardSet` for entries
+made in code, and by :func:`torchtune_grpo.config.validate_config` before any model is loaded.
 
 The :class:`RewardSet` applies the weights, validates every component's output and turns
 exceptions into messages that name the component and the sample.
