@@ -10,9 +10,13 @@ into place after an fsync, so a crash during a save never leaves a half-written
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import logging
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +27,35 @@ RECIPE_STATE_FILE = "recipe_state.pt"
 COMPLETE_MARKER = "CHECKPOINT_COMPLETE"
 #: Files of a step folder that describe that step only; never carried into a later one.
 _NOT_INHERITED = {COMPLETE_MARKER, RECIPE_STATE_FILE, "eval_results.json", "eval_samples.jsonl"}
+
+
+def _nbytes(obj: Any) -> int:
+    """Bytes of the tensors inside ``obj`` (nested dicts, lists, tuples)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+def _no_space(step: int, output_dir: Path, need: int, free: int) -> str:
+    return (f"no space left to save step_{step} in {output_dir}: it needs about "
+            f"{need / 2**30:.2f} GiB and {free / 2**30:.2f} GiB are free; free some space or "
+            "point output_dir elsewhere (earlier step folders are untouched)")
+
+
+@contextlib.contextmanager
+def _quiet_torchtune() -> Iterator[None]:
+    """Mute torchtune's INFO lines while it saves (they name staging paths and "epochs")."""
+    logger = logging.getLogger("torchtune.utils._logging")
+    previous = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
 
 
 def step_dir(output_dir: str | Path, step: int) -> Path:
@@ -166,28 +199,42 @@ def save_step_checkpoint(
     final = step_dir(output_dir, step)
     staging = output_dir / f".step_{step}.partial"
     shutil.rmtree(staging, ignore_errors=True)
+    need = _nbytes(checkpoint) + _nbytes(recipe_state)
+    free = shutil.disk_usage(output_dir).free
+    if need > free:
+        raise OSError(errno.ENOSPC, _no_space(step, output_dir, need, free))
     staging.mkdir(parents=True)
-
-    # torchtune's checkpointers write to <their output dir>/epoch_{epoch}: point them at the
-    # staging folder for the duration of the call.
-    original_output = checkpointer._output_dir
-    checkpointer._output_dir = staging
     try:
-        checkpointer.save_checkpoint(dict(checkpoint), epoch=step, adapter_only=adapter_only)
-    finally:
-        checkpointer._output_dir = original_output
-    written = staging / f"epoch_{step}"
-    for item in written.iterdir():
-        if item.name in _NOT_INHERITED:  # copied from a step folder we resumed from
-            continue
-        item.rename(staging / item.name)
-    shutil.rmtree(written)
+        # torchtune's checkpointers write to <their output dir>/epoch_{epoch}: point them at
+        # the staging folder for the duration of the call (their progress lines muted: they
+        # name the staging folder and an "epoch")
+        original_output = checkpointer._output_dir
+        checkpointer._output_dir = staging
+        try:
+            with _quiet_torchtune():
+                checkpointer.save_checkpoint(dict(checkpoint), epoch=step,
+                                             adapter_only=adapter_only)
+        finally:
+            checkpointer._output_dir = original_output
+        written = staging / f"epoch_{step}"
+        for item in written.iterdir():
+            if item.name in _NOT_INHERITED:  # copied from a step folder we resumed from
+                continue
+            item.rename(staging / item.name)
+        shutil.rmtree(written)
 
-    torch.save(recipe_state, staging / RECIPE_STATE_FILE)
-    for name, text in (extra_files or {}).items():
-        (staging / name).write_text(text)
-    (staging / COMPLETE_MARKER).write_text(f"{step}\n")
-    _fsync_tree(staging)
+        torch.save(recipe_state, staging / RECIPE_STATE_FILE)
+        for name, text in (extra_files or {}).items():
+            (staging / name).write_text(text)
+        (staging / COMPLETE_MARKER).write_text(f"{step}\n")
+        _fsync_tree(staging)
+    except BaseException as exc:
+        shutil.rmtree(staging, ignore_errors=True)  # never leave a half-written step behind
+        free = shutil.disk_usage(output_dir).free
+        if isinstance(exc, Exception) and (getattr(exc, "errno", None) == errno.ENOSPC
+                                           or free < 64 * 2**20):
+            raise OSError(errno.ENOSPC, _no_space(step, output_dir, need, free)) from exc
+        raise
     if final.exists():  # a re-run of the same step replaces its old checkpoint
         shutil.rmtree(final)
     staging.rename(final)

@@ -105,3 +105,36 @@ def test_a_fresh_run_refuses_another_runs_steps_unless_told(tmp_path):
     assert [p.name for p in deleted] == ["step_4", "step_11"]
     assert list_step_checkpoints(tmp_path) == [] and not (tmp_path / ".step_12.partial").exists()
     assert (tmp_path / "logs").is_dir()
+
+
+def test_a_full_disk_is_named_and_leaves_no_partial_step(tmp_path, monkeypatch):
+    """Not enough space: one clear error before writing; a write that fails midway removes
+    its staging folder and says "no space" (torch.save's own message does not)."""
+    import errno
+    import shutil
+    from collections import namedtuple
+
+    from torchtune_grpo import checkpointing as C
+
+    usage = namedtuple("usage", "total used free")
+    checkpoint = {"model": {"w": torch.zeros(1024, 1024)}}  # 4 MiB
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1, 0, 1024))
+    with pytest.raises(OSError, match=r"no space left to save step_3 .* needs about 0.00 GiB"):
+        C.save_step_checkpoint(output_dir=tmp_path, step=3, checkpointer=None,
+                               checkpoint=checkpoint, recipe_state={})
+    assert not list(tmp_path.iterdir())
+
+    class FailingCheckpointer:  # torch.save on a full disk raises RuntimeError, no errno
+        _output_dir = tmp_path
+
+        def save_checkpoint(self, state, epoch, adapter_only=False):
+            (self._output_dir / f"epoch_{epoch}").mkdir()
+            raise RuntimeError("[enforce fail at inline_container.cc:783] unexpected pos 213888")
+
+    frees = iter([10 * 2**30, 1024])  # enough before writing, nothing left after
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1, 0, next(frees)))
+    with pytest.raises(OSError, match="no space left to save step_3") as info:
+        C.save_step_checkpoint(output_dir=tmp_path, step=3, checkpointer=FailingCheckpointer(),
+                               checkpoint=checkpoint, recipe_state={})
+    assert info.value.errno == errno.ENOSPC
+    assert not (tmp_path / ".step_3.partial").exists() and not (tmp_path / "step_3").exists()
