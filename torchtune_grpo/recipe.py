@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import math
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from functools import partial
@@ -155,6 +156,7 @@ class GRPORecipe:
         self.consecutive_skips = 0
         self.metric_logger = None
         self._progress = None
+        self._line_progress = False
         self._stop_requested = False
         self._adapter_state = None
 
@@ -774,18 +776,26 @@ class GRPORecipe:
             self._progress.set_description(
                 f"step {self.step} reward {metrics['reward/mean']:.3f} "
                 f"success {metrics['success_rate']:.2f}")
+        elif self._line_progress:  # output to a file: one line per step, not a redrawn bar
+            log.info(f"step {self.step}/{self.cfg.num_steps}: reward "
+                     f"{metrics['reward/mean']:.3f}, success {metrics['success_rate']:.2f}, "
+                     f"{metrics.get('time/step', 0.0):.1f} s")
 
     @contextlib.contextmanager
     def _progress_bar(self) -> Iterator[None]:
         from tqdm import tqdm
 
         show = self.is_rank_zero and self.cfg.progress_bar
-        self._progress = tqdm(total=self.cfg.num_steps, initial=self.step, disable=not show)
+        self._line_progress = show and not sys.stderr.isatty()
+        self._progress = (None if self._line_progress else
+                          tqdm(total=self.cfg.num_steps, initial=self.step, disable=not show))
         try:
             yield
         finally:
-            self._progress.close()
+            if self._progress is not None:
+                self._progress.close()
             self._progress = None
+            self._line_progress = False
 
     @contextlib.contextmanager
     def _sigterm_stops_after_the_step(self) -> Iterator[None]:

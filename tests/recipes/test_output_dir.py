@@ -67,3 +67,16 @@ def test_non_finite_weights_never_enter_or_leave_a_checkpoint(base_model, tmp_pa
         recipe.setup()
     recipe.cleanup()
     assert [s for s, _ in list_step_checkpoints(out)] == [2]
+
+
+def test_progress_is_one_line_per_step_when_not_on_a_terminal(base_model, tmp_path):
+    """Output sent to a file gets ``step N/M: ...`` lines, not a tqdm bar redrawn with \\r."""
+    from tests.recipes._helpers import quickstart_overrides, run_tune
+
+    proc = run_tune(["run", "grpo_full_finetune_single_device",
+                     *quickstart_overrides(base_model, tmp_path / "run", "num_steps=2",
+                                           "batch_size=2", "group_size=2",
+                                           "progress_bar=true")], cwd=tmp_path)
+    output = proc.stdout + proc.stderr
+    assert "step 1/2: reward" in output and "step 2/2: reward" in output
+    assert "\r" not in output
