@@ -73,6 +73,9 @@ def recipe_main(cfg: DictConfig) -> None:
             if key == "tools" or key not in cfg:
                 cfg[key] = value
     validate_config(cfg, schema=EVAL_KEYS)
+    if not Path(str(cfg.checkpoint_dir)).expanduser().is_dir():
+        raise FileNotFoundError(f"checkpoint_dir {cfg.checkpoint_dir} does not exist (a step_N "
+                                "folder of a run, or a model folder)")
     cfg = with_defaults(cfg, EVAL_KEYS)
     settings = EvalSettings(
         num_samples=cfg.num_samples, temperature=float(cfg.temperature), top_k=cfg.top_k,

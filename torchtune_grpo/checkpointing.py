@@ -112,6 +112,25 @@ def check_finite(state_dict: dict[str, Any], where: str, *, action: str) -> None
             f"values ({shown}); resume from an earlier step_N, or lower the learning rate")
 
 
+def check_writable(output_dir: str | Path) -> None:
+    """Create ``output_dir`` if needed and make sure files can be written in it.
+
+    Raises:
+        PermissionError: naming the folder, when it cannot be created or written (before any
+            model is loaded).
+    """
+    root = Path(output_dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".write_test.{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise PermissionError(
+            f"output_dir {root} is not writable ({exc.strerror or exc}); choose another "
+            "output_dir or fix its permissions") from None
+
+
 def claim_output_dir(output_dir: str | Path, *, overwrite: bool = False) -> list[Path]:
     """Make sure a fresh run does not mix its steps with another run's.
 

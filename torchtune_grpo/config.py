@@ -178,7 +178,8 @@ def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[[], Any]:
             parser.error(f"unsupported flags {flags}: use --config and key=value overrides")
         try:
             sys.exit(recipe_main(load_config(args.config, overrides)))
-        except (ConfigError, FileNotFoundError) as e:  # a user mistake: no traceback needed
+        except (ConfigError, FileNotFoundError, FileExistsError, PermissionError) as e:
+            # a user mistake: one line, no traceback
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
 

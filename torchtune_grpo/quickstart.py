@@ -543,6 +543,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="with --tools --evaluate: the calculator disabled (calls get no "
                              "result), as in the negative control")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--overwrite", action="store_true",
+                        help="rewrite an existing model folder (default: keep it)")
     parser.add_argument("--evaluate", nargs="+", metavar="CHECKPOINT_DIR",
                         help="print the held-out greedy success of these checkpoints and exit")
     args = parser.parse_args(argv)
@@ -556,6 +558,11 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{directory}: held-out greedy success {heldout_success(directory):.3f}")
         return
     if args.tools:
+        target = Path(args.output_dir or DEFAULT_TOOLS_QUICKSTART_DIR)
+        if (target / "model.safetensors").is_file() and not args.overwrite:
+            print(f"{target} already holds a tool quickstart model: kept (pass --overwrite to "
+                  "write a new one)")
+            return
         path = prepare_tools_quickstart(
             args.output_dir or DEFAULT_TOOLS_QUICKSTART_DIR,
             warmup_steps=TOOL_WARMUP_STEPS if args.warmup_steps is None else args.warmup_steps,
@@ -565,7 +572,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"held-out greedy success of this starting model: {success:.3f} "
               f"(tool calls per completion {calls:.3f})")
         return
-    path = prepare_quickstart(args.output_dir or DEFAULT_QUICKSTART_DIR,
+    target = Path(args.output_dir or DEFAULT_QUICKSTART_DIR)
+    if (target / "model.safetensors").is_file() and not args.overwrite:
+        print(f"{target} already holds a quickstart model: kept (pass --overwrite to write a "
+              "new one)")
+        return
+    path = prepare_quickstart(target,
                               warmup_steps=WARMUP_STEPS if args.warmup_steps is None
                               else args.warmup_steps,
                               seed=args.seed, correct_fraction=args.correct_fraction)

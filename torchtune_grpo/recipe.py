@@ -55,6 +55,7 @@ from torchtune_grpo.batching import (
 )
 from torchtune_grpo.checkpointing import (
     check_finite,
+    check_writable,
     claim_output_dir,
     load_recipe_state,
     lora_checkpoint,
@@ -175,6 +176,8 @@ class GRPORecipe:
         """Build data, rewards and loss first (cheap, validating), then the models."""
         cfg = self.cfg
         check_input_files(cfg)  # the base model is read even when resuming
+        if self.is_rank_zero:
+            check_writable(cfg.output_dir)
         self.tokenizer = config.instantiate(cfg.tokenizer)
         self.rewards = build_reward_set(cfg.rewards)
         self.health = None if cfg.run_health is None else RunHealth(

@@ -80,3 +80,76 @@ def test_progress_is_one_line_per_step_when_not_on_a_terminal(base_model, tmp_pa
     output = proc.stdout + proc.stderr
     assert "step 1/2: reward" in output and "step 2/2: reward" in output
     assert "\r" not in output
+
+
+def test_unwritable_output_dir_and_missing_eval_folder_are_one_line(base_model, tmp_path):
+    """A read-only output_dir and a missing grpo_eval checkpoint_dir: exit 2 with one line
+    naming the folder, no traceback (and no spurious DiskLogger error)."""
+    import os
+    import subprocess
+
+    from tests.recipes._helpers import quickstart_overrides, recipe_env, tune_cmd
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):  # root ignores the mode bits: nothing to test here
+            pytest.skip("running as a user who can write anywhere")
+        proc = subprocess.run(tune_cmd("run", "grpo_full_finetune_single_device",
+                                       *quickstart_overrides(base_model, locked / "run")),
+                              cwd=tmp_path, env=recipe_env(), capture_output=True, text=True)
+    finally:
+        locked.chmod(0o700)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"error: output_dir {locked / 'run'}" in proc.stderr and "Traceback" not in proc.stderr
+    assert "DiskLogger" not in proc.stderr
+
+
+def test_missing_eval_checkpoint_dir_is_named(tmp_path):
+    import subprocess
+
+    from tests.recipes._helpers import recipe_env, tune_cmd
+
+    missing = tmp_path / "nope" / "step_9"
+    proc = subprocess.run(tune_cmd("run", "grpo_eval", "--config", "grpo/eval_quickstart",
+                                   f"checkpoint_dir={missing}"),
+                          cwd=tmp_path, env=recipe_env(), capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"error: checkpoint_dir {missing} does not exist" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_check_writable_names_the_folder(tmp_path, monkeypatch):
+    """The check itself, whoever runs it (root ignores mode bits, so the write is made to
+    fail)."""
+    from pathlib import Path
+
+    from torchtune_grpo.checkpointing import check_writable
+
+    check_writable(tmp_path / "new" / "run")
+    assert (tmp_path / "new" / "run").is_dir()
+
+    def refuse(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "write_text", refuse)
+    with pytest.raises(PermissionError, match=r"output_dir .*run is not writable "
+                                              r"\(Permission denied\)"):
+        check_writable(tmp_path / "new" / "run")
+
+
+def test_prepare_quickstart_keeps_an_existing_model(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from torchtune_grpo.quickstart import main
+
+    out = tmp_path / "base"
+    main(["--output-dir", str(out), "--warmup-steps", "0", "--seed", "0"])
+    first = load_file(str(out / "model.safetensors"))
+    main(["--output-dir", str(out), "--warmup-steps", "0", "--seed", "1"])
+    assert "already holds a quickstart model: kept" in capsys.readouterr().out
+    assert all(first[k].equal(v) for k, v in load_file(str(out / "model.safetensors")).items())
+    main(["--output-dir", str(out), "--warmup-steps", "0", "--seed", "1", "--overwrite"])
+    assert any(not first[k].equal(v)
+               for k, v in load_file(str(out / "model.safetensors")).items())
