@@ -21,7 +21,7 @@ from sphinx.util.docutils import SphinxDirective
 SCHEMAS = ("RECIPE_KEYS", "EVAL_KEYS", "ASYNC_KEYS")
 #: Settings dataclasses of nested blocks (:mod:`torchtune_grpo.settings`) -> their config key.
 SETTINGS = {"AdvantageSettings": "advantages", "EvalSettings": "eval",
-            "DynamicSamplingSettings": "dynamic_sampling"}
+            "DynamicSamplingSettings": "dynamic_sampling", "HealthSettings": "run_health"}
 
 
 def format_default(value: Any) -> str:
