@@ -559,8 +559,10 @@ class GRPORecipe:
         gap = torch.zeros(3, dtype=torch.float64, device=self.device)  # max, sum, count
         measure_gap = self.behavior_is_current()
         skip = self.skipped_sequences(advantages)
-        skipped_stats = self._skipped_share(response_mask[skip], normalizer) if skip.any() \
-            else None
+        # the skipped rollouts' share of the normaliser, counted with each epoch's first
+        # micro-batch so that the loss metrics still average whole epochs
+        skipped_share = (self.loss_fn.normalizer_contribution(response_mask[skip]).to(
+            self.device, torch.float32) / normalizer.clamp(min=1e-30)).reshape(())
         kept = (~skip).nonzero().flatten().cpu()
         # every rank runs the same number of micro-batches (FSDP's collectives), at least one
         count = D.all_reduce(torch.tensor([float(-(-kept.numel() // self.forward_batch_size))],
@@ -570,8 +572,6 @@ class GRPORecipe:
             order = self.micro_batch_order(traj.num_sequences, epoch)
             if skip.any():
                 order = order[~skip.cpu()[order]]  # the same order, less the skipped rows
-            if skipped_stats is not None:
-                stats.append(skipped_stats)
             for i in range(0, num_micro * self.forward_batch_size, self.forward_batch_size):
                 idx = order[i : i + self.forward_batch_size].to(self.device)
                 counts = True
@@ -597,6 +597,9 @@ class GRPORecipe:
                 )
                 # FSDP averages gradients over ranks; the loss is already a global mean.
                 (loss * self.world_size).backward()
+                if i == 0 and skip.any():
+                    mb_stats = {**mb_stats, "normalizer_share":
+                                mb_stats["normalizer_share"] + skipped_share}
                 stats.append(mb_stats)
             grad_norms.append(self._optimizer_step())
         metrics = summarize_loss_stats(stats, all_reduce=D.all_reduce)
@@ -622,21 +625,6 @@ class GRPORecipe:
                 or self.loss_fn.needs_entropy):
             return torch.zeros_like(advantages, dtype=torch.bool)
         return advantages == 0
-
-    def _skipped_share(self, skipped_mask: torch.Tensor,
-                       normalizer: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The loss stats of skipped rollouts: zero, but their share of the normaliser (so that
-        :func:`~torchtune_grpo.rlhf.loss.summarize_loss_stats` still counts whole epochs)."""
-        template = self.loss_fn(
-            torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1),
-            torch.zeros(1, 1, dtype=torch.bool), normalizer=1.0,
-            **({"behavior_logprobs": torch.zeros(1, 1)} if self.needs_proximal else {}))[1]
-        stats = {k: torch.zeros_like(v) for k, v in template.items()}
-        share = self.loss_fn.normalizer_contribution(skipped_mask).to(torch.float32).cpu()
-        norm = normalizer.detach().float().cpu()
-        stats["normalizer_share"] = torch.where(norm > 0, share / norm.clamp(min=1e-30),
-                                                torch.zeros_like(share)).reshape(())
-        return stats
 
     def behavior_is_current(self) -> bool:
         """Whether this step's rollout was sampled with the weights the update starts from

@@ -116,9 +116,10 @@ def test_tool_tokens_carry_no_logprob_and_no_loss(base_model, tmp_path):
     from torchtune_grpo.rlhf.multiturn import decode_with_tools
 
     out = tmp_path / "run"
+    # every rollout goes through the update (the counts below include tied groups)
     cfg = quickstart_config(base_model, out, "num_steps=1", "ppo_epochs=2",
                             "forward_batch_size=32", "loss.aggregation=token_mean",
-                            *TOOL_OVERRIDES)
+                            "skip_zero_advantage_sequences=false", *TOOL_OVERRIDES)
     recipe = GRPORecipe(cfg)
     recipe.setup()
     seen = {"rows": None, "loss_tokens": 0, "micro_batches": 0}

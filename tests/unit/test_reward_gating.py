@@ -12,6 +12,7 @@ from torchtune_grpo.datasets import (
     GSM8K_TEMPLATE,
     MATH_TEMPLATE,
     MULTIPLICATION_TEMPLATE,
+    WORD_PROBLEM_TEMPLATE,
     format_boxed_completion,
     format_reference_completion,
     resolve_template,
@@ -26,6 +27,7 @@ DEFAULT_TEMPLATES = {
     "arithmetic_dataset": ARITHMETIC_TEMPLATE,
     "addition_dataset": ADDITION_TEMPLATE,
     "multiplication_dataset": MULTIPLICATION_TEMPLATE,
+    "word_problem_dataset": WORD_PROBLEM_TEMPLATE,
 }
 REASONING = ("Natalia sold 48 clips in April. In May she sold half as many, 48 / 2 = 24 clips. "
              "Altogether she sold 48 + 24 = 72 clips, and she gave away 56 of them, so she kept "
