@@ -189,6 +189,10 @@ def _budgeted_recipe_class():
             self._next_eval = self.eval_every_s
             self._last_reward: float | None = None
 
+        def evaluates(self) -> bool:
+            """Always: the held-out evaluations run on the training-time schedule above."""
+            return True
+
         @property
         def train_seconds(self) -> float:
             """Seconds on the budget clock spent in the training loop so far."""

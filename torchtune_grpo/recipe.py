@@ -212,9 +212,8 @@ class GRPORecipe:
             collate=partial(collate_prompts, pad_id=int(getattr(self.tokenizer, "pad_id", 0))),
         )
         # built only when an evaluation is scheduled (eval_dataset=null: none at all)
-        evaluates = bool(cfg.eval_every_n_steps) or bool(cfg.eval_at_start)
         self.eval_dataset = (config.instantiate(cfg.eval_dataset, tokenizer=self.tokenizer)
-                             if cfg.eval_dataset is not None and evaluates else None)
+                             if cfg.eval_dataset is not None and self.evaluates() else None)
         self.resume_dir = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir)
         if self.resume_dir is None and self.is_rank_zero:  # before any model is built
             deleted = claim_output_dir(cfg.output_dir, overwrite=cfg.overwrite_output_dir)
@@ -237,6 +236,12 @@ class GRPORecipe:
         self.keep_probs = int(cfg.logprob_keep_probs_mib) * 2**20 // 4  # float32 elements
         self.generator.setup(self._generation_context())
         self.generator.sync_weights(self.model)  # a resumed or LoRA policy is not the base
+
+    def evaluates(self) -> bool:
+        """Whether this run evaluates at all (``eval_every_n_steps`` or ``eval_at_start``);
+        the eval dataset is built only then. A subclass that evaluates on its own schedule
+        returns True."""
+        return bool(self.cfg.eval_every_n_steps) or bool(self.cfg.eval_at_start)
 
     def build_generator(self) -> Generator:
         """The rollout engine: ``generator:`` instantiated, or the native engine (null)."""

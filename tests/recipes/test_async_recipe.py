@@ -109,7 +109,9 @@ def test_decoupled_correction_weights_stale_tokens(base_model, tmp_path):
     out = tmp_path / "decoupled"
     run_tune([*launch(3, ASYNC), *_async_args(
         base_model, out, "num_steps=3", "max_staleness=1", "optimizer.lr=1e-3",
-        "loss.off_policy_correction=decoupled", "loss.is_weight_cap=5.0")], cwd=tmp_path)
+        "loss.off_policy_correction=decoupled", "loss.is_weight_cap=5.0",
+        # the weights of every rollout's tokens, tied groups too (skipped, they have none)
+        "skip_zero_advantage_sequences=false")], cwd=tmp_path)
     rows = _rows(out)
     assert_not_degenerate(out, steps=[1, 2])  # by step 3 every completion is the longest
     assert all(rows[s]["time/old_logprobs"] > 0 for s in (1, 2, 3))
