@@ -44,8 +44,11 @@ def run(config: str, overrides: list[str], repeats: int, threads: int) -> dict:
     from torchtune_grpo.recipe import GRPORecipe
 
     torch.set_num_threads(threads)
+    import tempfile
+
     cfg = load_config(config, ["optimizer.lr=0.0", "progress_bar=false", "metric_logger=null",
-                               "~eval_dataset", "eval_every_n_steps=null", *overrides])
+                               "eval_dataset=null", f"output_dir={tempfile.mkdtemp()}",
+                               *overrides])
     recipe = GRPORecipe(cfg)
     recipe.setup()
     try:
