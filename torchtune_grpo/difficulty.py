@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -327,8 +326,6 @@ def main(argv: list[str] | None = None) -> int:
                 "max_generated_tokens"):
         if key not in cfg or cfg[key] is None:
             parser.error(f"the config has no {key!r}: give a training or eval config")
-    if math.isnan(args.temperature or 0.0):
-        parser.error("--temperature must be a number")
     score_difficulty(cfg, args.out, num_samples=args.num_samples,
                      temperature=args.temperature, progress=not args.no_progress)
     return 0
