@@ -5,7 +5,11 @@ checkpointer of the config, so an HF input gives HF safetensors plus its ``confi
 tokenizer files), ``recipe_state.pt`` (what the next step reads) and, when evaluation ran at
 that step, its results. It is assembled under ``output_dir/.step_{N}.partial`` and renamed
 into place after an fsync, so a crash during a save never leaves a half-written
-``step_{N}`` behind and never touches the previous checkpoint.
+``step_{N}`` behind and never touches the previous checkpoint. A step folder is deleted
+(``keep_last_n_checkpoints``, a replaced step) by renaming it to ``.step_{N}.deleting`` first,
+so a crash while deleting never leaves a ``step_{N}`` that looks complete but is not.
+``tests/recipes/test_crash_consistency.py`` kills training at random instants, many inside
+these writes, and checks that every resume finishes bitwise equal to an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -154,7 +158,8 @@ def claim_output_dir(output_dir: str | Path, *, overwrite: bool = False) -> list
 
     root = Path(output_dir)
     found = [path for _, path in list_step_checkpoints(root)]
-    partial = sorted(root.glob(".step_*.partial")) if root.is_dir() else []
+    partial = (sorted(root.glob(".step_*.partial")) + sorted(root.glob(".step_*.deleting"))
+               if root.is_dir() else [])
     if found and not overwrite:
         raise FileExistsError(
             f"output_dir {root} already holds {len(found)} step checkpoint(s) of a run "
@@ -255,14 +260,24 @@ def save_step_checkpoint(
             raise OSError(errno.ENOSPC, _no_space(step, output_dir, need, free)) from exc
         raise
     if final.exists():  # a re-run of the same step replaces its old checkpoint
-        shutil.rmtree(final)
+        _remove_step(final)
     staging.rename(final)
 
     if keep_last_n is not None:
         for _, old in list_step_checkpoints(output_dir)[:-keep_last_n]:
             if old != final:
-                shutil.rmtree(old, ignore_errors=True)
+                _remove_step(old)
     return final
+
+
+def _remove_step(path: Path) -> None:
+    """Delete a step folder so that a crash midway never leaves a ``step_N`` that looks complete
+    (its marker kept, a weight file gone): it is first renamed out of the step names (one
+    atomic rename), then deleted."""
+    doomed = path.with_name(f".{path.name}.deleting")
+    shutil.rmtree(doomed, ignore_errors=True)
+    path.rename(doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def weight_files(folder: str | Path) -> list[str]:

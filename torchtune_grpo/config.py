@@ -609,8 +609,16 @@ def _consumed_keys(node: Any, where: str, errors: list[str]) -> frozenset[str]:
     return REWARD_ENTRY_KEYS
 
 
-def _component_params(obj: Any) -> tuple[set[str], bool] | None:
-    """Parameter names of a component and whether it takes ``**kwargs`` (None: unknown)."""
+#: Arguments the recipes pass to a top-level block's component themselves (so the config does
+#: not give them): the datasets get the tokenizer, the scheduler the optimizer and the number
+#: of steps; the optimizer's first (positional) argument, the parameters, is left out too.
+_SUPPLIED_ARGUMENTS = {"dataset": {"tokenizer"}, "eval_dataset": {"tokenizer"},
+                       "lr_scheduler": {"optimizer", "num_training_steps"}}
+
+
+def _component_params(obj: Any) -> tuple[set[str], bool, list[str]] | None:
+    """Parameter names of a component, whether it takes ``**kwargs``, and its parameters
+    without a default in order (None: unknown)."""
     import inspect
 
     try:
@@ -620,7 +628,60 @@ def _component_params(obj: Any) -> tuple[set[str], bool] | None:
     names = {p.name for p in sig.parameters.values()
              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
     takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values())
-    return names, takes_kwargs
+    required = [p.name for p in sig.parameters.values() if p.default is p.empty
+                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return names, takes_kwargs, required
+
+
+#: Component arguments that count something (layers, heads, tokens): an integer below 1 is
+#: an error whatever the component.
+_COUNT_ARGUMENTS = frozenset({"vocab_size", "num_layers", "num_heads", "num_kv_heads",
+                              "embed_dim", "intermediate_dim", "head_dim", "max_seq_len"})
+
+
+def _argument_errors(where: str, node: Any, obj: Any) -> list[str]:
+    """Component arguments whose value cannot fit the component's annotation (a list for a
+    ``str``, a string for an ``int``), and counts below 1."""
+    import inspect
+    import typing
+
+    from torchtune_grpo.settings import value_fits
+
+    errors = []
+    for key, value in node.items():
+        if (key in _COUNT_ARGUMENTS and isinstance(value, int) and not isinstance(value, bool)
+                and value < 1):
+            errors.append(f"config key {where}.{key} must be >= 1 (got {value!r})")
+    try:
+        target = obj.__init__ if inspect.isclass(obj) else obj
+        hints = typing.get_type_hints(target)
+        defaults = {p.name: p.default for p in inspect.signature(obj).parameters.values()}
+    except Exception:  # noqa: BLE001 (annotations that do not resolve are not checked)
+        return errors
+    for key, value in node.items():
+        if key not in hints or key == "_component_" or key not in defaults:
+            continue
+        if value is None and defaults[key] is None:
+            continue  # ``x: int = None`` without Optional
+        if not value_fits(hints[key], value):
+            hint = hints[key]
+            name = hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+            errors.append(f"config key {where}.{key}: {node['_component_']} takes {name}, "
+                          f"got {value!r}")
+    return errors
+
+
+def _missing_arguments(where: str, node: Any, required: list[str], obj: Any) -> list[str]:
+    """Required arguments of the component at ``where`` that neither the config nor the
+    recipe gives."""
+    import inspect
+
+    if where.startswith(("rewards[", "tools[")) and not inspect.isclass(obj):
+        return []  # a function reward or tool: its parameters are what it is called with
+    supplied = set(_SUPPLIED_ARGUMENTS.get(where, ()))
+    if where == "optimizer" and required:
+        supplied.add(required[0])  # the parameters, passed positionally
+    return [name for name in required if name not in node and name not in supplied]
 
 
 def _check_components(node: Any, where: str, errors: list[str],
@@ -635,9 +696,14 @@ def _check_components(node: Any, where: str, errors: list[str],
             consumed = _consumed_keys(node, where, errors)
             info = _component_params(obj) if obj is not None else None
             if info is not None:
-                names, takes_kwargs = info
+                names, takes_kwargs, required = info
                 if params_out is not None:
                     params_out[where] = names
+                errors.extend(_argument_errors(where, node, obj))
+                errors.extend(
+                    f"config key {where}.{name}: {node['_component_']} needs argument "
+                    f"{name!r}, and the config does not give it"
+                    for name in _missing_arguments(where, node, required, obj))
                 if not takes_kwargs:
                     for key in node:
                         if key in consumed or key in names:
@@ -750,6 +816,12 @@ def validate_config(cfg: DictConfig, *, world_size: int = 1,
     rewards = cfg.get("rewards")
     if isinstance(rewards, (list, ListConfig)) and len(rewards) == 0:
         errors.append("config key 'rewards' must list at least one reward component")
+    for i, entry in enumerate(raw.get("rewards") or [] if isinstance(rewards, (list, ListConfig))
+                              else []):
+        if not isinstance(entry, dict) or not entry.get("_component_"):
+            errors.append(f"config key rewards[{i}] must be a mapping with `_component_` (the "
+                          "dotted path of a reward component, e.g. "
+                          f"torchtune_grpo.rlhf.rewards.NumericCorrectness), got {entry!r}")
     if not errors and schema is None:
         errors.extend(_batch_errors(cfg, world_size))
     if not errors and schema is EVAL_KEYS:

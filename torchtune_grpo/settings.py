@@ -170,6 +170,65 @@ def _plain(node: Any) -> dict[str, Any]:
     return dict(node)
 
 
+def value_fits(hint: Any, value: Any) -> bool:
+    """Whether a config value can be given where ``hint`` (a type annotation) is declared.
+
+    Conservative: False only for a certain mismatch (a list where a ``str`` is declared, a
+    string where an ``int`` is, a mapping where a ``bool`` is, ...); an annotation it does not
+    understand, a string annotation, and a value still holding an interpolation (``${...}``)
+    all fit. A list fits a declared ``tuple`` or ``Sequence``; an ``int`` fits a ``float``.
+    """
+    import collections.abc
+    import types
+    import typing
+    from pathlib import PurePath
+
+    if isinstance(value, str) and "${" in value:
+        return True
+    if hint is Any or isinstance(hint, (str, typing.ForwardRef, typing.TypeVar)):
+        return True
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(value_fits(a, value) for a in args)
+    if origin is typing.Literal:
+        return value in args
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str or (isinstance(hint, type) and issubclass(hint, PurePath)):
+        return isinstance(value, str)
+    container = origin or hint
+    if container in (list, tuple, set, frozenset, collections.abc.MutableSequence):
+        return isinstance(value, (list, tuple))
+    if container is collections.abc.Sequence:
+        return isinstance(value, (list, tuple, str))
+    if container in (dict, collections.abc.Mapping, collections.abc.MutableMapping):
+        return isinstance(value, dict)
+    return True
+
+
+def _field_type_errors(cls: type, values: dict[str, Any], where: str) -> list[str]:
+    import typing
+
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # noqa: BLE001 (an annotation that cannot be resolved is not checked)
+        return []
+    return [f"config key '{where}.{key}' must be {_hint_name(hints[key])}, got {value!r}"
+            for key, value in values.items()
+            if key in hints and value is not None and not value_fits(hints[key], value)]
+
+
+def _hint_name(hint: Any) -> str:
+    text = str(hint).replace("typing.", "")
+    return hint.__name__ if isinstance(hint, type) else text
+
+
 def settings_from_config(cls: type[S], node: Any, where: str, *,
                          fallbacks: dict[str, Any] | None = None,
                          fixed: dict[str, Any] | None = None) -> S:
@@ -200,6 +259,9 @@ def settings_from_config(cls: type[S], node: Any, where: str, *,
             hint = f" Did you mean '{where}.{close[0]}'?" if close else ""
             known = ", ".join(allowed)
             raise ValueError(f"unknown config key '{where}.{key}' (known: {known}).{hint}")
+    mistyped = _field_type_errors(cls, values, where)
+    if mistyped:
+        raise ValueError("; ".join(mistyped))
     for key, value in (fallbacks or {}).items():
         if values.get(key) is None:
             values[key] = value

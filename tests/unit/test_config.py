@@ -58,6 +58,18 @@ def test_shipped_configs_validate(name):
         (["optimizer._component_=torch.optim.Adamm"], "Adamm"),
         (["forward_batch_size=7"], "'forward_batch_size' (7) must divide"),
         (["dtype=fp16"], "'dtype' must be fp32 or bf16"),
+        # found by the config fuzz (tests/recipes/config_fuzz.py): each used to pass
+        # validation and fail later with a bare TypeError, RuntimeError or ValueError
+        (["checkpointer.output_dir=true"], "config key checkpointer.output_dir: "),
+        (["dataset.split=[train]"], "config key dataset.split: "),
+        (["checkpointer.model_type=[LLAMA3_2]"], "config key checkpointer.model_type: "),
+        (["model.num_kv_heads=-100"], "config key model.num_kv_heads must be >= 1"),
+        (["tokenizer.max_seq_len=0"], "config key tokenizer.max_seq_len must be >= 1"),
+        (["~metric_logger.log_dir"], "metric_logger.log_dir: torchtune.training.metric_logging"
+                                     ".DiskLogger needs argument 'log_dir'"),
+        (["eval.num_samples=oops"], "config key 'eval.num_samples' must be int, got 'oops'"),
+        (['rewards=[{weight: 1.0}]'], "config key rewards[0] must be a mapping with "
+                                      "`_component_`"),
     ],
 )
 def test_bad_configs_name_the_key(overrides, message):

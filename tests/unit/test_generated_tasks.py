@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import re
 
 import pytest
@@ -24,8 +25,12 @@ def _value(question: str) -> int:
 
 def test_arithmetic_splits_are_disjoint_correct_and_fixed():
     test, train = arithmetic_problems("test"), arithmetic_problems("train")
-    assert len(test) == 480 and len(train) == 8100 + 4095 + 720 - 480
+    assert len(test) == 480 and len(train) == 3 * (8100 - 160)  # each op as often as add
     assert not {q for q, _ in test} & {q for q, _ in train}
+    # every training problem is used: the shorter operations repeat, none is dropped
+    assert len(set(train)) == 8100 + 4095 + 720 - 480
+    ops = collections.Counter(q.split()[3] for q, _ in train)
+    assert ops["+"] == ops["-"] == ops["*"]
     assert all(str(_value(q)) == a for q, a in test + train)
     assert all(int(a) >= 0 for _, a in test + train)  # subtraction never goes negative
     # train interleaves the operations: any prefix holds all three

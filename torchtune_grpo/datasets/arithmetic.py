@@ -84,8 +84,9 @@ def arithmetic_problems(
         operations: which of ``"add"``, ``"sub"``, ``"mul"`` to include.
 
     Returns:
-        The split's problems in their fixed order: ``test`` by operation, ``train`` with the
-        operations interleaved (round robin, then the remainder of the longer ones).
+        The split's problems in their fixed order: ``test`` by operation; ``train`` with the
+        operations in turn, ``len(operations) * longest`` problems, the shorter operations'
+        lists repeated from their start (every operation equally often).
 
     Raises:
         ValueError: on an unknown split or operation.
@@ -103,7 +104,7 @@ def arithmetic_problems(
         return [p for problems in per_op for p in problems]
     out: list[tuple[str, str]] = []
     for i in range(max(len(p) for p in per_op)):
-        out.extend(problems[i] for problems in per_op if i < len(problems))
+        out.extend(problems[i % len(problems)] for problems in per_op)
     return out
 
 
