@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -142,7 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("b", help="eval_samples.jsonl or its folder (e.g. a trained step)")
     parser.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
-    result = compare_evaluations(args.a, args.b)
+    try:
+        result = compare_evaluations(args.a, args.b)
+    except (FileNotFoundError, ValueError) as e:  # a missing folder, problems that differ
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(result, indent=1))
         return 0

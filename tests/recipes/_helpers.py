@@ -19,7 +19,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 QUICKSTART = "grpo/quickstart_cpu"
 # measurements of the machine, not of the run: they differ between any two runs
-TIMING = ("time/", "tokens_per_second", "peak_memory_gb", "async/", "weight_sync/seconds")
+TIMING = ("time/", "tokens_per_second", "peak_memory_gb", "async/", "weight_sync/seconds",
+          "eval/problems_per_second")
 
 #: Reward = completion length (tests/recipes/components.py). The under-trained ``base_model``
 #: almost never answers right: rewarded by correctness alone, every group's rewards are equal,

@@ -59,4 +59,9 @@ def test_compare_evaluations_is_paired(tmp_path, capsys):
         compare_evaluations(a, other)
     with pytest.raises(FileNotFoundError, match="grpo_eval"):
         compare_evaluations(tmp_path / "missing", a)
+    # on the command line: one line naming the folder, no traceback
+    capsys.readouterr()
+    assert cli(["compare-evals", str(tmp_path / "missing"), str(a)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "missing" in err and "Traceback" not in err
     assert math.isfinite(out["ci95_a"][0])
