@@ -202,7 +202,8 @@ def _child(config_name: str, mutated: dict, mutation: dict, base: str | None, wo
         fast = {"output_dir": str(work / "out"), "model_dir": base,
                 "checkpoint_dir": str(work / "checkpoint"),
                 "num_steps": 1, "eval_at_start": False, "progress_bar": False,
-                "eval_every_n_steps": None, "save_every_n_steps": None} if runnable else {}
+                "eval_every_n_steps": None, "save_every_n_steps": None} if runnable else {
+                    "checkpoint_dir": str(work / "checkpoint")}  # an eval config's ``???``
         overrides = [f"{k}={'null' if v is None else v}" for k, v in fast.items()
                      if k != top and k in mutated]
         save()
