@@ -209,6 +209,9 @@ class Key:
 
 
 REQUIRED = object()
+#: Sanity limits: a value above them is a typo, not a plan (they allocate at once).
+MAX_GROUP_SIZE = 4096
+MAX_SEQ_LEN = 2**22
 
 
 def _positive(v) -> str | None:
@@ -256,7 +259,8 @@ RECIPE_KEYS: dict[str, Key] = {
     "model_dir": Key("str|null", None,
                      "Folder of the input model; the shipped configs point ``checkpointer`` and "
                      "``tokenizer`` at it by interpolation (``${model_dir}``)."),
-    "seed": Key("int", 0, "Seed of every random generator (sampling, shuffling, init)."),
+    "seed": Key("int", 0, "Seed of every random generator (sampling, shuffling, init).",
+                lambda v: None if 0 <= v < 2**32 else "must be in [0, 2**32)"),
     "device": Key("str", "cuda", "``cuda`` or ``cpu``."),
     "dtype": Key("str", "bf16", "Parameter dtype: ``fp32`` or ``bf16``.",
                  lambda v: None if v in ("fp32", "bf16") else "must be fp32 or bf16"),
@@ -267,7 +271,9 @@ RECIPE_KEYS: dict[str, Key] = {
         "int|null", None,
         "Prompts per step over all ranks; when set, ``batch_size`` is derived from it and it "
         "must divide evenly across ranks.", _optional_positive),
-    "group_size": Key("int", REQUIRED, "Completions sampled per prompt (>= 2).", _at_least(2)),
+    "group_size": Key("int", REQUIRED, "Completions sampled per prompt (>= 2).",
+                      lambda v: None if 2 <= v <= MAX_GROUP_SIZE
+                      else f"must be in [2, {MAX_GROUP_SIZE}]"),
     "forward_batch_size": Key(
         "int|null", None,
         "Sequences per generation / forward micro-batch; must divide ``batch_size * "
@@ -652,6 +658,8 @@ def _argument_errors(where: str, node: Any, obj: Any) -> list[str]:
         if (key in _COUNT_ARGUMENTS and isinstance(value, int) and not isinstance(value, bool)
                 and value < 1):
             errors.append(f"config key {where}.{key} must be >= 1 (got {value!r})")
+        if key == "max_seq_len" and isinstance(value, int) and value > MAX_SEQ_LEN:
+            errors.append(f"config key {where}.{key} must be <= {MAX_SEQ_LEN} (got {value!r})")
     try:
         target = obj.__init__ if inspect.isclass(obj) else obj
         hints = typing.get_type_hints(target)
@@ -824,6 +832,8 @@ def validate_config(cfg: DictConfig, *, world_size: int = 1,
                           f"torchtune_grpo.rlhf.rewards.NumericCorrectness), got {entry!r}")
     if not errors and schema is None:
         errors.extend(_batch_errors(cfg, world_size))
+    if not errors and schema is None:
+        errors.extend(_build_errors(cfg, "loss"))
     if not errors and schema is EVAL_KEYS:
         errors.extend(_eval_errors(cfg))
     if errors:
@@ -861,8 +871,26 @@ def per_rank_batch_size(cfg: DictConfig, world_size: int) -> int:
     return int(global_batch) // world_size
 
 
+def _build_errors(cfg: DictConfig, key: str) -> list[str]:
+    """Build the cheap, pure component at ``key`` (the loss: its arguments' ranges are checked
+    by its constructor) and report what it rejects as a config error naming the key."""
+    from torchtune import config as tt_config
+
+    node = cfg.get(key)
+    if node is None:
+        return []
+    try:
+        tt_config.instantiate(node)
+    except (ValueError, TypeError) as e:
+        return [f"config key {key!r} ({node.get('_component_')}): {e}"]
+    return []
+
+
 def _eval_errors(cfg: DictConfig) -> list[str]:
     cfg = with_defaults(cfg, EVAL_KEYS)
+    bad = [v for v in cfg.k if isinstance(v, bool) or not isinstance(v, int)]
+    if bad:
+        return [f"config key 'k' must list integers, got {OmegaConf.to_container(cfg.k)!r}"]
     problems = sampling_problems(int(cfg.num_samples), float(cfg.temperature), list(cfg.k))
     return [f"config key {key!r}: {text}" for key, text in problems.items()]
 

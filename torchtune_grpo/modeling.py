@@ -54,7 +54,8 @@ def _check_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor],
     unexpected = sorted(set(state_dict) - set(expected))
     if missing or unexpected:
         raise ValueError(
-            "the checkpoint does not match the config's `model`: "
+            "the checkpoint does not match the config's `model` (check `model` and "
+            "`checkpointer.checkpoint_files`): "
             + (f"missing {missing[:5]} " if missing else "")
             + (f"unexpected {unexpected[:5]}" if unexpected else "")
         )

@@ -66,6 +66,7 @@ from torchtune_grpo.checkpointing import (
 )
 from torchtune_grpo.config import (
     RECIPE_KEYS,
+    ConfigError,
     Key,
     check_input_files,
     per_rank_batch_size,
@@ -201,7 +202,11 @@ class GRPORecipe:
         # after the tool engine: the chat-template tool format gives the tokenizer the tools'
         # schemas, which the prompts are rendered with
         self.dataset = config.instantiate(cfg.dataset, tokenizer=self.tokenizer)
-        shape = meta_model(cfg.model)  # dims and adapters before any weight is loaded
+        try:  # dims and adapters before any weight is loaded
+            shape = meta_model(cfg.model)
+        except (ValueError, TypeError, AssertionError) as e:  # the builder rejects its arguments
+            raise ConfigError(f"config key 'model' ({cfg.model.get('_component_')}): "
+                              f"{e}") from e
         self.max_seq_len = getattr(shape, "max_seq_len", None)
         self.is_lora = has_adapters(shape)
         del shape

@@ -49,7 +49,7 @@ def test_shipped_configs_validate(name):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["group_size=1"], "'group_size' must be >= 2"),
+        (["group_size=1"], "'group_size' must be in [2, 4096]"),
         (["kl_coef=0.1"], "unknown config key 'kl_coef'"),
         (["ppo_epochs=0"], "'ppo_epochs' must be >= 1"),
         (["temperature=0"], "'temperature' must be > 0"),
@@ -70,6 +70,11 @@ def test_shipped_configs_validate(name):
         (["eval.num_samples=oops"], "config key 'eval.num_samples' must be int, got 'oops'"),
         (['rewards=[{weight: 1.0}]'], "config key rewards[0] must be a mapping with "
                                       "`_component_`"),
+        (["seed=-1"], "config key 'seed' must be in [0, 2**32)"),
+        (["group_size=2147483648"], "config key 'group_size' must be in [2, 4096]"),
+        (["model.max_seq_len=2147483648"], "config key model.max_seq_len must be <= 4194304"),
+        (["loss.kl_coeff=-1.0"], "config key 'loss' (torchtune_grpo.rlhf.loss.GRPOLoss): "
+                                 "kl_coeff must be finite and >= 0.0"),
     ],
 )
 def test_bad_configs_name_the_key(overrides, message):
