@@ -651,7 +651,7 @@ def _argument_errors(where: str, node: Any, obj: Any) -> list[str]:
     import inspect
     import typing
 
-    from torchtune_grpo.settings import value_fits
+    from torchtune_grpo.settings import hint_name, value_fits
 
     errors = []
     for key, value in node.items():
@@ -672,10 +672,8 @@ def _argument_errors(where: str, node: Any, obj: Any) -> list[str]:
         if value is None and defaults[key] is None:
             continue  # ``x: int = None`` without Optional
         if not value_fits(hints[key], value):
-            hint = hints[key]
-            name = hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
-            errors.append(f"config key {where}.{key}: {node['_component_']} takes {name}, "
-                          f"got {value!r}")
+            errors.append(f"config key {where}.{key}: {node['_component_']} takes "
+                          f"{hint_name(hints[key])}, got {value!r}")
     return errors
 
 
@@ -831,9 +829,7 @@ def validate_config(cfg: DictConfig, *, world_size: int = 1,
                           "dotted path of a reward component, e.g. "
                           f"torchtune_grpo.rlhf.rewards.NumericCorrectness), got {entry!r}")
     if not errors and schema is None:
-        errors.extend(_batch_errors(cfg, world_size))
-    if not errors and schema is None:
-        errors.extend(_build_errors(cfg, "loss"))
+        errors.extend(_batch_errors(cfg, world_size) or _build_errors(cfg, "loss"))
     if not errors and schema is EVAL_KEYS:
         errors.extend(_eval_errors(cfg))
     if errors:

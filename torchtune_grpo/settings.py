@@ -19,7 +19,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from torchtune_grpo.rlhf.advantages import ADVANTAGE_SCALES, DEFAULT_EPS, DEFAULT_SCALE
 
 __all__ = ["AdvantageSettings", "DynamicSamplingSettings", "EvalSettings", "HealthSettings",
-           "sampling_problems", "settings_from_config"]
+           "hint_name", "sampling_problems", "settings_from_config", "value_fits"]
 
 S = TypeVar("S")
 
@@ -219,14 +219,15 @@ def _field_type_errors(cls: type, values: dict[str, Any], where: str) -> list[st
         hints = typing.get_type_hints(cls)
     except Exception:  # noqa: BLE001 (an annotation that cannot be resolved is not checked)
         return []
-    return [f"config key '{where}.{key}' must be {_hint_name(hints[key])}, got {value!r}"
+    return [f"config key '{where}.{key}' must be {hint_name(hints[key])}, got {value!r}"
             for key, value in values.items()
             if key in hints and value is not None and not value_fits(hints[key], value)]
 
 
-def _hint_name(hint: Any) -> str:
-    text = str(hint).replace("typing.", "")
-    return hint.__name__ if isinstance(hint, type) else text
+def hint_name(hint: Any) -> str:
+    """A type annotation as an error message names it: ``int``, ``list[str]``,
+    ``Optional[str]``."""
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
 
 
 def settings_from_config(cls: type[S], node: Any, where: str, *,
