@@ -19,7 +19,7 @@ importance          token ratios vs GSPO (sequence ratio, eps 3e-4 / 4e-4), both
 
 **Budget.** Each run trains until its *training clock* reaches ``--budget-s`` seconds and then
 stops at the end of that step. The recipe runs in this process (:class:`BudgetedRecipe`, a
-:class:`~torchtune_grpo.recipe.GRPORecipe` that counts time in ``train_step`` and, once the
+:class:`~torchtune_grpo.training.recipe.GRPORecipe` that counts time in ``train_step`` and, once the
 budget is spent, raises the same stop flag SIGTERM raises: the step finishes, a checkpoint is
 saved, the loop ends). This needs no calibration run and no guess of a step count, and the
 budget is exact to within one step. The clock counts only the training loop (rollout, scoring,
@@ -164,7 +164,7 @@ class RunResult:
 
 def _budgeted_recipe_class():
     """:class:`BudgetedRecipe`, built lazily so that ``--help`` does not import torch."""
-    from torchtune_grpo.recipe import GRPORecipe
+    from torchtune_grpo.training.recipe import GRPORecipe
 
     class BudgetedRecipe(GRPORecipe):
         """A :class:`GRPORecipe` that stops after a training-time budget and evaluates the
@@ -263,7 +263,7 @@ def run_one(base_dir: str, out_dir: str, seed: int, overrides: Sequence[str], *,
     """
     import torch
 
-    from torchtune_grpo.config import load_config
+    from torchtune_grpo.training.config import load_config
 
     torch.set_num_threads(threads)
     t_start = time.perf_counter()
@@ -300,7 +300,7 @@ def prepare_base(work_dir: Path, seed: int, warmup_steps: int | None = None) -> 
         seed: seed of the initial weights and the warm-up.
         warmup_steps: supervised warm-up steps (``None``: the quickstart's default).
     """
-    from torchtune_grpo.quickstart import WARMUP_STEPS, prepare_quickstart
+    from torchtune_grpo.quickstart.prepare import WARMUP_STEPS, prepare_quickstart
 
     steps = WARMUP_STEPS if warmup_steps is None else warmup_steps
     base = work_dir / (f"base_seed{seed}" if steps == WARMUP_STEPS

@@ -1,7 +1,7 @@
 """Update and rollout seconds with ``keep_freed_cpu_memory`` on and off, A/B in fresh processes.
 
 The setting changes how glibc ``malloc`` serves the process
-(:func:`torchtune_grpo.allocator.keep_freed_memory`), which cannot be undone inside a process,
+(:func:`torchtune_grpo.backends.allocator.keep_freed_memory`), which cannot be undone inside a process,
 so each run is a fresh worker process: the recipe is built at ``--shape`` (see
 ``benchmarks/decode_kernels.py``: ``step`` or ``smollm2``), one rollout is timed, and then
 ``--updates`` updates on that same trajectory (the same tokens every time: only the allocator
@@ -43,7 +43,7 @@ def worker(shape: str, keep: bool, updates: int, new_tokens: int, threads: int,
     sys.path.insert(0, str(REPO / "benchmarks"))
     import decode_kernels
 
-    from torchtune_grpo.memory import peak_rss_bytes
+    from torchtune_grpo.training.memory import peak_rss_bytes
 
     with tempfile.TemporaryDirectory() as tmp:
         recipe = decode_kernels.build_recipe(shape, Path(tmp), new_tokens, model_dir,

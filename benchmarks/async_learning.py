@@ -44,7 +44,7 @@ def _run(args: list[str], cwd: Path) -> None:
 
 
 def _pass_at_1(out: Path) -> dict[int, float]:
-    from torchtune_grpo.metrics import read_disk_log
+    from torchtune_grpo.training.metrics import read_disk_log
 
     return {int(r["step"]): r["eval/pass@1"] for r in read_disk_log(out / "logs")
             if "eval/pass@1" in r}
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    from torchtune_grpo.quickstart import prepare_quickstart
+    from torchtune_grpo.quickstart.prepare import prepare_quickstart
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

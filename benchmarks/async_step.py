@@ -141,7 +141,7 @@ KEYS = ("time/step", "time/generation", "time/update", "time/weight_sync",
 def _stop_ids(tokenizer, vocab: int):
     import torch
 
-    from torchtune_grpo.rlhf.generation import allowed_token_mask, stop_token_ids
+    from torchtune_grpo.rollout.native import allowed_token_mask, stop_token_ids
 
     return allowed_token_mask(tokenizer, vocab), torch.tensor(stop_token_ids(tokenizer))
 
@@ -184,7 +184,7 @@ def make_stopping_model(q: float = 0.03, seed: int = 0, dims: dict | None = None
     """
     import torch
 
-    from torchtune_grpo.tiny import tiny_llama, tiny_tokenizer
+    from torchtune_grpo.quickstart.tiny import tiny_llama, tiny_tokenizer
 
     dims = {**DIMS, **(dims or {})}
     torch.manual_seed(seed)
@@ -242,7 +242,7 @@ def _own_completions(model, tokenizer, ordinary, max_tokens: int, seed: int,
     samples (temperature 1) with every stop id masked, so every row runs ``max_tokens``."""
     import torch
 
-    from torchtune_grpo.rlhf.generation import generate_trajectory, logit_bias_from_mask
+    from torchtune_grpo.rollout.native import generate_trajectory, logit_bias_from_mask
 
     allowed, stops = _stop_ids(tokenizer, int(model.tok_embeddings.weight.shape[0]))
     allowed = allowed.clone()
@@ -286,7 +286,7 @@ def stop_prob_for_mean(mean: float, cap: int) -> float:
 def write_model(directory: Path, q: float, seed: int, embed_scale: float,
                 max_tokens: int) -> dict:
     """Write the stopping model + tokenizer as an HF folder; returns its ``info``."""
-    from torchtune_grpo.tiny import write_hf_checkpoint
+    from torchtune_grpo.quickstart.tiny import write_hf_checkpoint
 
     model, _, info = make_stopping_model(q, seed, embed_scale=embed_scale,
                                          max_tokens=max_tokens)
@@ -316,7 +316,7 @@ def overrides(model_dir: Path, out: Path, steps: int, max_tokens: int) -> list[s
 def run_mode(mode: str, k: int, model_dir: Path, out: Path, steps: int, max_tokens: int,
              threads: int, nproc: int = 3) -> list[dict[str, float]]:
     """One ``tune run`` (``mode`` ``sync`` or ``async`` at staleness ``k``); its training rows."""
-    from torchtune_grpo.metrics import read_disk_log
+    from torchtune_grpo.training.metrics import read_disk_log
 
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests" / "recipes"), str(ROOT),
@@ -381,7 +381,7 @@ def measure_decode(model, tokenizer, prompt_tokens: int, max_tokens: int, thread
     """
     import torch
 
-    from torchtune_grpo.rlhf.generation import generate_trajectory, logit_bias_from_mask
+    from torchtune_grpo.rollout.native import generate_trajectory, logit_bias_from_mask
 
     torch.set_num_threads(threads)
     allowed, stops = _stop_ids(tokenizer, int(model.tok_embeddings.weight.shape[0]))
@@ -569,8 +569,8 @@ def prompt_length() -> int:
     """Mean token count of the quickstart addition prompts (the first 64 of the train split)."""
     from torchtune import config as tt_config
 
-    from torchtune_grpo.config import load_config
-    from torchtune_grpo.tiny import tiny_tokenizer
+    from torchtune_grpo.training.config import load_config
+    from torchtune_grpo.quickstart.tiny import tiny_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         tok = tiny_tokenizer(tmp)
@@ -628,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
 
         import torch
 
-        from torchtune_grpo.tiny import tiny_tokenizer
+        from torchtune_grpo.quickstart.tiny import tiny_tokenizer
 
         model, _, _ = make_stopping_model(args.stop_prob, args.seed,
                                           embed_scale=args.embed_scale, max_tokens=None)

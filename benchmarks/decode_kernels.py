@@ -9,7 +9,7 @@ Features (``--compare``):
 
 * ``packed``: ``NativeGenerator.packed_weights`` (oneDNN-reordered weights, fused layers);
 * ``decode-attention``: the fused layers' one-step attention
-  (:func:`torchtune_grpo.rlhf.kv_cache.attend_decode_step`) against their general path
+  (:func:`torchtune_grpo.rollout.kv_cache.attend_decode_step`) against their general path
   (``attend_projected`` after splitting the q|k|v product), packed weights on in both.
 
 Shapes:
@@ -46,12 +46,12 @@ def build_recipe(shape: str, workdir: Path, new_tokens: int, model_dir: Path,
     import torch
 
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from torchtune_grpo.recipe import GRPORecipe
+    from torchtune_grpo.training.recipe import GRPORecipe
 
     if shape == "step":
         import step
 
-        from torchtune_grpo.tiny import tiny_llama, write_hf_checkpoint
+        from torchtune_grpo.quickstart.tiny import tiny_llama, write_hf_checkpoint
 
         torch.manual_seed(0)
         write_hf_checkpoint(tiny_llama(**step.DIMS), workdir / "model", step.DIMS)
@@ -73,7 +73,7 @@ def _setter(recipe, compare: str):
         def set_packed(on: bool) -> None:
             recipe.generator.packed_weights = on
         return set_packed
-    from torchtune_grpo.rlhf import packed_decode
+    from torchtune_grpo.backends import cpu_decode as packed_decode
 
     step = packed_decode.attend_decode_step
 

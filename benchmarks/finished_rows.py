@@ -10,7 +10,7 @@ temperature-1 sampling, once with every row decoded until the last one stops
 from the decode batch (``shrink_finished=True``), alternating, ``--repeats`` times each, in
 the same process. Both runs produce the same tokens (checked: tokens, masks and stop flags
 equal, log-probs within 1e-6), so tokens/s is the count of generated (unmasked) tokens over
-the wall time of :func:`~torchtune_grpo.rlhf.generation.generate_trajectory`.
+the wall time of :func:`~torchtune_grpo.rollout.native.generate_trajectory`.
 
 Usage::
 
@@ -37,8 +37,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from torchtune_grpo.rlhf.generation import generate_trajectory  # noqa: E402
-from torchtune_grpo.tiny import tiny_llama  # noqa: E402
+from torchtune_grpo.rollout.native import generate_trajectory  # noqa: E402
+from torchtune_grpo.quickstart.tiny import tiny_llama  # noqa: E402
 
 DIMS = {"vocab_size": 32000, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4,
         "embed_dim": 256, "max_seq_len": 1024, "tie_word_embeddings": False}

@@ -1,14 +1,14 @@
 """Generation throughput: the native engine vs. torchtune's ``generate``, HF and vLLM.
 
 Every engine generates from the **same weights** (the torchtune model is written as an HF
-checkpoint with :func:`torchtune_grpo.tiny.write_hf_checkpoint` and loaded back by
+checkpoint with :func:`torchtune_grpo.quickstart.tiny.write_hf_checkpoint` and loaded back by
 ``transformers``; the benchmark checks that both give the same logits), the same prompts
 (random ids, no padding), with temperature-1 sampling over the full vocabulary and no stop
 token, so every engine generates exactly ``batch * new_tokens`` tokens.
 
 Engines:
 
-* ``native``: :func:`torchtune_grpo.rlhf.generation.generate_trajectory` (one cache for the
+* ``native``: :func:`torchtune_grpo.rollout.native.generate_trajectory` (one cache for the
   rollout, attention over the filled span only, log-probs returned).
 * ``native_grpo``: the same, with the prompts arranged as a GRPO rollout (``batch / 8``
   prompts x 8 samples), so each prompt is prefilled once and shared by its group.
@@ -56,8 +56,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from torchtune_grpo.rlhf.generation import generate_trajectory  # noqa: E402
-from torchtune_grpo.tiny import tiny_llama, write_hf_checkpoint  # noqa: E402
+from torchtune_grpo.rollout.native import generate_trajectory  # noqa: E402
+from torchtune_grpo.quickstart.tiny import tiny_llama, write_hf_checkpoint  # noqa: E402
 
 #: Model shapes: ``32m`` is the anchor shape (8 layers, dim 512, vocab 2048).
 SHAPES = {

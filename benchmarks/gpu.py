@@ -4,16 +4,16 @@ One prepared script for one GPU and a few minutes, with nothing to download: ran
 Qwen2.5-0.5B and Qwen2.5-3B decoders (:func:`torchtune.models.qwen2.qwen2` with the dimensions
 of ``torchtune.models.qwen2_5.qwen2_5_0_5b`` / ``qwen2_5_3b``; the test checks they match) in
 bf16, written as HF folders (``Qwen2ForCausalLM`` safetensors + ``config.json``) next to the
-byte-level tiny tokenizer of :mod:`torchtune_grpo.tiny`. For each shape it measures:
+byte-level tiny tokenizer of :mod:`torchtune_grpo.quickstart.tiny`. For each shape it measures:
 
 * **generation** tokens/s of the native engine
-  (:func:`torchtune_grpo.rlhf.generation.generate_trajectory`, the GRPO arrangement: ``prompts``
+  (:func:`torchtune_grpo.rollout.native.generate_trajectory`, the GRPO arrangement: ``prompts``
   random prompts of ``prompt_len`` ids x ``group`` samples, each prompt prefilled once, no stop
   token, so exactly ``rows x new_tokens`` tokens) and of vLLM on the same workload when
   ``import vllm`` works (``skip_tokenizer_init=True``, prompt token ids, the recipe's
   ``VLLMGenerator`` settings: ``enforce_eager=True`` unless ``--vllm-cuda-graphs``; each shape in
   its own subprocess), skipped with the reason otherwise;
-* one **GRPO step** through the real :class:`torchtune_grpo.recipe.GRPORecipe` (config from
+* one **GRPO step** through the real :class:`torchtune_grpo.training.recipe.GRPORecipe` (config from
   ``benchmarks/step.py``'s ``build_config``: GSM8K-style prompts of at most 200 tokens, the
   tiny tokenizer, ``NumericCorrectness``, ``kl_coeff: 0.01`` so the reference model runs,
   ``torch.optim.AdamW``, ``ppo_epochs: 1``, no activation checkpointing), split into
@@ -33,7 +33,7 @@ byte-level tiny tokenizer of :mod:`torchtune_grpo.tiny`. For each shape it measu
   (:data:`PEAK_BF16_TFLOPS`, dense, no sparsity); MFU is also printed against the bf16 rate of
   a big square matmul measured in the same run;
 * **peak memory** (``torch.cuda.max_memory_allocated``, reset before the recipe is built) next to
-  :func:`torchtune_grpo.memory.estimate_memory` (what ``tune-grpo estimate-memory`` prints) for
+  :func:`torchtune_grpo.training.memory.estimate_memory` (what ``tune-grpo estimate-memory`` prints) for
   the same config.
 
 Every part runs under a time guard: when the rest of ``--time-budget`` is smaller than what a
@@ -213,7 +213,7 @@ def matmul_tflops(device, dtype_name: str, size: int, repeats: int = 10) -> floa
 def hf_qwen2_config(dims: dict, dtype_name: str) -> dict:
     """The HF ``config.json`` (``Qwen2ForCausalLM``) of a :func:`torchtune.models.qwen2.qwen2`
     model with builder arguments ``dims``."""
-    from torchtune_grpo.tiny import tiny_special_tokens
+    from torchtune_grpo.quickstart.tiny import tiny_special_tokens
 
     special = tiny_special_tokens()
     return {
@@ -243,7 +243,7 @@ def write_random_qwen2(dims: dict, directory: Path, device, dtype_name: str) -> 
     from torchtune.models.qwen2._convert_weights import qwen2_tune_to_hf
     from torchtune.training import set_default_dtype
 
-    from torchtune_grpo.tiny import write_tiny_tokenizer
+    from torchtune_grpo.quickstart.tiny import write_tiny_tokenizer
 
     torch.manual_seed(0)
     with set_default_dtype(_dtype(dtype_name)), torch.device(device):
@@ -296,8 +296,8 @@ def bench_grpo_step(cfg, w: Workload, budget: Budget, device: str) -> tuple[dict
     """Warm-up + ``w.steps`` GRPO steps through ``GRPORecipe``; returns (results, recipe)."""
     import torch
 
-    from torchtune_grpo.memory import estimate_memory, peak_rss_bytes
-    from torchtune_grpo.recipe import GRPORecipe
+    from torchtune_grpo.training.memory import estimate_memory, peak_rss_bytes
+    from torchtune_grpo.training.recipe import GRPORecipe
 
     cuda = torch.device(device).type == "cuda"
     baseline = 0
@@ -368,7 +368,7 @@ def bench_native_generation(model, dims: dict, w: Workload, device: str) -> dict
     """Tokens/s of the native engine on ``w.prompts`` random prompts x ``w.group`` samples."""
     import torch
 
-    from torchtune_grpo.rlhf.generation import generate_trajectory
+    from torchtune_grpo.rollout.native import generate_trajectory
 
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, dims["vocab_size"], (w.prompts, w.prompt_len), generator=gen)

@@ -4,8 +4,8 @@ Both variants compute ``sum(w * log p(target))`` for ``N * T`` response tokens w
 ``[V, D]`` output projection and run forward + backward:
 
 * ``naive``: ``logits = hidden @ W.T`` (``[N, T, V]``), log-softmax, gather
-  (:func:`torchtune_grpo.rlhf.logprobs.naive_token_logprobs`).
-* ``chunked``: :func:`torchtune_grpo.rlhf.logprobs.chunked_token_logprobs` with
+  (:func:`torchtune_grpo.policy.logprobs.naive_token_logprobs`).
+* ``chunked``: :func:`torchtune_grpo.policy.logprobs.chunked_token_logprobs` with
   ``checkpoint=True``.
 
 How memory is measured: each variant runs in its own fresh subprocess. After building the inputs
@@ -57,13 +57,13 @@ def _rss_bytes() -> int:
 
 def _peak_rss_bytes() -> int:
     """Peak resident set size of this process in bytes (``VmHWM``)."""
-    from torchtune_grpo.memory import peak_rss_bytes
+    from torchtune_grpo.training.memory import peak_rss_bytes
 
     return peak_rss_bytes()
 
 
 def _mem_available_bytes() -> int | None:
-    from torchtune_grpo.memory import proc_field_bytes
+    from torchtune_grpo.training.memory import proc_field_bytes
 
     return proc_field_bytes("/proc/meminfo", "MemAvailable")
 
@@ -73,7 +73,7 @@ def _worker(args: argparse.Namespace) -> None:
     import torch
     from torch import nn
 
-    from torchtune_grpo.rlhf.logprobs import chunked_token_logprobs, naive_token_logprobs
+    from torchtune_grpo.policy.logprobs import chunked_token_logprobs, naive_token_logprobs
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

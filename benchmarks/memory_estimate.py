@@ -1,6 +1,6 @@
 """Estimated peak memory per rank of the shipped training configs (or of one config).
 
-Prints the breakdown of :func:`torchtune_grpo.memory.estimate_memory` (weights, gradients,
+Prints the breakdown of :func:`torchtune_grpo.training.memory.estimate_memory` (weights, gradients,
 optimizer state, reference model, KV cache, activations, logits) and the peak. Each shipped
 config is estimated for the ranks its header launches it with (``--nproc_per_node N``, else 1).
 
@@ -21,8 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from torchtune_grpo.config import load_config
-from torchtune_grpo.memory import (
+from torchtune_grpo.training.config import load_config
+from torchtune_grpo.training.memory import (
     MemoryEstimate,
     dump_json,
     estimate_memory,
@@ -56,7 +56,7 @@ def write_validation_model(directory: Path) -> Path:
     """Write the validation model (random weights) and the tiny tokenizer into ``directory``."""
     import torch
 
-    from torchtune_grpo.tiny import tiny_llama, write_hf_checkpoint
+    from torchtune_grpo.quickstart.tiny import tiny_llama, write_hf_checkpoint
 
     torch.manual_seed(0)
     return write_hf_checkpoint(tiny_llama(**VALIDATION_DIMS), directory, VALIDATION_DIMS)

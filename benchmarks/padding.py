@@ -1,8 +1,8 @@
 """Update time on the padded rectangle, trimmed to each micro-batch's extent, and packed.
 
 The update of a GRPO step runs, for every micro-batch of ``forward_batch_size`` rows of the
-rollout, :func:`torchtune_grpo.rlhf.forward.micro_batch_logprobs` (forward through the model,
-per-token log-probs and entropy of the response), :class:`torchtune_grpo.rlhf.loss.GRPOLoss`
+rollout, :func:`torchtune_grpo.policy.forward.micro_batch_logprobs` (forward through the model,
+per-token log-probs and entropy of the response), :class:`torchtune_grpo.algorithm.loss.GRPOLoss`
 over a global normaliser, and the backward. The rollout is a ``[N, P + T]`` rectangle: prompts
 left-padded to ``P``, responses right-padded to ``T``. This script times that loop three ways
 in the same process, on the same model and the same length-varied rollout (CPU, float32):
@@ -11,10 +11,10 @@ in the same process, on the same model and the same length-varied rollout (CPU, 
 * ``trimmed``: every micro-batch runs on its own extent only (``trim=True``, the recipe with
   ``packed_forward: false``): the leading columns that are padding in all its rows and the
   columns past its longest response are dropped
-  (:func:`torchtune_grpo.rlhf.trajectory.trim_to_extent`).
+  (:func:`torchtune_grpo.algorithm.trajectory.trim_to_extent`).
 * ``packed``: every micro-batch's real tokens run as one row, attention per row
   (``pack=True``, the recipe's default ``packed_forward: true``;
-  :func:`torchtune_grpo.rlhf.forward.packed_micro_batch_logprobs`).
+  :func:`torchtune_grpo.policy.forward.packed_micro_batch_logprobs`).
 
 The micro-batch order is a seeded random permutation, as in the recipe. The variants take
 turns within each repeat (the order rotates from repeat to repeat), so that drifting load on a
@@ -49,7 +49,7 @@ def _rollout(rows: int, prompt_range: tuple[int, int], response_range: tuple[int
              vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(tokens [N, P + T], prompt_mask [N, P], response_mask [N, T])`` with prompt and
     response lengths drawn uniformly from the given inclusive ranges."""
-    from torchtune_grpo.rlhf.trajectory import prompt_mask
+    from torchtune_grpo.algorithm.trajectory import prompt_mask
 
     gen = torch.Generator().manual_seed(seed)
     prompt_lengths = torch.randint(prompt_range[0], prompt_range[1] + 1, (rows,), generator=gen)
@@ -74,7 +74,7 @@ GRAD_TOLERANCE = 1e-4
 def _update(model, loss_fn, data: dict, order: torch.Tensor, batch: int, variant: str,
             chunk_size: int) -> float:
     """One pass of the update loop (gradients accumulate in ``model``); returns the loss."""
-    from torchtune_grpo.rlhf.forward import micro_batch_logprobs
+    from torchtune_grpo.policy.forward import micro_batch_logprobs
 
     tokens, p_mask, r_mask = data["tokens"], data["prompt_mask"], data["response_mask"]
     total = 0.0
@@ -107,10 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write the results as JSON")
     args = parser.parse_args(argv)
 
-    from torchtune_grpo.rlhf.forward import micro_batch_logprobs
-    from torchtune_grpo.rlhf.loss import GRPOLoss
-    from torchtune_grpo.rlhf.trajectory import trim_to_extent
-    from torchtune_grpo.tiny import tiny_llama
+    from torchtune_grpo.policy.forward import micro_batch_logprobs
+    from torchtune_grpo.algorithm.loss import GRPOLoss
+    from torchtune_grpo.algorithm.trajectory import trim_to_extent
+    from torchtune_grpo.quickstart.tiny import tiny_llama
 
     torch.set_num_threads(args.threads)
     if args.quick:

@@ -3,7 +3,7 @@
 Under FSDP2 with ``fsdp_reshard_after_forward: true`` every forward all-gathers each layer and
 frees it after, and the rollout runs one forward per decode step. With
 ``rollout_gather_weights: true`` (the default) the recipe gathers the policy once per rollout
-(:func:`torchtune_grpo.distributed.gathered_for_inference`). This script runs the real recipe,
+(:func:`torchtune_grpo.training.distributed.gathered_for_inference`). This script runs the real recipe,
 ``tune run --nproc_per_node 2 grpo_full_finetune_distributed`` on CPU (gloo), four times per
 model in one invocation, ``rollout_gather_weights`` false (before), true (after), true, false
 (so that a drifting load on a shared machine hits both alike), and reads ``time/generation``
@@ -11,7 +11,7 @@ model in one invocation, ``rollout_gather_weights`` false (before), true (after)
 variant's two runs is reported:
 
 * ``quickstart``: the tiny ``grpo/quickstart_cpu`` model (2 layers, 0.1M parameters), written
-  by :func:`torchtune_grpo.quickstart.prepare_quickstart` into a temporary folder;
+  by :func:`torchtune_grpo.quickstart.prepare.prepare_quickstart` into a temporary folder;
 * ``smollm2``: SmolLM2-135M-Instruct (30 layers) with ``grpo/smollm2_gsm8k_cpu``, when the
   folder of ``tune-grpo prepare-model smollm2`` exists (``--smollm2-dir``), on a few
   GSM8K-style problems written here (no data set download), evaluation off.
@@ -57,7 +57,7 @@ SAME = ("reward/mean", "response_length/mean", "loss")
 def _run(config: str, overrides: list[str], out: Path, threads: int) -> dict[str, float]:
     """One ``tune run --nproc_per_node 2`` of ``config``; returns its last training row and
     the wall seconds of the whole command (``wall``)."""
-    from torchtune_grpo.metrics import read_disk_log
+    from torchtune_grpo.training.metrics import read_disk_log
 
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "torchtune._cli.tune", "run", "--nproc_per_node", "2",
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args(argv)
 
-    from torchtune_grpo.quickstart import prepare_quickstart
+    from torchtune_grpo.quickstart.prepare import prepare_quickstart
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -7,7 +7,7 @@ reference model runs), fp32 on CPU, ``ppo_epochs: 1``, one micro-batch of 32 row
 ``fused: True`` (as the dev recipe's own config has it; the peer runs with the same).
 
 Tokenizer: a Llama 3 tokenizer of 128,256 ids cannot be had offline, so the byte-level tiny
-tokenizer (269 ids, :mod:`torchtune_grpo.tiny`) is used with the 128,256-id model. The
+tokenizer (269 ids, :mod:`torchtune_grpo.quickstart.tiny`) is used with the 128,256-id model. The
 allowed-token mask then restricts sampling to those 269 ids; every logit and log-prob is still
 computed over all 128,256 ids, so the output-layer cost is that of the real vocabulary. Prompts
 are GSM8K questions from ``../shared/data/gsm8k/train.jsonl`` when present (byte-level, with the
@@ -28,7 +28,7 @@ The step is split as the recipe times it: generation (rollout), scoring (decode 
 advantages), reference (log-probs of the frozen model) and update (forward + backward +
 optimizer step). The first step is a warm-up; the mean of the next ``--steps`` is reported.
 Peak memory is the process's peak resident set size (``VmHWM``, see
-``torchtune_grpo.memory.peak_rss_bytes``) on CPU, or ``torch.cuda.max_memory_allocated`` on
+``torchtune_grpo.training.memory.peak_rss_bytes``) on CPU, or ``torch.cuda.max_memory_allocated`` on
 CUDA.
 
 Peer, in the same invocation (``--peer torchtune-dev``): torchtune's original dev GRPO recipe
@@ -116,9 +116,9 @@ def build_config(workdir: Path, device: str, new_tokens: int):
         "dataset": {"_component_": "torchtune_grpo.datasets.gsm8k_dataset",
                     "source": str(data), "split": "train", "max_prompt_tokens": 200,
                     "invalid_rows": "skip", "template": {"user": "{question}"}},
-        "rewards": [{"_component_": "torchtune_grpo.rlhf.rewards.NumericCorrectness",
+        "rewards": [{"_component_": "torchtune_grpo.rewards.components.NumericCorrectness",
                      "weight": 1.0, "success": True}],
-        "loss": {"_component_": "torchtune_grpo.rlhf.loss.GRPOLoss", "epsilon": 0.2,
+        "loss": {"_component_": "torchtune_grpo.algorithm.loss.GRPOLoss", "epsilon": 0.2,
                  "aggregation": "sequence_mean", "kl_coeff": 0.01},
         "optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-5, "weight_decay": 0.0,
                       "fused": True},
@@ -136,10 +136,10 @@ def install_baseline() -> None:
     import torch
     from torchtune.modules.common_utils import delete_kv_caches
 
-    from torchtune_grpo.rlhf import forward as fwd
-    from torchtune_grpo.rlhf import generation as gen
-    from torchtune_grpo.rlhf.logprobs import naive_token_logprobs
-    from torchtune_grpo.rlhf.trajectory import Trajectory, position_ids
+    from torchtune_grpo.policy import forward as fwd
+    from torchtune_grpo.rollout import native as gen
+    from torchtune_grpo.policy.logprobs import naive_token_logprobs
+    from torchtune_grpo.algorithm.trajectory import Trajectory, position_ids
 
     def full_logits_unembed(self, h):
         mode = self.__dict__.get(fwd._MODE_ATTR)
@@ -202,7 +202,7 @@ def _peak_bytes(device) -> int:
 
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    from torchtune_grpo.memory import peak_rss_bytes
+    from torchtune_grpo.training.memory import peak_rss_bytes
 
     return peak_rss_bytes()
 
@@ -216,7 +216,7 @@ def worker(variant: str, workdir: Path, device: str, steps: int, new_tokens: int
         torch.set_num_threads(threads)
     if variant == "baseline":
         install_baseline()
-    from torchtune_grpo.recipe import GRPORecipe
+    from torchtune_grpo.training.recipe import GRPORecipe
 
     cfg = build_config(workdir, device, new_tokens)
     if variant == "baseline":  # padded rectangles, as before packing existed
@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO / "benchmarks"))
     from generation import decode_matmul_flops_per_second, matmul_flops_per_second
 
-    from torchtune_grpo.tiny import tiny_llama, write_hf_checkpoint
+    from torchtune_grpo.quickstart.tiny import tiny_llama, write_hf_checkpoint
 
     if args.threads:
         torch.set_num_threads(args.threads)

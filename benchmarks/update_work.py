@@ -39,9 +39,9 @@ def run(config: str, overrides: list[str], repeats: int, threads: int) -> dict:
     """Sample one rollout of ``config`` and time its update per variant (see the docstring)."""
     import torch
 
-    from torchtune_grpo.config import load_config
-    from torchtune_grpo.metrics import PhaseTimer
-    from torchtune_grpo.recipe import GRPORecipe
+    from torchtune_grpo.training.config import load_config
+    from torchtune_grpo.training.metrics import PhaseTimer
+    from torchtune_grpo.training.recipe import GRPORecipe
 
     torch.set_num_threads(threads)
     import tempfile

@@ -19,13 +19,13 @@ trainer ranks run unchanged):
 * the loss's ratio is taken against the log-probs the engine sampled with (the behaviour
   policy); ``loss.off_policy_correction`` adds decoupled PPO or truncated importance sampling.
 
-The roles live in :mod:`torchtune_grpo.async_grpo`.
+The roles live in :mod:`torchtune_grpo.training.async_recipe`.
 """
 
 from omegaconf import DictConfig
 
-from torchtune_grpo.async_grpo import run_async_recipe
-from torchtune_grpo.config import parse
+from torchtune_grpo.training.async_recipe import run_async_recipe
+from torchtune_grpo.training.config import parse
 
 
 @parse

@@ -6,7 +6,7 @@ Usage::
     tune run --nproc_per_node 8 grpo_eval --config grpo/eval_gsm8k checkpoint_dir=...
 
 Writes ``eval_results.json`` and ``eval_samples.jsonl`` into ``checkpoint_dir`` (see
-:mod:`torchtune_grpo.evaluation`). With several processes the problems are split across ranks
+:mod:`torchtune_grpo.evaluation.evaluate`). With several processes the problems are split across ranks
 and gathered; rank 0 writes the files.
 
 While it runs, each rank appends every scored problem to
@@ -15,7 +15,7 @@ While it runs, each rank appends every scored problem to
 error says where they are. They are removed once the final files are in place.
 
 Tools: a checkpoint trained with ``tools:`` is evaluated with the same multi-turn rollout
-(:class:`~torchtune_grpo.rlhf.multiturn.ToolUseGenerator`): when the eval config has no
+(:class:`~torchtune_grpo.rollout.multiturn.ToolUseGenerator`): when the eval config has no
 ``tools`` key, ``tools``, ``max_tool_calls`` and ``tool_syntax`` are read from the
 checkpoint's ``recipe_state.pt`` (the training config it holds); ``tools: null`` evaluates
 single-turn. ``eval_samples.jsonl`` then stores each completion's ``transcripts`` with the
@@ -28,17 +28,17 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune import config, training, utils
 
-from torchtune_grpo import distributed as D
-from torchtune_grpo.config import EVAL_KEYS, parse, validate_config, with_defaults
-from torchtune_grpo.evaluation import (
+from torchtune_grpo.training import distributed as D
+from torchtune_grpo.training.config import EVAL_KEYS, parse, validate_config, with_defaults
+from torchtune_grpo.evaluation.evaluate import (
     EvalResult,
     evaluate,
     partial_samples_path,
     tool_settings_from_checkpoint,
 )
-from torchtune_grpo.modeling import DTYPES, build_model, token_rules
-from torchtune_grpo.rlhf.reward_set import build_reward_set
-from torchtune_grpo.settings import EvalSettings
+from torchtune_grpo.policy.model import DTYPES, build_model, token_rules
+from torchtune_grpo.rewards.reward_set import build_reward_set
+from torchtune_grpo.training.settings import EvalSettings
 
 log = utils.get_logger("INFO")
 
@@ -49,7 +49,7 @@ def write_results(result: EvalResult, cfg: DictConfig) -> list[Path]:
     Atomic per file; the partial sample files are removed only after both are in place.
 
     Args:
-        result: what :func:`~torchtune_grpo.evaluation.evaluate` returned.
+        result: what :func:`~torchtune_grpo.evaluation.evaluate.evaluate` returned.
         cfg: the eval config (``checkpoint_dir``, ``dataset``).
 
     Returns:
@@ -97,7 +97,7 @@ def _evaluate_checkpoint(cfg: DictConfig, settings: EvalSettings, device: torch.
     tokenizer = config.instantiate(cfg.tokenizer)
     tool_generator = None
     if cfg.tools:  # before the dataset: the chat-template tool format renders prompts with tools
-        from torchtune_grpo.rlhf.multiturn import ToolUseGenerator
+        from torchtune_grpo.rollout.multiturn import ToolUseGenerator
 
         tool_generator = ToolUseGenerator(cfg.tools, tokenizer=tokenizer,
                                           syntax=cfg.tool_syntax,

@@ -19,14 +19,14 @@ The algorithm's choices, each a config key (see ``docs/``):
   (``forward_batch_size``) nor the number of ranks changes the update;
 * ``ppo_epochs`` optimizer steps reuse the rollout and its generation-time log-probs.
 
-The step itself lives in :class:`torchtune_grpo.recipe.GRPORecipe`, shared with
+The step itself lives in :class:`torchtune_grpo.training.recipe.GRPORecipe`, shared with
 ``grpo_full_finetune_single_device``.
 """
 
 from omegaconf import DictConfig
 
-from torchtune_grpo.config import parse
-from torchtune_grpo.recipe import run_recipe
+from torchtune_grpo.training.config import parse
+from torchtune_grpo.training.recipe import run_recipe
 
 
 @parse

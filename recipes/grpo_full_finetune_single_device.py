@@ -5,15 +5,15 @@ Usage::
     tune run grpo_full_finetune_single_device --config grpo/quickstart_cpu
 
 Same step as ``grpo_full_finetune_distributed`` (the code is shared in
-:class:`torchtune_grpo.recipe.GRPORecipe`), without a process group or FSDP. Launching it
+:class:`torchtune_grpo.training.recipe.GRPORecipe`), without a process group or FSDP. Launching it
 under torchrun is an error: use the distributed recipe for several ranks.
 """
 
 from omegaconf import DictConfig
 
-from torchtune_grpo.config import parse
-from torchtune_grpo.distributed import launched_by_torchrun
-from torchtune_grpo.recipe import run_recipe
+from torchtune_grpo.training.config import parse
+from torchtune_grpo.training.distributed import launched_by_torchrun
+from torchtune_grpo.training.recipe import run_recipe
 
 
 @parse

@@ -17,14 +17,14 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 @pytest.fixture
 def tokenizer(tmp_path):
-    from torchtune_grpo.tiny import tiny_tokenizer
+    from torchtune_grpo.quickstart.tiny import tiny_tokenizer
 
     return tiny_tokenizer(tmp_path / "tok")
 
 
 @pytest.fixture
 def tiny_model():
-    from torchtune_grpo.tiny import tiny_llama
+    from torchtune_grpo.quickstart.tiny import tiny_llama
 
     torch.manual_seed(0)
     return tiny_llama()
@@ -47,7 +47,7 @@ def check_instantiates_offline(cfg, min_params: float) -> None:
     """
     from torchtune import config as tt_config
 
-    from torchtune_grpo.rlhf.rewards import build_reward_set
+    from torchtune_grpo.rewards.components import build_reward_set
 
     with torch.device("meta"):
         model = tt_config.instantiate(cfg.model)

@@ -5,9 +5,9 @@ Usage (Markdown page, MyST)::
     ```{grpo-config-table} RECIPE_KEYS
     ```
 
-The argument names a ``dict[str, Key]`` of :mod:`torchtune_grpo.config` (``RECIPE_KEYS`` or
+The argument names a ``dict[str, Key]`` of :mod:`torchtune_grpo.training.config` (``RECIPE_KEYS`` or
 ``EVAL_KEYS``). The table is built from that dict at every docs build, so the reference cannot
-drift from the schema that :func:`torchtune_grpo.config.validate_config` enforces.
+drift from the schema that :func:`torchtune_grpo.training.config.validate_config` enforces.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from docutils import nodes
 from sphinx.util.docutils import SphinxDirective
 
 SCHEMAS = ("RECIPE_KEYS", "EVAL_KEYS", "ASYNC_KEYS")
-#: Settings dataclasses of nested blocks (:mod:`torchtune_grpo.settings`) -> their config key.
+#: Settings dataclasses of nested blocks (:mod:`torchtune_grpo.training.settings`) -> their config key.
 SETTINGS = {"AdvantageSettings": "advantages", "EvalSettings": "eval",
             "DynamicSamplingSettings": "dynamic_sampling", "HealthSettings": "run_health"}
 
 
 def format_default(value: Any) -> str:
     """The default as reStructuredText: ``required``, ``null`` or a literal YAML-ish value."""
-    from torchtune_grpo.config import REQUIRED
+    from torchtune_grpo.training.config import REQUIRED
 
     if value is REQUIRED:
         return "**required**"
@@ -39,7 +39,7 @@ def format_default(value: Any) -> str:
 
 def table_rows(schema_name: str) -> list[tuple[str, str, str, str]]:
     """``(key, type, default, meaning)`` of every key of ``schema_name``, in schema order."""
-    import torchtune_grpo.config as cfg
+    import torchtune_grpo.training.config as cfg
 
     if schema_name not in SCHEMAS:
         raise ValueError(f"grpo-config-table: unknown schema {schema_name!r}; use one of {SCHEMAS}")
@@ -79,7 +79,7 @@ def settings_rows(settings_name: str) -> list[tuple[str, str, str]]:
     """
     import dataclasses
 
-    import torchtune_grpo.settings as settings
+    import torchtune_grpo.training.settings as settings
 
     if settings_name not in SETTINGS:
         raise ValueError(f"grpo-settings-table: unknown settings {settings_name!r}; use one "

@@ -105,7 +105,7 @@ def _commands(code: str) -> list[str]:
 
 
 def _run_tune_grpo(command: str) -> None:
-    from torchtune_grpo._cli import main
+    from torchtune_grpo.cli.main import main
 
     expect_failure = command.startswith("!")
     argv = shlex.split(command.lstrip("! "), comments=True)[1:]
@@ -200,7 +200,7 @@ def _documented_metric_patterns() -> list[re.Pattern]:
 @pytest.mark.slow
 def test_every_logged_metric_is_documented(doc_workdir):
     """The tiny run of metrics.md logs only names that metrics.md explains."""
-    from torchtune_grpo.metrics import read_disk_log
+    from torchtune_grpo.training.metrics import read_disk_log
 
     _run_page("metrics.md", doc_workdir)
     logged = {k for row in read_disk_log(doc_workdir["dir"] / "tiny_run" / "logs") for k in row}

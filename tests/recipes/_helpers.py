@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from torchtune_grpo.metrics import read_disk_log
+from torchtune_grpo.training.metrics import read_disk_log
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -92,7 +92,7 @@ def quickstart_overrides(base: Path, out: Path, *extra: str) -> list[str]:
 
 def quickstart_config(base: Path, out: Path, *extra: str, config: str = QUICKSTART):
     """``config`` (default ``grpo/quickstart_cpu``) with :func:`run_overrides`, loaded here."""
-    from torchtune_grpo.config import load_config
+    from torchtune_grpo.training.config import load_config
 
     return load_config(config, run_overrides(base, out, *extra))
 
@@ -100,7 +100,7 @@ def quickstart_config(base: Path, out: Path, *extra: str, config: str = QUICKSTA
 def train_in_process(base: Path, out: Path, *overrides: str, rewards=None, config=QUICKSTART):
     """Run the recipe in this process (no torchrun, no FSDP) and return it; its metrics are
     in ``metrics(out)``."""
-    from torchtune_grpo.recipe import GRPORecipe
+    from torchtune_grpo.training.recipe import GRPORecipe
 
     cfg = quickstart_config(base, out, *overrides, config=config)
     if rewards is not None:

@@ -4,7 +4,7 @@ weights. Run through torchrun like the recipe; the log-prob gap metric must expo
 
 import copy
 
-from torchtune_grpo import async_grpo
+from torchtune_grpo.training import async_recipe as async_grpo
 
 _receive = async_grpo.WeightReceiver.receive
 

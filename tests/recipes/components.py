@@ -15,7 +15,7 @@ def half_tied_length_reward(completions: list[str], answers: list[str], **kwargs
 
 
 def _vllm_generator_without_sync():
-    from torchtune_grpo.rlhf.vllm_generation import VLLMGenerator
+    from torchtune_grpo.rollout.vllm_engine import VLLMGenerator
 
     class VLLMGeneratorWithoutSync(VLLMGenerator):
         """A vLLM generator that never receives the policy's weights (a deliberate bug)."""

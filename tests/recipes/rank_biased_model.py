@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torchtune.models.llama3_2 import llama3_2
 
-from torchtune_grpo.tiny import tiny_special_tokens
+from torchtune_grpo.quickstart.tiny import tiny_special_tokens
 
 EOT = tiny_special_tokens()["<|eot_id|>"]
 

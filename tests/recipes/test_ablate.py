@@ -80,7 +80,7 @@ def test_quick_grid_writes_csv_and_plots(tmp_path):
         assert 0.0 <= float(end["heldout_success"]) <= 1.0
         # the eval code path agrees with heldout_success() on the saved final checkpoint
         if setting.is_default:
-            from torchtune_grpo.quickstart import heldout_success
+            from torchtune_grpo.quickstart.prepare import heldout_success
 
             name = ablate._run_name(setting.overrides, 0)
             ckpt = out / "runs" / name / f"step_{end['step']}"

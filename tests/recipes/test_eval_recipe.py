@@ -48,7 +48,7 @@ def test_periodic_eval_lands_in_step_checkpoints(base_model, tmp_path):
     for step in (2, 3):  # every 2 steps and at the end
         results = json.loads((out / f"step_{step}" / "eval_results.json").read_text())
         assert results["num_problems"] == 16 and results["step"] == step
-    from torchtune_grpo.metrics import read_disk_log
+    from torchtune_grpo.training.metrics import read_disk_log
 
     rows = {int(r["step"]): r for r in read_disk_log(out / "logs")}
     assert {"eval/pass@1"} <= set(rows[0]) and "eval/pass@1" in rows[2]
@@ -61,12 +61,12 @@ def test_eval_recipe_with_huggingface_base_tokenizer(base_model, tmp_path):
     import torch
     from omegaconf import OmegaConf
 
-    from torchtune_grpo.config import resolve_config_path
+    from torchtune_grpo.training.config import resolve_config_path
     from torchtune_grpo.datasets import addition_dataset
-    from torchtune_grpo.evaluation import EvalSettings, evaluate
-    from torchtune_grpo.modeling import token_rules
-    from torchtune_grpo.quickstart import load_quickstart_model
-    from torchtune_grpo.rlhf.rewards import build_reward_set
+    from torchtune_grpo.evaluation.evaluate import EvalSettings, evaluate
+    from torchtune_grpo.policy.model import token_rules
+    from torchtune_grpo.quickstart.prepare import load_quickstart_model
+    from torchtune_grpo.rewards.components import build_reward_set
 
     ckpt = tmp_path / "ckpt"  # an HF folder: weights, config.json, tokenizer(_config).json
     shutil.copytree(base_model, ckpt)

@@ -18,7 +18,7 @@ SHORT = ["num_steps=8", "eval_every_n_steps=8", "eval_at_start=true"]
 @pytest.fixture(scope="module")
 def warmed_up_model(tmp_path_factory):
     """The quickstart's real starting model (default warm-up and seed)."""
-    from torchtune_grpo.quickstart import prepare_quickstart
+    from torchtune_grpo.quickstart.prepare import prepare_quickstart
 
     return prepare_quickstart(tmp_path_factory.mktemp("quickstart_base"))
 

@@ -21,9 +21,9 @@ from tests.recipes._helpers import (
     train_in_process,
     train_metrics,
 )
-from torchtune_grpo.rlhf.forward import response_logprobs
-from torchtune_grpo.rlhf.trajectory import attention_mask, position_ids
-from torchtune_grpo.tiny import tiny_llama
+from torchtune_grpo.policy.forward import response_logprobs
+from torchtune_grpo.algorithm.trajectory import attention_mask, position_ids
+from torchtune_grpo.quickstart.tiny import tiny_llama
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +60,7 @@ def test_lora_trains_adapters_only_and_uses_base_as_reference(base_model, tmp_pa
     plain.load_state_dict(base)
     prompts = torch.tensor([[256, 49, 43, 50, 61, 52, 265], [260, 256, 55, 43, 55, 61, 265]])
     padding = prompts != 260
-    from torchtune_grpo.rlhf.trajectory import Trajectory
+    from torchtune_grpo.algorithm.trajectory import Trajectory
 
     traj = Trajectory(tokens=prompts, prompt_mask=padding[:, :5], response_mask=padding[:, 5:],
                       logprobs=torch.zeros(2, 2), stopped=torch.ones(2, dtype=torch.bool),

@@ -8,8 +8,8 @@ import logging
 import pytest
 
 from tests.recipes._helpers import quickstart_config, train_in_process, train_metrics
-from torchtune_grpo.checkpointing import list_step_checkpoints
-from torchtune_grpo.recipe import GRPORecipe
+from torchtune_grpo.training.checkpointing import list_step_checkpoints
+from torchtune_grpo.training.recipe import GRPORecipe
 
 pytestmark = pytest.mark.slow
 
@@ -125,7 +125,7 @@ def test_check_writable_names_the_folder(tmp_path, monkeypatch):
     fail)."""
     from pathlib import Path
 
-    from torchtune_grpo.checkpointing import check_writable
+    from torchtune_grpo.training.checkpointing import check_writable
 
     check_writable(tmp_path / "new" / "run")
     assert (tmp_path / "new" / "run").is_dir()
@@ -142,7 +142,7 @@ def test_check_writable_names_the_folder(tmp_path, monkeypatch):
 def test_prepare_quickstart_keeps_an_existing_model(tmp_path, capsys):
     from safetensors.torch import load_file
 
-    from torchtune_grpo.quickstart import main
+    from torchtune_grpo.quickstart.prepare import main
 
     out = tmp_path / "base"
     main(["--output-dir", str(out), "--warmup-steps", "0", "--seed", "0"])

@@ -17,8 +17,8 @@ from tests.recipes._helpers import (
     train_metrics,
     tune_cmd,
 )
-from torchtune_grpo.checkpointing import latest_step_checkpoint, load_recipe_state
-from torchtune_grpo.recipe import GRPORecipe
+from torchtune_grpo.training.checkpointing import latest_step_checkpoint, load_recipe_state
+from torchtune_grpo.training.recipe import GRPORecipe
 
 pytestmark = pytest.mark.slow
 

@@ -30,7 +30,7 @@ from tests.recipes._helpers import (
     quickstart_overrides,
     run_tune,
 )
-from torchtune_grpo.rlhf.generation import NativeGenerator
+from torchtune_grpo.rollout.native import NativeGenerator
 
 TINY = {"_component_": "torchtune.models.llama3_2.llama3_2", "vocab_size": 64, "num_layers": 2,
         "num_heads": 4, "num_kv_heads": 2, "embed_dim": 32, "max_seq_len": 64}
@@ -75,8 +75,8 @@ def _worker(rank: int, port: int, cfg_model: dict, activation_checkpointing: boo
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
-    from torchtune_grpo import distributed as D
-    from torchtune_grpo.modeling import build_model, meta_model
+    from torchtune_grpo.training import distributed as D
+    from torchtune_grpo.policy.model import build_model, meta_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE="2", LOCAL_RANK=str(rank))
@@ -179,8 +179,8 @@ def test_weights_are_gathered_once_and_given_back(cfg_model, ac):
 
 
 def test_no_op_without_fsdp():
-    from torchtune_grpo.distributed import gathered_for_inference
-    from torchtune_grpo.tiny import tiny_llama
+    from torchtune_grpo.training.distributed import gathered_for_inference
+    from torchtune_grpo.quickstart.tiny import tiny_llama
 
     model = tiny_llama()
     before = {n: p for n, p in model.named_parameters()}

@@ -15,7 +15,7 @@ from tests.recipes._helpers import (
     train_in_process,
     train_metrics,
 )
-from torchtune_grpo.recipe import GRPORecipe
+from torchtune_grpo.training.recipe import GRPORecipe
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +57,7 @@ def test_native_engine_step_timing_and_memory(base_model, tmp_path):
 
 
 def test_bad_accumulation_is_rejected_before_loading(base_model, tmp_path):
-    from torchtune_grpo.config import ConfigError
+    from torchtune_grpo.training.config import ConfigError
 
     cfg = quickstart_config(base_model, tmp_path, "batch_size=6", "gradient_accumulation_steps=4")
     with pytest.raises(ConfigError, match="gradient_accumulation_steps"):
@@ -87,7 +87,7 @@ def test_masking_truncated_completions_removes_them_from_the_loss(base_model, tm
               "max_generated_tokens=2", "optimizer._component_=torch.optim.SGD",
               "optimizer.lr=0.5", "~optimizer.weight_decay"]
     rewards = [{"_component_": "tests.recipes.components.length_reward", "success": True},
-               {"_component_": "torchtune_grpo.rlhf.rewards.OverlongPenalty",
+               {"_component_": "torchtune_grpo.rewards.components.OverlongPenalty",
                 "cache_tokens": 1}]
     train_in_process(base_model, tmp_path / "k", *common, rewards=rewards)
     train_in_process(base_model, tmp_path / "m", *common, "mask_truncated_completions=true",

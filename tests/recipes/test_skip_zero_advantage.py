@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.recipes._helpers import quickstart_config, train_metrics
-from torchtune_grpo.recipe import GRPORecipe
+from torchtune_grpo.training.recipe import GRPORecipe
 
 pytestmark = pytest.mark.slow
 

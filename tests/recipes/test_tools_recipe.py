@@ -33,7 +33,7 @@ from tests.recipes._helpers import (
 
 #: The calculator, called as ``6<expression>8`` and answered as ``(<result>)``.
 TOOL_OVERRIDES = [
-    "tools=" + json.dumps([{"_component_": "torchtune_grpo.rlhf.tools.Calculator",
+    "tools=" + json.dumps([{"_component_": "torchtune_grpo.rollout.tools.Calculator",
                             "name": "8"}]),
     "tool_syntax=" + json.dumps({"call_open": "6", "call_close": "{name}",
                                  "result_open": "(", "result_close": ")"}),
@@ -112,8 +112,8 @@ def test_tool_tokens_carry_no_logprob_and_no_loss(base_model, tmp_path):
     """In the recipe's update, every micro-batch's loss mask excludes the tool tokens, their
     log-probs and entropies are 0, and the loss normaliser counts policy tokens only; the
     logged lengths count policy tokens, ``tools/result_tokens`` the tool tokens."""
-    from torchtune_grpo.recipe import GRPORecipe
-    from torchtune_grpo.rlhf.multiturn import decode_with_tools
+    from torchtune_grpo.training.recipe import GRPORecipe
+    from torchtune_grpo.rollout.multiturn import decode_with_tools
 
     out = tmp_path / "run"
     # every rollout goes through the update (the counts below include tied groups)
@@ -173,7 +173,7 @@ def test_tool_tokens_carry_no_logprob_and_no_loss(base_model, tmp_path):
     calls = torch.tensor([len(s) for s in _tool_runs(traj.tool_mask)], dtype=torch.float)
     assert row["tools/calls_per_completion"] == pytest.approx(float(calls.sum()) / n)
     # the step folder carries the tools for grpo_eval
-    from torchtune_grpo.evaluation import tool_settings_from_checkpoint
+    from torchtune_grpo.evaluation.evaluate import tool_settings_from_checkpoint
 
     saved = tool_settings_from_checkpoint(out / "step_1")
     assert [dict(t) for t in saved["tools"]] == json.loads(TOOL_OVERRIDES[0][len("tools="):])
@@ -188,10 +188,10 @@ def test_tool_tokens_carry_no_logprob_and_no_loss(base_model, tmp_path):
 def test_the_tool_loop_around_the_native_engine_runs_the_policy():
     """The recipe gathers an FSDP2 policy's weights once per rollout for engines that run the
     policy: the native one, alone or inside the tool loop (not, e.g., vLLM)."""
-    from torchtune_grpo.rlhf.generation import NativeGenerator
-    from torchtune_grpo.rlhf.multiturn import ToolUseGenerator, runs_policy
-    from torchtune_grpo.rlhf.tools import Calculator
-    from torchtune_grpo.rlhf.vllm_generation import VLLMGenerator
+    from torchtune_grpo.rollout.native import NativeGenerator
+    from torchtune_grpo.rollout.multiturn import ToolUseGenerator, runs_policy
+    from torchtune_grpo.rollout.tools import Calculator
+    from torchtune_grpo.rollout.vllm_engine import VLLMGenerator
 
     assert runs_policy(NativeGenerator())
     assert runs_policy(ToolUseGenerator([Calculator()]))

@@ -1,7 +1,7 @@
 """Components the tool tests build by ``_component_`` path, and a scripted rollout engine.
 
 ``WordCount`` and ``Shouting`` stand for a user's own tools: nothing in the package knows them.
-:class:`ScriptedGenerator` is a :class:`~torchtune_grpo.rlhf.generator.Generator` whose "model"
+:class:`ScriptedGenerator` is a :class:`~torchtune_grpo.rollout.protocol.Generator` whose "model"
 writes a fixed text per prompt, so the multi-turn loop can be tested on exact token layouts.
 """
 
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from torchtune_grpo.rlhf.generator import Generator
-from torchtune_grpo.rlhf.trajectory import Trajectory
+from torchtune_grpo.rollout.protocol import Generator
+from torchtune_grpo.algorithm.trajectory import Trajectory
 
 
 class WordCount:

@@ -1,4 +1,4 @@
-"""Tests for torchtune_grpo.rlhf.advantages."""
+"""Tests for torchtune_grpo.algorithm.advantages."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchtune_grpo.rlhf.advantages import group_advantages
+from torchtune_grpo.algorithm.advantages import group_advantages
 
 
 def _close(actual: torch.Tensor, expected: list[float], tol: float = 1e-5) -> None:
@@ -130,7 +130,7 @@ def test_properties(groups: int, group_size: int, data: st.DataObject) -> None:
 
 
 def test_loss_token_mask_drops_truncated_and_zero_std_groups():
-    from torchtune_grpo.rlhf.advantages import loss_token_mask
+    from torchtune_grpo.algorithm.advantages import loss_token_mask
 
     response = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
     stopped = torch.tensor([True, False, True, False])

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from torchtune_grpo.allocator import GLIBC_MALLOC_ENV
+from torchtune_grpo.backends.allocator import GLIBC_MALLOC_ENV
 
 glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
                            reason="glibc malloc settings")
@@ -20,7 +20,7 @@ glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0
 CHILD = """
 import resource, sys
 import torch
-from torchtune_grpo.allocator import keep_freed_memory
+from torchtune_grpo.backends.allocator import keep_freed_memory
 
 applied = keep_freed_memory() if sys.argv[1] == "on" else False
 faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -58,7 +58,7 @@ def test_an_allocator_chosen_by_the_environment_is_left_alone():
 
 
 def test_recipe_applies_it_on_cpu_unless_turned_off(monkeypatch, tmp_path):
-    import torchtune_grpo.recipe as recipe_module
+    import torchtune_grpo.training.recipe as recipe_module
     from tests.recipes._helpers import quickstart_config
 
     calls = []

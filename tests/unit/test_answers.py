@@ -1,8 +1,8 @@
-"""Training and evaluation read the same number from the same text (rlhf.answers).
+"""Training and evaluation read the same number from the same text (rewards.answers).
 
-The training reward (:class:`~torchtune_grpo.rlhf.rewards.NumericCorrectness`) and the
+The training reward (:class:`~torchtune_grpo.rewards.components.NumericCorrectness`) and the
 evaluation grader's ``last_number`` fallback
-(:class:`~torchtune_grpo.rlhf.math_grading.MathEquivalence`) must agree on every completion:
+(:class:`~torchtune_grpo.rewards.math_grading.MathEquivalence`) must agree on every completion:
 a model must not be rewarded for an answer that evaluation then marks wrong, or the reverse.
 """
 
@@ -17,10 +17,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchtune_grpo.rlhf import answers, math_grading
-from torchtune_grpo.rlhf.answers import last_number, parse_number
-from torchtune_grpo.rlhf.math_grading import MathEquivalence
-from torchtune_grpo.rlhf.rewards import NumericCorrectness
+from torchtune_grpo.rewards import answers
+
+from torchtune_grpo.rewards import math_grading
+from torchtune_grpo.rewards.answers import last_number, parse_number
+from torchtune_grpo.rewards.math_grading import MathEquivalence
+from torchtune_grpo.rewards.components import NumericCorrectness
 
 # (text, the number a careful grader reads as its final answer; None: no number)
 NUMBER_TABLE = [
@@ -110,7 +112,7 @@ def test_training_and_evaluation_score_alike(text, expected, eval_grader):
     assert eval_grader([text, text], [gold, wrong]) == [1.0, 0.0]
 
 
-# ---------------------------------------------------------- the extractor itself (rlhf.answers)
+# ---------------------------------------------------------- the extractor itself (rewards.answers)
 
 _PIECES = list("0123456789,.-/$%{}\\ x=(\n\u2212!") + [
     "\\frac{", "\\dfrac", "-\\frac", "}{", "\\frac12", "$-", "{-", "\\,", "\\!", "\\$", "{,}",
@@ -148,7 +150,7 @@ def test_latex_heavy_inputs_are_fast(text):
 
 
 def test_math_grading_worker_imports_no_torch():
-    """The grading worker runs math_grading.py, which imports rlhf.answers: neither needs torch."""
+    """The grading worker runs math_grading.py, which imports rewards.answers: neither needs torch."""
     path = Path(math_grading.__file__).resolve()
     code = math_grading._WORKER_CODE.format(path=str(path), root=str(path.parents[2]))
     code = code.replace("module._worker_main()\n", "print('torch' in sys.modules)\n")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from torchtune_grpo.async_grpo import (
+from torchtune_grpo.training.async_recipe import (
     Roles,
     VersionStore,
     _buffers_like,
@@ -16,7 +16,7 @@ from torchtune_grpo.async_grpo import (
     behavior_version,
     last_sent_version,
 )
-from torchtune_grpo.config import ConfigError, async_errors, load_config, validate_config
+from torchtune_grpo.training.config import ConfigError, async_errors, load_config, validate_config
 
 
 def test_behavior_version_is_fixed_by_step_and_staleness():
@@ -51,7 +51,7 @@ def test_async_errors_name_the_key():
     assert "LoRA" in async_errors(lora, 3)[0]
     assert "'tools'" in async_errors(_cfg(tools=[{"_component_": "x.Y"}]), 3)[0]
     assert "'dynamic_sampling'" in async_errors(_cfg(dynamic_sampling={"max_batches": 2}), 3)[0]
-    vllm = _cfg(generator={"_component_": "torchtune_grpo.rlhf.vllm_generation.VLLMGenerator"})
+    vllm = _cfg(generator={"_component_": "torchtune_grpo.rollout.vllm_engine.VLLMGenerator"})
     assert "'generator'" in async_errors(vllm, 3)[0]
 
 

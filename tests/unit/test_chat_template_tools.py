@@ -20,15 +20,15 @@ import torch
 from omegaconf import OmegaConf
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from torchtune_grpo.config import ConfigError, load_config, validate_config
+from torchtune_grpo.training.config import ConfigError, load_config, validate_config
 from torchtune_grpo.datasets._prompt import PromptTemplate, tokenize_prompt
 from torchtune_grpo.models.tokenizer import HFTokenizer
-from torchtune_grpo.rlhf.forward import micro_batch_logprobs
-from torchtune_grpo.rlhf.generation import stop_token_ids
-from torchtune_grpo.rlhf.generator import Generator
-from torchtune_grpo.rlhf.loss import GRPOLoss
-from torchtune_grpo.rlhf.multiturn import ToolUseGenerator, decode_with_tools, tool_segments
-from torchtune_grpo.rlhf.tools import (
+from torchtune_grpo.policy.forward import micro_batch_logprobs
+from torchtune_grpo.rollout.native import stop_token_ids
+from torchtune_grpo.rollout.protocol import Generator
+from torchtune_grpo.algorithm.loss import GRPOLoss
+from torchtune_grpo.rollout.multiturn import ToolUseGenerator, decode_with_tools, tool_segments
+from torchtune_grpo.rollout.tools import (
     Calculator,
     ChatTemplateToolSyntax,
     ToolCallSyntax,
@@ -37,7 +37,7 @@ from torchtune_grpo.rlhf.tools import (
     make_tool_syntax,
     tool_schema,
 )
-from torchtune_grpo.rlhf.trajectory import Trajectory
+from torchtune_grpo.algorithm.trajectory import Trajectory
 
 # ---------------------------------------------------------------- a template written for tests
 #: ChatML-style turns; an assistant message's tool_calls are written as
@@ -442,7 +442,7 @@ def test_prompts_are_rendered_with_the_tool_schemas(tok):
 
 
 def test_tool_tokens_get_no_logprob_and_no_gradient(tok):
-    from torchtune_grpo.tiny import tiny_llama
+    from torchtune_grpo.quickstart.tiny import tiny_llama
 
     torch.manual_seed(0)
     model = tiny_llama(max_seq_len=512)  # the tools' schemas make a long system turn
@@ -501,7 +501,7 @@ def test_bad_tool_syntax_values(syntax, message):
 
 def _config(folder: Path, syntax: dict) -> OmegaConf:
     cfg = load_config("grpo/quickstart_cpu", [
-        'tools=[{"_component_": "torchtune_grpo.rlhf.tools.Calculator"}]',
+        'tools=[{"_component_": "torchtune_grpo.rollout.tools.Calculator"}]',
         "tool_syntax=" + json.dumps(syntax)])
     cfg.tokenizer = OmegaConf.create({"_component_": "torchtune_grpo.models.hf_tokenizer",
                                       "path": str(folder)})
@@ -533,7 +533,7 @@ def spy_dataset(tokenizer, **kwargs):
 
 
 def test_the_recipe_gives_the_tokenizer_the_schemas_before_the_dataset(folders, monkeypatch):
-    from torchtune_grpo import recipe as recipe_module
+    from torchtune_grpo.training import recipe as recipe_module
 
     monkeypatch.setattr(recipe_module, "check_input_files", lambda cfg: None)  # no model files
     cfg = _config(folders["tools"], {"format": "chat_template"})

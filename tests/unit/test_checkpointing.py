@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtune_grpo.checkpointing import (
+from torchtune_grpo.training.checkpointing import (
     COMPLETE_MARKER,
     latest_step_checkpoint,
     list_step_checkpoints,
@@ -77,7 +77,7 @@ def test_resolve_resume(tmp_path):
 
 
 def test_weight_files_skip_lora_adapters(tmp_path):
-    from torchtune_grpo.checkpointing import weight_files
+    from torchtune_grpo.training.checkpointing import weight_files
 
     for name in ("model-00001-of-00001.safetensors", "adapter_model.safetensors"):
         (tmp_path / name).write_bytes(b"")
@@ -85,7 +85,7 @@ def test_weight_files_skip_lora_adapters(tmp_path):
 
 
 def test_a_fresh_run_refuses_another_runs_steps_unless_told(tmp_path):
-    from torchtune_grpo.checkpointing import (
+    from torchtune_grpo.training.checkpointing import (
         COMPLETE_MARKER,
         claim_output_dir,
         list_step_checkpoints,
@@ -114,7 +114,7 @@ def test_a_full_disk_is_named_and_leaves_no_partial_step(tmp_path, monkeypatch):
     import shutil
     from collections import namedtuple
 
-    from torchtune_grpo import checkpointing as C
+    from torchtune_grpo.training import checkpointing as C
 
     usage = namedtuple("usage", "total used free")
     checkpoint = {"model": {"w": torch.zeros(1024, 1024)}}  # 4 MiB

@@ -9,7 +9,7 @@ import torch
 from torchtune import config as tt_config
 
 from tests.conftest import check_instantiates_offline
-from torchtune_grpo.config import (
+from torchtune_grpo.training.config import (
     ConfigError,
     list_shipped_configs,
     load_config,
@@ -54,7 +54,7 @@ def test_shipped_configs_validate(name):
         (["ppo_epochs=0"], "'ppo_epochs' must be >= 1"),
         (["temperature=0"], "'temperature' must be > 0"),
         (["~num_steps"], "missing required config key 'num_steps'"),
-        (["loss._component_=torchtune_grpo.rlhf.loss.NoSuchLoss"], "NoSuchLoss"),
+        (["loss._component_=torchtune_grpo.algorithm.loss.NoSuchLoss"], "NoSuchLoss"),
         (["optimizer._component_=torch.optim.Adamm"], "Adamm"),
         (["forward_batch_size=7"], "'forward_batch_size' (7) must divide"),
         (["dtype=fp16"], "'dtype' must be fp32 or bf16"),
@@ -73,7 +73,7 @@ def test_shipped_configs_validate(name):
         (["seed=-1"], "config key 'seed' must be in [0, 2**32)"),
         (["group_size=2147483648"], "config key 'group_size' must be in [2, 4096]"),
         (["model.max_seq_len=2147483648"], "config key model.max_seq_len must be <= 4194304"),
-        (["loss.kl_coeff=-1.0"], "config key 'loss' (torchtune_grpo.rlhf.loss.GRPOLoss): "
+        (["loss.kl_coeff=-1.0"], "config key 'loss' (torchtune_grpo.algorithm.loss.GRPOLoss): "
                                  "kl_coeff must be finite and >= 0.0"),
     ],
 )
@@ -97,7 +97,7 @@ def test_real_configs_instantiate_what_needs_no_download(name):
 
 
 def test_every_shipped_config_validates():
-    from torchtune_grpo.config import EVAL_KEYS
+    from torchtune_grpo.training.config import EVAL_KEYS
 
     for name in list_shipped_configs():
         if "eval" in name:
@@ -135,7 +135,7 @@ def test_activation_offloading_needs_cuda_and_checkpointing():
 
 
 def test_eval_configs_check_sampling():
-    from torchtune_grpo.config import EVAL_KEYS
+    from torchtune_grpo.training.config import EVAL_KEYS
 
     with pytest.raises(ConfigError, match="num_samples=2"):
         validate_config(load_config("grpo/eval_quickstart", [
@@ -185,8 +185,8 @@ def test_nested_blocks_are_checked_like_the_top_level(overrides, message):
 
 
 def test_nested_blocks_read_into_settings_with_defaults_in_one_place():
-    from torchtune_grpo.config import RECIPE_KEYS, with_defaults
-    from torchtune_grpo.settings import AdvantageSettings, EvalSettings, settings_from_config
+    from torchtune_grpo.training.config import RECIPE_KEYS, with_defaults
+    from torchtune_grpo.training.settings import AdvantageSettings, EvalSettings, settings_from_config
 
     cfg = load_config("grpo/quickstart_cpu", ["advantages.scale=none"])
     validate_config(cfg)
@@ -202,7 +202,7 @@ def test_nested_blocks_read_into_settings_with_defaults_in_one_place():
 
 
 # ---------------------------------------------------------------------------- tools
-CALCULATOR = {"_component_": "torchtune_grpo.rlhf.tools.Calculator"}
+CALCULATOR = {"_component_": "torchtune_grpo.rollout.tools.Calculator"}
 
 
 def _tools_override(*entries) -> str:
@@ -217,12 +217,12 @@ def _tools_override(*entries) -> str:
         ([_tools_override(CALCULATOR, {"max_digits": 3})],
          "config key 'tools[1]'._component_ is missing"),
         ([_tools_override({**CALCULATOR, "max_digits": 0})],
-         "config key 'tools[0]'._component_='torchtune_grpo.rlhf.tools.Calculator' could not "
+         "config key 'tools[0]'._component_='torchtune_grpo.rollout.tools.Calculator' could not "
          "be built: ValueError: Calculator max_digits must be a positive number"),
-        ([_tools_override({"_component_": "torchtune_grpo.rlhf.tools.Calculatr"})],
-         "tools[0]._component_: module 'torchtune_grpo.rlhf.tools' has no 'Calculatr'"),
+        ([_tools_override({"_component_": "torchtune_grpo.rollout.tools.Calculatr"})],
+         "tools[0]._component_: module 'torchtune_grpo.rollout.tools' has no 'Calculatr'"),
         ([_tools_override(CALCULATOR, CALCULATOR)], "config key 'tools[1]'.name='calculator'"),
-        (['tools={"_component_": "torchtune_grpo.rlhf.tools.Calculator"}'],
+        (['tools={"_component_": "torchtune_grpo.rollout.tools.Calculator"}'],
          "config key 'tools' must be list|null"),
         ([_tools_override(CALCULATOR), 'tool_syntax={"call_opn": "["}'],
          "Did you mean 'tool_syntax.call_open'?"),
@@ -242,7 +242,7 @@ def test_bad_tools_fail_validation_naming_the_entry(overrides, message):
 
 
 def test_tools_validate_and_default():
-    from torchtune_grpo.config import EVAL_KEYS, RECIPE_KEYS, with_defaults
+    from torchtune_grpo.training.config import EVAL_KEYS, RECIPE_KEYS, with_defaults
 
     cfg = load_config("grpo/quickstart_cpu", [
         _tools_override({**CALCULATOR, "name": "calc"}), "max_tool_calls=2",
@@ -255,7 +255,7 @@ def test_tools_validate_and_default():
 
 
 @pytest.mark.parametrize("generator", [
-    "torchtune_grpo.rlhf.vllm_generation.VLLMGenerator",
+    "torchtune_grpo.rollout.vllm_engine.VLLMGenerator",
     "tests.unit.test_config.MyVLLM",  # a subclass is vLLM too
 ])
 def test_tools_with_the_vllm_generator_are_rejected(generator):
@@ -270,7 +270,7 @@ def test_tools_with_the_vllm_generator_are_rejected(generator):
 
 
 def _my_vllm():
-    from torchtune_grpo.rlhf.vllm_generation import VLLMGenerator
+    from torchtune_grpo.rollout.vllm_engine import VLLMGenerator
 
     class MyVLLM(VLLMGenerator):
         """A user's subclass of the vLLM engine."""
@@ -285,7 +285,7 @@ def test_list_entry_and_null_node_overrides():
     """``rewards.0.weight=...`` sets one list entry and ``eval_dataset=null`` the whole node
     (torchtune's parser alone fails on the first and sets ``eval_dataset._component_`` on the
     second); ordinary overrides still go through torchtune's parser."""
-    from torchtune_grpo.config import load_config
+    from torchtune_grpo.training.config import load_config
 
     cfg = load_config("grpo/smollm2_gsm8k_cpu", [
         "rewards.1.weight=0.5", "rewards.0.fallback=none", "eval_dataset=null",
@@ -305,7 +305,7 @@ def test_list_entry_and_null_node_overrides():
     ("optimizer.eps=0", "'optimizer.eps' must be > 0"),
 ])
 def test_optimizer_values_out_of_range_are_rejected(override, message):
-    from torchtune_grpo.config import load_config
+    from torchtune_grpo.training.config import load_config
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate_config(load_config("grpo/quickstart_cpu", [override]))

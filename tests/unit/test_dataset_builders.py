@@ -19,7 +19,7 @@ from torchtune_grpo.datasets import (
     tokenize_prompt,
 )
 from torchtune_grpo.datasets._builder import InvalidRow, build_prompt_dataset, required_text
-from torchtune_grpo.tiny import tiny_tokenizer
+from torchtune_grpo.quickstart.tiny import tiny_tokenizer
 
 # builder, its name in messages, (question, answer) -> row, a row without a usable answer and
 # the field its error names, the default template.

@@ -18,19 +18,19 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from torchtune_grpo.batching import (
+from torchtune_grpo.training.batching import (
     StepBatches,
     dynamic_sample,
     group_rows,
     rollout_seeds,
     select_groups,
 )
-from torchtune_grpo.rlhf.advantages import group_advantages, loss_token_mask
-from torchtune_grpo.rlhf.loss import GRPOLoss
-from torchtune_grpo.rlhf.reward_set import RewardOutput
-from torchtune_grpo.rlhf.seeding import mix_seeds
-from torchtune_grpo.rlhf.trajectory import Trajectory
-from torchtune_grpo.settings import DynamicSamplingSettings, settings_from_config
+from torchtune_grpo.algorithm.advantages import group_advantages, loss_token_mask
+from torchtune_grpo.algorithm.loss import GRPOLoss
+from torchtune_grpo.rewards.reward_set import RewardOutput
+from torchtune_grpo.rollout.seeding import mix_seeds
+from torchtune_grpo.algorithm.trajectory import Trajectory
+from torchtune_grpo.training.settings import DynamicSamplingSettings, settings_from_config
 
 #: :func:`parity_length_reward` as a ``rewards=`` override (``tune run`` or in-process).
 PARITY_REWARD = [{"_component_": "tests.unit.test_dynamic_sampling.parity_length_reward",
@@ -124,7 +124,7 @@ def test_settings_validate_max_batches():
 
 
 def test_config_key_is_validated():
-    from torchtune_grpo.config import RECIPE_KEYS
+    from torchtune_grpo.training.config import RECIPE_KEYS
 
     key = RECIPE_KEYS["dynamic_sampling"]
     assert key.default is None and key.settings is DynamicSamplingSettings
@@ -268,7 +268,7 @@ def _free_port() -> int:
 
 
 def _rank_worker(rank: int, port: int, out_dir: str) -> None:
-    from torchtune_grpo.distributed import all_ranks_true
+    from torchtune_grpo.training.distributed import all_ranks_true
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -304,14 +304,14 @@ def test_every_rank_makes_the_same_number_of_extra_rollouts():
 @pytest.fixture(scope="module")
 def tiny_base(tmp_path_factory):
     """The quickstart model after a few warm-up steps."""
-    from torchtune_grpo.quickstart import prepare_quickstart
+    from torchtune_grpo.quickstart.prepare import prepare_quickstart
 
     return prepare_quickstart(tmp_path_factory.mktemp("base"), warmup_steps=20)
 
 
 def _train(base, out, rewards, *overrides, capture=None):
     from tests.recipes._helpers import metrics, train_in_process
-    from torchtune_grpo.recipe import GRPORecipe
+    from torchtune_grpo.training.recipe import GRPORecipe
 
     if capture is not None:
         update = GRPORecipe.update
@@ -335,7 +335,7 @@ def _train(base, out, rewards, *overrides, capture=None):
 @pytest.mark.slow
 def test_recipe_all_tied_batch_draws_max_batches_and_the_metrics_say_so(tiny_base, tmp_path,
                                                                          monkeypatch):
-    import torchtune_grpo.recipe as recipe_module
+    import torchtune_grpo.training.recipe as recipe_module
 
     seeds = []  # (step, draw, seeds) of every rollout
 

@@ -1,4 +1,4 @@
-"""Intervals and paired tests of evaluations (torchtune_grpo.eval_stats)."""
+"""Intervals and paired tests of evaluations (torchtune_grpo.evaluation.stats)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from torchtune_grpo._cli import main as cli
-from torchtune_grpo.eval_stats import compare_evaluations, mcnemar_exact, wilson_interval
+from torchtune_grpo.cli.main import main as cli
+from torchtune_grpo.evaluation.stats import compare_evaluations, mcnemar_exact, wilson_interval
 
 
 def test_wilson_interval_known_values():

@@ -12,9 +12,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import torchtune_grpo.evaluation as evaluation
+import torchtune_grpo.evaluation.evaluate as evaluation
 from torchtune_grpo.datasets import addition_dataset
-from torchtune_grpo.evaluation import (
+from torchtune_grpo.evaluation.evaluate import (
     RESULTS_FILE,
     SAMPLES_FILE,
     EvalSettings,
@@ -24,8 +24,8 @@ from torchtune_grpo.evaluation import (
     partial_samples_path,
     pass_at_k,
 )
-from torchtune_grpo.modeling import token_rules
-from torchtune_grpo.rlhf.rewards import build_reward_set
+from torchtune_grpo.policy.model import token_rules
+from torchtune_grpo.rewards.components import build_reward_set
 
 
 def _pass_at_k_by_enumeration(n: int, c: int, k: int) -> float:
@@ -72,7 +72,7 @@ def test_settings_validation():
 def test_evaluate_writes_results_and_samples(tokenizer, tiny_model, tmp_path):
     dataset = addition_dataset(tokenizer, split="test", limit=12)
     rewards = build_reward_set([{
-        "_component_": "torchtune_grpo.rlhf.rewards.NumericCorrectness",
+        "_component_": "torchtune_grpo.rewards.components.NumericCorrectness",
         "answer_tag": None, "success": True,
     }])
     rules = token_rules(tokenizer, tiny_model, torch.device("cpu"))
@@ -106,7 +106,7 @@ def write_hf_tokenizer(directory: Path) -> tuple[Path, Path]:
     """Write a ``tokenizers``-loadable byte-level BPE with the tiny tokenizer's ids.
 
     Byte ``b`` is id ``b`` (no merges) and the tiny tokenizer's Llama 3 special tokens follow
-    at 256.., so it encodes text exactly as :func:`torchtune_grpo.tiny.tiny_tokenizer` does and
+    at 256.., so it encodes text exactly as :func:`torchtune_grpo.quickstart.tiny.tiny_tokenizer` does and
     fits the quickstart model's 320-id vocabulary (269 ids). BOS is ``<|begin_of_text|>``;
     EOS is ``<|eot_id|>``, the token the quickstart model ends its answers with.
 
@@ -116,7 +116,7 @@ def write_hf_tokenizer(directory: Path) -> tuple[Path, Path]:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from torchtune.modules.transforms.tokenizers._gpt2 import bytes_to_unicode
 
-    from torchtune_grpo.tiny import tiny_special_tokens
+    from torchtune_grpo.quickstart.tiny import tiny_special_tokens
 
     byte_chars = bytes_to_unicode()  # the byte -> printable character map of byte-level BPE
     tok = Tokenizer(models.BPE(vocab={byte_chars[b]: b for b in range(256)}, merges=[]))
@@ -194,7 +194,7 @@ def test_decode_prompt_for_every_tokenizer_kind(tokenizer, tmp_path):
 def _setup(tokenizer, model, limit=10):
     dataset = addition_dataset(tokenizer, split="test", limit=limit)
     rewards = build_reward_set([{
-        "_component_": "torchtune_grpo.rlhf.rewards.NumericCorrectness",
+        "_component_": "torchtune_grpo.rewards.components.NumericCorrectness",
         "answer_tag": None, "success": True,
     }])
     rules = token_rules(tokenizer, model, torch.device("cpu"))

@@ -13,11 +13,11 @@ import shutil
 import pytest
 import torch
 
-from torchtune_grpo.rlhf import generation as gen
-from torchtune_grpo.rlhf import kv_cache as kvc
-from torchtune_grpo.rlhf import packed_decode as pd
-from torchtune_grpo.rlhf.forward import response_logprobs
-from torchtune_grpo.rlhf.generation import (
+from torchtune_grpo.rollout import native as gen
+from torchtune_grpo.rollout import kv_cache as kvc
+from torchtune_grpo.backends import cpu_decode as pd
+from torchtune_grpo.policy.forward import response_logprobs
+from torchtune_grpo.rollout.native import (
     allowed_token_mask,
     attention_modules,
     generate_micro_batch,
@@ -25,8 +25,8 @@ from torchtune_grpo.rlhf.generation import (
     logit_bias_from_mask,
     stop_token_ids,
 )
-from torchtune_grpo.rlhf.trajectory import attention_mask, position_ids
-from torchtune_grpo.tiny import tiny_llama
+from torchtune_grpo.algorithm.trajectory import attention_mask, position_ids
+from torchtune_grpo.quickstart.tiny import tiny_llama
 
 PROMPTS = ["1+2=", "13+27=", "5+5=", "99+1=", "40+2=", "7+70=", "3+33=", "11+1="]
 
@@ -433,7 +433,7 @@ def test_packed_linear_weights_scope_and_fallbacks(setup, monkeypatch):
     own forward back, also when the rollout raises. (Layers not fused here: see below.)"""
     from torchtune.models.llama3_2 import lora_llama3_2
 
-    from torchtune_grpo.rlhf.packed_decode import PACKED_MAX_ROWS, packed_linear_weights
+    from torchtune_grpo.backends.cpu_decode import PACKED_MAX_ROWS, packed_linear_weights
 
     model, _, _ = setup
     attn = model.layers[0].attn

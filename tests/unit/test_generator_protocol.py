@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 
 import torchtune_grpo
-from torchtune_grpo.rlhf.generation import NativeGenerator
-from torchtune_grpo.rlhf.generator import Generator
+from torchtune_grpo.rollout.native import NativeGenerator
+from torchtune_grpo.rollout.protocol import Generator
 
-RECIPE = Path(torchtune_grpo.__file__).parent / "recipe.py"
+RECIPE = Path(torchtune_grpo.__file__).parent / "training" / "recipe.py"
 
 
 def protocol_methods() -> set[str]:

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from torchtune_grpo import _cli
+from torchtune_grpo.cli import main as _cli
 from torchtune_grpo.models import gguf as gguf_import
 from torchtune_grpo.models.gguf import (
     HF_FILES,
@@ -535,7 +535,7 @@ def test_real_torchtune_model_logits_match_gguf(real, capsys):
     template) gives transformers-from-GGUF's next-token logits within 1e-4."""
     from torchtune import training
 
-    from torchtune_grpo.checkpointing import hf_checkpointer
+    from torchtune_grpo.training.checkpointing import hf_checkpointer
     from torchtune_grpo.datasets import GSM8K_PHRASE_TEMPLATE, tokenize_prompt
     from torchtune_grpo.models import hf_model, hf_tokenizer
 

@@ -22,8 +22,8 @@ from torchtune_grpo.datasets import (
     split_gsm8k_solution,
     tokenize_prompt,
 )
-from torchtune_grpo.rlhf.rewards import FormatReward, NumericCorrectness
-from torchtune_grpo.tiny import tiny_tokenizer
+from torchtune_grpo.rewards.components import FormatReward, NumericCorrectness
+from torchtune_grpo.quickstart.tiny import tiny_tokenizer
 
 REAL_GSM8K_TEST = Path(__file__).resolve().parents[2].parent / "shared/data/gsm8k/test.jsonl"
 
@@ -316,7 +316,7 @@ def test_real_gsm8k_phrase_template_reference_solutions_score():
     """The plain-text template of ``grpo/smollm2_gsm8k_cpu``: the gold solution written in its
     layout scores 1 for correctness and format on every test row, gold + 1 scores 0."""
     from torchtune_grpo.datasets import GSM8K_PHRASE_TEMPLATE as T
-    from torchtune_grpo.rlhf.rewards import AnswerPhraseFormat
+    from torchtune_grpo.rewards.components import AnswerPhraseFormat
 
     if not REAL_GSM8K_TEST.exists():
         pytest.skip(f"{REAL_GSM8K_TEST} not present")

@@ -1,11 +1,11 @@
-"""Run health (torchtune_grpo.health) on synthetic metric streams."""
+"""Run health (torchtune_grpo.training.health) on synthetic metric streams."""
 
 from __future__ import annotations
 
 import pytest
 
-from torchtune_grpo.health import CONDITIONS, RunHealth
-from torchtune_grpo.settings import HealthSettings, settings_from_config
+from torchtune_grpo.training.health import CONDITIONS, RunHealth
+from torchtune_grpo.training.settings import HealthSettings, settings_from_config
 
 
 def _feed(health: RunHealth, rows: list[dict[str, float]]):
@@ -100,7 +100,7 @@ def test_plot_shades_the_health_steps(tmp_path):
     """``tune-grpo plot`` shades the steps where a condition held; the length axis starts at 0."""
     from torchtune.training.metric_logging import DiskLogger
 
-    from torchtune_grpo.plot import health_spans, plot_run
+    from torchtune_grpo.cli.plot import health_spans, plot_run
 
     logger = DiskLogger(log_dir=str(tmp_path / "logs"))
     health = RunHealth(HealthSettings(window=2))
@@ -109,7 +109,7 @@ def test_plot_shades_the_health_steps(tmp_path):
         flags, _ = health.update(step, row)
         logger.log_dict({**row, **flags}, step=step)
     logger.close()
-    from torchtune_grpo.metrics import read_disk_log
+    from torchtune_grpo.training.metrics import read_disk_log
 
     rows = read_disk_log(tmp_path / "logs")
     assert health_spans(rows) == {"no_signal": [(5, 7)]}  # window of 2: steps 4-7 all 1.0

@@ -1,4 +1,4 @@
-"""Tests for torchtune_grpo.rlhf.logprobs."""
+"""Tests for torchtune_grpo.policy.logprobs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torchtune.modules import TiedLinear
 
-from torchtune_grpo.rlhf.logprobs import chunked_token_logprobs, naive_token_logprobs
+from torchtune_grpo.policy.logprobs import chunked_token_logprobs, naive_token_logprobs
 
 N, T, D, V = 3, 7, 16, 40
 
@@ -223,7 +223,7 @@ def test_metric_only_entropy_matches_and_carries_no_gradient():
 
 
 def test_auto_chunk_size_bounds_the_logits_block():
-    from torchtune_grpo.rlhf.logprobs import CHUNK_LOGITS_BUDGET, auto_chunk_size
+    from torchtune_grpo.policy.logprobs import CHUNK_LOGITS_BUDGET, auto_chunk_size
 
     assert auto_chunk_size(128256) == 256
     assert auto_chunk_size(151936) == 208
@@ -245,7 +245,7 @@ def test_fused_path_matches_naive_values_and_grads(chunk_size, forbid, entropy, 
     """The fused autograd function (plain linear head, metric-only entropy) against full logits:
     log-probs, entropies, and the gradients of hidden states and weight; with none, some (the
     whole chunks within 10 positions) or all of the softmax blocks kept for the backward."""
-    from torchtune_grpo.rlhf import logprobs as lp
+    from torchtune_grpo.policy import logprobs as lp
 
     calls = []
     original = lp._FusedLinearLogProbs.apply
@@ -308,7 +308,7 @@ def test_kept_softmax_blocks_skip_the_recompute(keep_positions, chunk_size, reco
                                                 monkeypatch):
     """``keep_probs`` saves the backward's recomputation of exactly the kept chunks, and the
     gradients stay those of the full recompute."""
-    from torchtune_grpo.rlhf import logprobs as lp
+    from torchtune_grpo.policy import logprobs as lp
 
     head, hidden, targets, bias, weights = _setup(forbid=True)
     want = torch.autograd.grad((chunked_token_logprobs(
@@ -335,7 +335,7 @@ def test_kept_softmax_blocks_skip_the_recompute(keep_positions, chunk_size, reco
 def test_kept_softmax_blocks_only_with_gradients_and_validated(monkeypatch):
     """Without gradients nothing is kept (no memory held for a backward that never comes);
     bf16 hidden states keep float32 blocks with the same gradients; bad budgets are rejected."""
-    from torchtune_grpo.rlhf import logprobs as lp
+    from torchtune_grpo.policy import logprobs as lp
 
     head, hidden, targets, _, weights = _setup()
     seen = []

@@ -1,4 +1,4 @@
-"""Tests for torchtune_grpo.rlhf.loss.GRPOLoss and summarize_loss_stats.
+"""Tests for torchtune_grpo.algorithm.loss.GRPOLoss and summarize_loss_stats.
 
 Expected values are written out from the formulas with ``math``; they never call the code under
 test.
@@ -17,9 +17,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from torchtune_grpo.distributed import all_reduce
-from torchtune_grpo.rlhf.logprobs import chunked_token_logprobs
-from torchtune_grpo.rlhf.loss import (
+from torchtune_grpo.training.distributed import all_reduce
+from torchtune_grpo.policy.logprobs import chunked_token_logprobs
+from torchtune_grpo.algorithm.loss import (
     GRPOLoss,
     summarize_loss_stats,
 )

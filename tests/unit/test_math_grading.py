@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 from tests.conftest import shared_data
 from torchtune_grpo.datasets import format_boxed_completion, math_gold_answer
-from torchtune_grpo.rlhf.answers import extract_boxed
-from torchtune_grpo.rlhf.math_grading import MathEquivalence, normalize_answer
-from torchtune_grpo.rlhf.reward_set import build_reward_set
+from torchtune_grpo.rewards.answers import extract_boxed
+from torchtune_grpo.rewards.math_grading import MathEquivalence, normalize_answer
+from torchtune_grpo.rewards.reward_set import build_reward_set
 
 pytest.importorskip("math_verify")
 
@@ -161,7 +161,7 @@ def test_inline_isolation_matches_process(grader):
 
 def test_reward_set_builds_and_pickles():
     rewards = build_reward_set(
-        [{"_component_": "torchtune_grpo.rlhf.math_grading.MathEquivalence", "timeout_s": 1.5}]
+        [{"_component_": "torchtune_grpo.rewards.math_grading.MathEquivalence", "timeout_s": 1.5}]
     )
     assert rewards.names == ["correctness"] and rewards.success_name == "correctness"
     out = rewards(["\\boxed{\\frac{2}{4}}", "\\boxed{2}"], ["0.5", "0.5"])

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import check_instantiates_offline
-from torchtune_grpo.config import load_config, resolve_config_path, validate_config
-from torchtune_grpo.memory import (
+from torchtune_grpo.training.config import load_config, resolve_config_path, validate_config
+from torchtune_grpo.training.memory import (
     DEFAULT_PROMPT_TOKENS,
     FUSED_LOGIT_COPIES,
     GIB,
@@ -178,7 +178,7 @@ def test_peak_is_the_largest_phase_and_the_table_shows_it():
 
 
 def test_cli_prints_the_breakdown(capsys):
-    from torchtune_grpo._cli import main
+    from torchtune_grpo.cli.main import main
 
     assert main(["estimate-memory", "--config", "grpo/qwen2_5_3B_lora_single_device"]) == 0
     out = capsys.readouterr().out
@@ -229,10 +229,10 @@ def test_child_peak_is_its_own_not_the_parents():
 
     ballast = torch.ones(1024**3 // 4)  # 1 GiB resident in this process
     assert ballast.sum() > 0
-    code = "from torchtune_grpo.memory import peak_rss_bytes; print(peak_rss_bytes())"
+    code = "from torchtune_grpo.training.memory import peak_rss_bytes; print(peak_rss_bytes())"
     child = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                check=True).stdout.split()[-1])
-    from torchtune_grpo.memory import peak_rss_bytes
+    from torchtune_grpo.training.memory import peak_rss_bytes
 
     assert peak_rss_bytes() > 1024**3
     assert child < 700 * 1024**2, child  # torch alone: ~250 MB
@@ -258,7 +258,7 @@ def test_rollout_holds_the_gathered_weights_under_fsdp():
     # a vLLM engine does not run the policy during the rollout: only the reference pass gathers
     vllm = estimate_memory(load_config(name, [
         "loss.kl_coeff=0.05",
-        "generator._component_=torchtune_grpo.rlhf.vllm_generation.VLLMGenerator"]), 8)
+        "generator._component_=torchtune_grpo.rollout.vllm_engine.VLLMGenerator"]), 8)
     assert vllm.phases["rollout"] == off.phases["rollout"]
     assert vllm.phases["reference"] == on.phases["reference"]
     one = [estimate_memory(load_config(name, ["batch_size=4", f"rollout_gather_weights={g}"]), 1)
@@ -272,7 +272,7 @@ def test_tools_size_the_kv_cache_for_the_models_context():
     import json
 
     base = ("batch_size=4", "group_size=8", "forward_batch_size=8", "max_generated_tokens=20")
-    tools = "tools=" + json.dumps([{"_component_": "torchtune_grpo.rlhf.tools.Calculator"}])
+    tools = "tools=" + json.dumps([{"_component_": "torchtune_grpo.rollout.tools.Calculator"}])
     plain = estimate_memory(_quickstart(*base), prompt_tokens=30)
     multi = estimate_memory(_quickstart(*base, tools), prompt_tokens=30)
     d = multi.dims

@@ -1,4 +1,4 @@
-"""Step timing and peak memory helpers of :mod:`torchtune_grpo.metrics`."""
+"""Step timing and peak memory helpers of :mod:`torchtune_grpo.training.metrics`."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import time
 
 import torch
 
-from torchtune_grpo.memory import peak_rss_bytes
-from torchtune_grpo.metrics import PhaseTimer, peak_memory_gb
+from torchtune_grpo.training.memory import peak_rss_bytes
+from torchtune_grpo.training.metrics import PhaseTimer, peak_memory_gb
 
 
 def test_phase_timer_accumulates_each_phase_separately():

@@ -15,30 +15,30 @@ import pytest
 import torch
 from _tool_components import ScriptedGenerator
 
-from torchtune_grpo.rlhf.forward import micro_batch_logprobs
-from torchtune_grpo.rlhf.generation import (
+from torchtune_grpo.policy.forward import micro_batch_logprobs
+from torchtune_grpo.rollout.native import (
     NativeGenerator,
     allowed_token_mask,
     logit_bias_from_mask,
     stop_token_ids,
 )
-from torchtune_grpo.rlhf.loss import GRPOLoss
-from torchtune_grpo.rlhf.multiturn import (
+from torchtune_grpo.algorithm.loss import GRPOLoss
+from torchtune_grpo.rollout.multiturn import (
     ToolStats,
     ToolUseGenerator,
     decode_with_tools,
     global_max,
     tool_segments,
 )
-from torchtune_grpo.rlhf.seeding import mix_seeds
-from torchtune_grpo.rlhf.tools import Calculator
-from torchtune_grpo.rlhf.trajectory import (
+from torchtune_grpo.rollout.seeding import mix_seeds
+from torchtune_grpo.rollout.tools import Calculator
+from torchtune_grpo.algorithm.trajectory import (
     Trajectory,
     concat_trajectories,
     pad_trajectory,
     trim_to_extent,
 )
-from torchtune_grpo.tiny import tiny_llama
+from torchtune_grpo.quickstart.tiny import tiny_llama
 
 SCRIPTS = {
     "A:": "x<calculator>2*3</calculator>y.",  # one call
@@ -335,14 +335,14 @@ def test_generator_builds_from_a_config_node(tokenizer):
     from torchtune import config as tt_config
 
     cfg = OmegaConf.create("""
-    _component_: torchtune_grpo.rlhf.multiturn.ToolUseGenerator
+    _component_: torchtune_grpo.rollout.multiturn.ToolUseGenerator
     max_tool_calls: 3
     tools:
-      - _component_: torchtune_grpo.rlhf.tools.Calculator
+      - _component_: torchtune_grpo.rollout.tools.Calculator
         max_digits: 12
       - _component_: _tool_components.WordCount
     syntax: {call_open: "[{name}:", call_close: "]", result_open: " = ", result_close: ";"}
-    inner: {_component_: torchtune_grpo.rlhf.generation.NativeGenerator}
+    inner: {_component_: torchtune_grpo.rollout.native.NativeGenerator}
     """)
     gen = tt_config.instantiate(cfg, tokenizer=tokenizer)
     assert sorted(gen.tools) == ["calculator", "words"] and gen.max_tool_calls == 3
@@ -501,7 +501,7 @@ TRANSCRIPTS = {"Q7:": "<calculator>12*7</calculator><result>84</result>=84",
 def calling_model(tmp_path_factory):
     """A tiny model overfitted to two transcripts: one with a calculator call, one whose
     ``>`` is a false alarm and whose ``<result>`` tags the model writes itself."""
-    from torchtune_grpo.tiny import tiny_tokenizer
+    from torchtune_grpo.quickstart.tiny import tiny_tokenizer
 
     tokenizer = tiny_tokenizer(tmp_path_factory.mktemp("tok"))
     torch.manual_seed(0)
@@ -570,9 +570,9 @@ def _fsdp_worker(rank: int, port: int, state_path: str, tok_dir: str, out_dir: s
 
     from omegaconf import OmegaConf
 
-    from torchtune_grpo import distributed as D
-    from torchtune_grpo.modeling import build_model
-    from torchtune_grpo.tiny import tiny_tokenizer
+    from torchtune_grpo.training import distributed as D
+    from torchtune_grpo.policy.model import build_model
+    from torchtune_grpo.quickstart.tiny import tiny_tokenizer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE="2", LOCAL_RANK=str(rank))
@@ -580,7 +580,7 @@ def _fsdp_worker(rank: int, port: int, state_path: str, tok_dir: str, out_dir: s
     D.init_distributed(torch.device("cpu"))
     try:
         tokenizer = tiny_tokenizer(tok_dir)
-        model = build_model(OmegaConf.create({"_component_": "torchtune_grpo.tiny.tiny_llama"}),
+        model = build_model(OmegaConf.create({"_component_": "torchtune_grpo.quickstart.tiny.tiny_llama"}),
                             torch.load(state_path), device=torch.device("cpu"),
                             dtype=torch.float32, world_size=2, trainable=False)
         counter = _CountingNative()
@@ -619,7 +619,7 @@ def test_two_fsdp_ranks_with_different_turns_match_one_process(calling_model, tm
     state_path = tmp_path / "state.pt"
     torch.save(model.state_dict(), state_path)
     tok_dir = tmp_path / "tok"
-    from torchtune_grpo.tiny import write_tiny_tokenizer
+    from torchtune_grpo.quickstart.tiny import write_tiny_tokenizer
 
     write_tiny_tokenizer(tok_dir)
     mp.spawn(_fsdp_worker, args=(free_port(), str(state_path), str(tok_dir), str(tmp_path)),

@@ -13,7 +13,7 @@ from torchtune_grpo.datasets import (
     multiplication_problems,
 )
 from torchtune_grpo.datasets.multiplication import MULTIPLICATION_SPLIT_SIZES
-from torchtune_grpo.quickstart import (
+from torchtune_grpo.quickstart.prepare import (
     QUICKSTART_MODEL_DIMS,
     copy_drills,
     direct_guess,
@@ -21,9 +21,9 @@ from torchtune_grpo.quickstart import (
     tool_rollout,
     tool_warmup,
 )
-from torchtune_grpo.rlhf.rewards import NumericCorrectness
-from torchtune_grpo.rlhf.tools import Calculator, ToolCallSyntax
-from torchtune_grpo.tiny import tiny_llama, tiny_tokenizer
+from torchtune_grpo.rewards.components import NumericCorrectness
+from torchtune_grpo.rollout.tools import Calculator, ToolCallSyntax
+from torchtune_grpo.quickstart.tiny import tiny_llama, tiny_tokenizer
 
 
 def test_splits_are_disjoint_fixed_and_cover_every_pair():
@@ -80,7 +80,7 @@ def test_direct_guess_is_plausible_and_never_right():
 
 def test_tool_warmup_is_deterministic_and_trains_only_model_text(tmp_path, monkeypatch):
     """Same seed, same weights; the loss never covers the tool's result tokens."""
-    import torchtune_grpo.quickstart as qs
+    import torchtune_grpo.quickstart.prepare as qs
 
     tokenizer = tiny_tokenizer(tmp_path)
     problems = multiplication_problems("warmup")[:50]

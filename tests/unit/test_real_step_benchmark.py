@@ -86,7 +86,7 @@ def test_decode_schedule_follows_the_rows_still_running():
 def test_decode_schedule_spans_and_the_timed_attention():
     """Each decode call attends over the padded prompt plus the tokens so far; the timed
     attention grows with the cache length and is interpolated between the timed lengths."""
-    from torchtune_grpo.tiny import tiny_llama
+    from torchtune_grpo.quickstart.tiny import tiny_llama
 
     module = _module()
     sched = module.decode_schedule([2, 4, 4, 4], [True, True, False, True], max_new=4,
@@ -106,7 +106,7 @@ def test_decode_schedule_spans_and_the_timed_attention():
 
 def test_phase_bounds_on_a_tiny_model_are_positive_and_consistent():
     """The FLOP, bandwidth and timed-matmul bounds of a tiny model agree with their parts."""
-    from torchtune_grpo.tiny import tiny_llama
+    from torchtune_grpo.quickstart.tiny import tiny_llama
 
     module = _module()
     torch.manual_seed(0)
@@ -158,7 +158,7 @@ def test_memory_read_bandwidth_is_positive():
 
 def test_update_matmul_seconds_grows_with_the_tokens():
     """The timed update bound times real matmuls: 32x the tokens take longer."""
-    from torchtune_grpo.tiny import tiny_llama
+    from torchtune_grpo.quickstart.tiny import tiny_llama
 
     module = _module()
     torch.manual_seed(0)

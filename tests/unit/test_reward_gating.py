@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from torchtune_grpo.config import list_shipped_configs, load_config
+from torchtune_grpo.training.config import list_shipped_configs, load_config
 from torchtune_grpo.datasets import (
     ADDITION_TEMPLATE,
     ARITHMETIC_TEMPLATE,
@@ -17,7 +17,7 @@ from torchtune_grpo.datasets import (
     format_reference_completion,
     resolve_template,
 )
-from torchtune_grpo.rlhf.reward_set import build_reward_set
+from torchtune_grpo.rewards.reward_set import build_reward_set
 
 #: Each dataset builder's default template (a config's ``dataset.template`` wins).
 DEFAULT_TEMPLATES = {
@@ -82,9 +82,9 @@ def test_no_shipped_config_pays_a_wrong_answer_for_its_form(name):
 
 def test_requires_success_pays_bonuses_only_to_successes_and_keeps_penalties():
     rewards = build_reward_set([
-        {"_component_": "torchtune_grpo.rlhf.rewards.NumericCorrectness", "answer_tag": None,
+        {"_component_": "torchtune_grpo.rewards.components.NumericCorrectness", "answer_tag": None,
          "answer_phrase": "The answer is", "fallback": "last_number", "success": True},
-        {"_component_": "torchtune_grpo.rlhf.rewards.AnswerPhraseFormat", "weight": 0.2,
+        {"_component_": "torchtune_grpo.rewards.components.AnswerPhraseFormat", "weight": 0.2,
          "requires_success": True},
         {"_component_": "tests.unit.test_reward_gating.signed", "weight": 1.0,
          "requires_success": True},
@@ -109,5 +109,5 @@ def signed(completions, answers, **kwargs):
 ])
 def test_requires_success_is_checked(entry, message):
     with pytest.raises(ValueError, match=message):
-        build_reward_set([{"_component_": "torchtune_grpo.rlhf.rewards.NumericCorrectness",
+        build_reward_set([{"_component_": "torchtune_grpo.rewards.components.NumericCorrectness",
                            **entry}])

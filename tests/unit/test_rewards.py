@@ -1,5 +1,5 @@
-"""Tests of answer parsing (rlhf.answers), the shipped components (rlhf.rewards), RewardSet
-(rlhf.reward_set)."""
+"""Tests of answer parsing (rewards.answers), the shipped components (rewards.components), RewardSet
+(rewards.reward_set)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from torchtune_grpo.rlhf.answers import extract_tagged, numbers_match, parse_number
-from torchtune_grpo.rlhf.reward_set import RewardEntry, RewardSet, build_reward_set
-from torchtune_grpo.rlhf.rewards import FormatReward, NumericCorrectness
+from torchtune_grpo.rewards.answers import extract_tagged, numbers_match, parse_number
+from torchtune_grpo.rewards.reward_set import RewardEntry, RewardSet, build_reward_set
+from torchtune_grpo.rewards.components import FormatReward, NumericCorrectness
 
 # ------------------------------------------------------------------ user-defined components
 # Plugged in below purely by their `_component_` path, as a user's own module would be.
@@ -336,8 +336,8 @@ def _cfg(entries):
     return OmegaConf.create(entries)
 
 
-CORRECT = "torchtune_grpo.rlhf.rewards.NumericCorrectness"
-FORMAT = "torchtune_grpo.rlhf.rewards.FormatReward"
+CORRECT = "torchtune_grpo.rewards.components.NumericCorrectness"
+FORMAT = "torchtune_grpo.rewards.components.FormatReward"
 
 
 def test_reward_set_weighting_and_success():
@@ -420,8 +420,8 @@ def test_kwargs_are_passed_through():
         ([{"_component_": CORRECT}, {"name": "x"}], r"rewards\[1\]: missing `_component_`"),
         ([{"_component_": "no_such_module.Reward"}], r"rewards\[0\].*'no_such_module.Reward'"),
         (
-            [{"_component_": CORRECT}, {"_component_": "torchtune_grpo.rlhf.rewards.Nope"}],
-            r"rewards\[1\].*torchtune_grpo.rlhf.rewards.Nope.*does not import",
+            [{"_component_": CORRECT}, {"_component_": "torchtune_grpo.rewards.components.Nope"}],
+            r"rewards\[1\].*torchtune_grpo.rewards.components.Nope.*does not import",
         ),
         (
             [{"_component_": CORRECT, "success": True}, {"_component_": FORMAT, "success": True}],
@@ -440,7 +440,7 @@ def test_kwargs_are_passed_through():
             r"rewards\[1\]: `success_threshold`",
         ),
         ([{"_component_": CORRECT, "tag": "x"}], r"rewards\[0\].*could not construct.*tag"),
-        ([{"_component_": "torchtune_grpo.rlhf.rewards.DEFAULT_SUCCESS_THRESHOLD"}], "callable"),
+        ([{"_component_": "torchtune_grpo.rewards.components.DEFAULT_SUCCESS_THRESHOLD"}], "callable"),
     ],
 )
 def test_build_errors(entries, match):
@@ -450,8 +450,8 @@ def test_build_errors(entries, match):
 
 def test_reward_entry_keys_are_checked_in_one_place():
     """build_reward_set, RewardSet and validate_config all go through check_reward_entry."""
-    from torchtune_grpo.config import ConfigError, load_config, validate_config
-    from torchtune_grpo.rlhf.reward_set import REWARD_ENTRY_KEYS, check_reward_entry
+    from torchtune_grpo.training.config import ConfigError, load_config, validate_config
+    from torchtune_grpo.rewards.reward_set import REWARD_ENTRY_KEYS, check_reward_entry
 
     assert REWARD_ENTRY_KEYS == {
         "_component_", "weight", "name", "success", "success_threshold", "on_error",
@@ -550,7 +550,7 @@ def test_reward_set_direct_construction():
 
 
 def test_overlong_penalty_hand_values():
-    from torchtune_grpo.rlhf.rewards import OverlongPenalty
+    from torchtune_grpo.rewards.components import OverlongPenalty
 
     pen = OverlongPenalty(cache_tokens=4)
     # L = 10: no penalty up to 6 tokens, then -(n - 6) / 4, -1 beyond 10
@@ -565,7 +565,7 @@ def test_overlong_penalty_hand_values():
 
 # ---------------------------------------------------------------- plain-text answer phrase
 def test_answer_phrase_correctness():
-    from torchtune_grpo.rlhf.rewards import NumericCorrectness
+    from torchtune_grpo.rewards.components import NumericCorrectness
 
     fn = NumericCorrectness(answer_tag=None, answer_phrase="The answer is")
     completions = [
@@ -584,7 +584,7 @@ def test_answer_phrase_correctness():
 
 
 def test_answer_phrase_format():
-    from torchtune_grpo.rlhf.rewards import AnswerPhraseFormat
+    from torchtune_grpo.rewards.components import AnswerPhraseFormat
 
     fn = AnswerPhraseFormat("The answer is")
     completions = ["Steps.\nThe answer is 7.", "The answer is 7.\nMore text after it.",

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchtune_grpo.rlhf.forward import (
+from torchtune_grpo.policy.forward import (
     SharedPrefixSegments,
     micro_batch_logprobs,
     packed_micro_batch_logprobs,
 )
-from torchtune_grpo.rlhf.loss import GRPOLoss
-from torchtune_grpo.rlhf.trajectory import prompt_mask
-from torchtune_grpo.tiny import tiny_llama
+from torchtune_grpo.algorithm.loss import GRPOLoss
+from torchtune_grpo.algorithm.trajectory import prompt_mask
+from torchtune_grpo.quickstart.tiny import tiny_llama
 
 PAD, P, T = 0, 16, 20
 GROUPS, G = 3, 4  # 12 rows: 3 prompts, 4 responses each

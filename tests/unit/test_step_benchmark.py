@@ -20,8 +20,8 @@ def _step_module():
 
 
 def test_phase_flops_count_real_tokens_only():
-    from torchtune_grpo.rlhf.trajectory import Trajectory
-    from torchtune_grpo.tiny import tiny_llama
+    from torchtune_grpo.algorithm.trajectory import Trajectory
+    from torchtune_grpo.quickstart.tiny import tiny_llama
 
     step = _step_module()
     model = tiny_llama(vocab_size=64, num_layers=2, num_heads=2, num_kv_heads=1, embed_dim=32,

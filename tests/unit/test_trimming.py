@@ -8,19 +8,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchtune_grpo.rlhf.forward import (
+from torchtune_grpo.policy.forward import (
     PackedSegments,
     micro_batch_logprobs,
     packed_micro_batch_logprobs,
 )
-from torchtune_grpo.rlhf.loss import GRPOLoss
-from torchtune_grpo.rlhf.trajectory import (
+from torchtune_grpo.algorithm.loss import GRPOLoss
+from torchtune_grpo.algorithm.trajectory import (
     attention_mask,
     position_ids,
     prompt_mask,
     trim_to_extent,
 )
-from torchtune_grpo.tiny import tiny_llama
+from torchtune_grpo.quickstart.tiny import tiny_llama
 
 PAD = 0
 N, P, T, MB = 12, 20, 24, 4  # rows, padded prompt and response lengths, micro-batch size

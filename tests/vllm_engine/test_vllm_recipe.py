@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("vllm")
 
 from tests.recipes._helpers import metrics, quickstart_overrides, run_tune  # noqa: E402
-from torchtune_grpo.tiny import (  # noqa: E402
+from torchtune_grpo.quickstart.tiny import (  # noqa: E402
     TINY_MODEL_DIMS,  # noqa: E402
     tiny_llama,
     tiny_tokenizer,
@@ -21,7 +21,7 @@ from torchtune_grpo.tiny import (  # noqa: E402
 
 #: vLLM's CPU attention needs head_dim >= 32 (the quickstart model has 16).
 DIMS = dict(TINY_MODEL_DIMS, embed_dim=128, num_heads=2, num_kv_heads=1)
-VLLM = "torchtune_grpo.rlhf.vllm_generation.VLLMGenerator"
+VLLM = "torchtune_grpo.rollout.vllm_engine.VLLMGenerator"
 TOLERANCE = 1e-3  # as in test_vllm_generator.py
 
 

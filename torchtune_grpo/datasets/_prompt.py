@@ -293,7 +293,7 @@ class PromptDataset(Dataset):
         skipped_rows: rows the caller already dropped (added to :attr:`skipped_rows`).
         name: the dataset's name, used in error messages.
         difficulty_file: a file of per-row pass rates from ``tune-grpo difficulty``
-            (:mod:`torchtune_grpo.difficulty`); only rows whose pass rate lies strictly inside
+            (:mod:`torchtune_grpo.evaluation.difficulty`); only rows whose pass rate lies strictly inside
             ``difficulty_band`` are kept. ``None``: every row.
         difficulty_band: ``[low, high]``, ``0 <= low < high <= 1``; default ``(0, 1)``: the
             rows the scoring model solved sometimes.
@@ -338,7 +338,7 @@ class PromptDataset(Dataset):
         #: rows left out by ``difficulty_file`` (pass rate outside ``difficulty_band``)
         self.dropped_by_difficulty = 0
         if difficulty_file is not None:
-            from torchtune_grpo.difficulty import select_by_difficulty
+            from torchtune_grpo.evaluation.difficulty import select_by_difficulty
 
             samples, self.dropped_by_difficulty = select_by_difficulty(
                 list(samples), difficulty_file, difficulty_band, name=name)

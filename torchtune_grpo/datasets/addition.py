@@ -8,10 +8,10 @@ echoing the first operand, the typical mistake, never scores).
 
 The 4096 problems are shuffled once with a fixed seed (:data:`SPLIT_SEED`, independent of a
 run's seed) and cut into three disjoint splits: ``test`` (held out for evaluation),
-``warmup`` (only for the quickstart's supervised warm-up, see :mod:`torchtune_grpo.quickstart`)
+``warmup`` (only for the quickstart's supervised warm-up, see :mod:`torchtune_grpo.quickstart.prepare`)
 and ``train`` (GRPO prompts). The prompt is the plain text ``"3812+1111="`` after the BOS
 token; the completion is the sum, ended by a stop token, and is scored by
-:class:`~torchtune_grpo.rlhf.rewards.NumericCorrectness` with ``answer_tag: null``.
+:class:`~torchtune_grpo.rewards.components.NumericCorrectness` with ``answer_tag: null``.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def addition_dataset(
         limit: keep only the first ``limit`` problems of the split.
         difficulty_file: per-row pass rates from ``tune-grpo difficulty``: keep only the rows
             whose pass rate lies strictly inside ``difficulty_band``
-            (:mod:`torchtune_grpo.difficulty`). ``None``: every row.
+            (:mod:`torchtune_grpo.evaluation.difficulty`). ``None``: every row.
         difficulty_band: ``[low, high]``, default ``[0, 1]``: the rows solved sometimes.
     """
     problems = addition_problems(split)[:limit]

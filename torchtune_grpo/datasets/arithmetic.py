@@ -129,7 +129,7 @@ def arithmetic_dataset(
         limit: keep only the first ``limit`` problems of the split.
         difficulty_file: per-row pass rates from ``tune-grpo difficulty``: keep only the rows
             whose pass rate lies strictly inside ``difficulty_band``
-            (:mod:`torchtune_grpo.difficulty`). ``None``: every row.
+            (:mod:`torchtune_grpo.evaluation.difficulty`). ``None``: every row.
         difficulty_band: ``[low, high]``, default ``[0, 1]``: the rows solved sometimes.
 
     Raises:

@@ -100,7 +100,7 @@ def gsm8k_dataset(
             and count them in ``dataset.skipped_rows``.
         difficulty_file: per-row pass rates from ``tune-grpo difficulty``: keep only the rows
             whose pass rate lies strictly inside ``difficulty_band``
-            (:mod:`torchtune_grpo.difficulty`). ``None``: every row.
+            (:mod:`torchtune_grpo.evaluation.difficulty`). ``None``: every row.
         difficulty_band: ``[low, high]``, default ``[0, 1]``: the rows solved sometimes.
         **load_kwargs: passed to ``datasets.load_dataset`` (e.g. ``cache_dir``).
 

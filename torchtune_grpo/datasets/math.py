@@ -4,7 +4,7 @@ Both formats hold a ``problem`` and a gold answer, either as an ``answer`` field
 DeepScaleR, the rllm JSON files) or as the last ``\\boxed{...}`` of a worked ``solution`` (the
 original MATH release). The answer field wins when a row has both. Gold answers are LaTeX
 (``"\\frac{14}{3}"``, ``"(3, -1)"``, ``"\\text{Evelyn}"``) and are meant to be graded with
-:class:`~torchtune_grpo.rlhf.math_grading.MathEquivalence`.
+:class:`~torchtune_grpo.rewards.math_grading.MathEquivalence`.
 
 The default prompt, :data:`MATH_TEMPLATE`, asks for step-by-step reasoning with the final answer
 in ``\\boxed{}``; :func:`format_boxed_completion` writes a gold completion in that format.
@@ -18,7 +18,7 @@ from typing import Any
 
 from torchtune_grpo.datasets._builder import InvalidRow, build_prompt_dataset, required_text
 from torchtune_grpo.datasets._prompt import PromptDataset, PromptTemplate
-from torchtune_grpo.rlhf.answers import extract_boxed
+from torchtune_grpo.rewards.answers import extract_boxed
 
 __all__ = [
     "MATH_SUBJECTS",
@@ -196,7 +196,7 @@ def math_dataset(
             them in ``dataset.skipped_rows``.
         difficulty_file: per-row pass rates from ``tune-grpo difficulty``: keep only the rows
             whose pass rate lies strictly inside ``difficulty_band``
-            (:mod:`torchtune_grpo.difficulty`). ``None``: every row.
+            (:mod:`torchtune_grpo.evaluation.difficulty`). ``None``: every row.
         difficulty_band: ``[low, high]``, default ``[0, 1]``: the rows solved sometimes.
         **load_kwargs: passed to ``datasets.load_dataset``.
 
@@ -247,7 +247,7 @@ def deepscaler_dataset(
         invalid_rows: ``"error"`` or ``"skip"`` (see :func:`math_dataset`).
         difficulty_file: per-row pass rates from ``tune-grpo difficulty``: keep only the rows
             whose pass rate lies strictly inside ``difficulty_band``
-            (:mod:`torchtune_grpo.difficulty`). ``None``: every row.
+            (:mod:`torchtune_grpo.evaluation.difficulty`). ``None``: every row.
         difficulty_band: ``[low, high]``, default ``[0, 1]``: the rows solved sometimes.
         **load_kwargs: passed to ``datasets.load_dataset``.
 

@@ -4,13 +4,13 @@
 two-digit (10-99) and a three-digit (100-999) operand, 81,000 problems whose products have
 four or five digits. The tiny quickstart model cannot compute such products in its head (it
 would have to learn long multiplication), but it can learn to **call the calculator tool**
-(:class:`~torchtune_grpo.rlhf.tools.Calculator`) and copy the result into its answer::
+(:class:`~torchtune_grpo.rollout.tools.Calculator`) and copy the result into its answer::
 
     What is 37*412?<calculator>37*412</calculator><result>15244</result>Answer: 15244
 
 (prompt, the model's call, the tool's result, the model's final answer). The final answer is
 the number after the model's last ``Answer:`` (:data:`MULTIPLICATION_ANSWER_PHRASE`), scored by
-:class:`~torchtune_grpo.rlhf.rewards.NumericCorrectness` with ``answer_tag: null`` and
+:class:`~torchtune_grpo.rewards.components.NumericCorrectness` with ``answer_tag: null`` and
 ``answer_phrase: "Answer:"``: the tool's own ``<result>`` is never read as the answer, so a
 completion that calls the tool and stops earns nothing (the reward is on the final answer
 only, never on calling the tool).
@@ -18,7 +18,7 @@ only, never on calling the tool).
 The problems are shuffled once with a fixed seed (:data:`SPLIT_SEED`, independent of a run's
 seed) and cut into three disjoint splits: ``test`` (held out for evaluation), ``warmup`` (only
 for the supervised warm-up of ``tune-grpo prepare-quickstart --tools``, see
-:mod:`torchtune_grpo.quickstart`) and ``train`` (GRPO prompts). The prompt is the plain text
+:mod:`torchtune_grpo.quickstart.prepare`) and ``train`` (GRPO prompts). The prompt is the plain text
 ``"What is 37*412?"`` after the BOS token, no chat template.
 """
 
@@ -102,7 +102,7 @@ def multiplication_dataset(
         limit: keep only the first ``limit`` problems of the split.
         difficulty_file: per-row pass rates from ``tune-grpo difficulty``: keep only the rows
             whose pass rate lies strictly inside ``difficulty_band``
-            (:mod:`torchtune_grpo.difficulty`). ``None``: every row.
+            (:mod:`torchtune_grpo.evaluation.difficulty`). ``None``: every row.
         difficulty_band: ``[low, high]``, default ``[0, 1]``: the rows solved sometimes.
     """
     problems = multiplication_problems(split)[:limit]

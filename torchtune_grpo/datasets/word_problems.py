@@ -173,7 +173,7 @@ def word_problem_dataset(
         operations: which of ``add``, ``sub``, ``mul``, ``div`` to keep.
         difficulty_file: per-row pass rates from ``tune-grpo difficulty``: keep only the rows
             whose pass rate lies strictly inside ``difficulty_band``
-            (:mod:`torchtune_grpo.difficulty`). ``None``: every row.
+            (:mod:`torchtune_grpo.evaluation.difficulty`). ``None``: every row.
         difficulty_band: ``[low, high]``, default ``[0, 1]``: the rows solved sometimes.
 
     Raises:

@@ -240,7 +240,7 @@ def hf_model(model_dir: str, max_seq_len: int | None = None) -> nn.Module:
     """A torchtune decoder with the architecture of the HF folder ``model_dir``.
 
     Only ``config.json`` is read; the weights are loaded by the checkpointer
-    (:func:`torchtune_grpo.checkpointing.hf_checkpointer`).
+    (:func:`torchtune_grpo.training.checkpointing.hf_checkpointer`).
 
     Args:
         model_dir: the HF model folder.

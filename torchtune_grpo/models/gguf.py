@@ -572,7 +572,7 @@ def _next_commands(folder: Path, model: str) -> list[str]:
     recipe read from the ``tune run ...`` line of their header), else the generic form."""
     commands = []
     try:
-        from torchtune_grpo.config import list_shipped_configs, resolve_config_path
+        from torchtune_grpo.training.config import list_shipped_configs, resolve_config_path
 
         names = sorted((c for c in list_shipped_configs() if model and model in c.lower()),
                        key=lambda c: ("eval" in c, c))

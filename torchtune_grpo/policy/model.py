@@ -1,0 +1,195 @@
+"""Building the policy (and reference) model, plain or FSDP2-sharded, and its token rules.
+
+Shared by the training recipes and ``grpo_eval``: with one rank the model is built directly on
+its device; with several it is built on the meta device, sharded with torchtune's
+``shard_model`` and filled from the full state dict with ``load_from_full_model_state_dict``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torchtune import config, modules, training
+from torchtune.modules.peft import (
+    DoRALinear,
+    LoRALinear,
+    get_adapter_params,
+    set_trainable_params,
+)
+
+from torchtune_grpo.policy.forward import install_output_modes
+from torchtune_grpo.rollout.native import (
+    allowed_token_mask,
+    logit_bias_from_mask,
+    stop_token_ids,
+)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def meta_model(cfg_model: DictConfig) -> nn.Module:
+    """The ``model`` config instantiated on the meta device: its shape, no memory, no load."""
+    with torch.device("meta"):
+        return config.instantiate(cfg_model)
+
+
+def has_adapters(model: nn.Module) -> bool:
+    """Whether ``model`` has LoRA/DoRA adapters (torchtune's ``lora_*`` builders)."""
+    return bool(get_adapter_params(model))
+
+
+def _check_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor],
+                      adapter_names: set[str] = frozenset()) -> None:
+    """Raise a ValueError naming the first parameter whose name or shape does not match.
+
+    Adapter parameters (``adapter_names``) may be absent: a base checkpoint has none.
+    """
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing = sorted(set(expected) - set(state_dict) - set(adapter_names))
+    unexpected = sorted(set(state_dict) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            "the checkpoint does not match the config's `model` (check `model` and "
+            "`checkpointer.checkpoint_files`): "
+            + (f"missing {missing[:5]} " if missing else "")
+            + (f"unexpected {unexpected[:5]}" if unexpected else "")
+        )
+    for name, shape in expected.items():
+        if name not in state_dict:  # an adapter the base checkpoint does not have
+            continue
+        got = tuple(state_dict[name].shape)
+        if got != shape:
+            raise ValueError(
+                f"the checkpoint does not match the config's `model`: parameter {name!r} has "
+                f"shape {list(got)} in the checkpoint but {list(shape)} in the model"
+            )
+
+
+def build_model(
+    cfg_model: DictConfig,
+    state_dict: dict[str, torch.Tensor],
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    world_size: int,
+    trainable: bool = True,
+    activation_checkpointing: bool = False,
+    fsdp_cpu_offload: bool = False,
+    reshard_after_forward: bool = True,
+    adapter_state_dict: dict[str, torch.Tensor] | None = None,
+    dp_mesh: Any = None,
+) -> nn.Module:
+    """Instantiate ``cfg_model``, load ``state_dict`` and prepare it for GRPO.
+
+    For a LoRA/DoRA model (torchtune's ``lora_*`` builders) ``state_dict`` holds the base
+    weights, the adapters start from their initialisation (or ``adapter_state_dict`` when
+    resuming) and only the adapters train.
+
+    Args:
+        cfg_model: the ``model`` config node.
+        state_dict: full torchtune-format weights.
+        device: target device.
+        dtype: parameter dtype.
+        world_size: ranks; above 1 the model is FSDP2-sharded.
+        trainable: False freezes it and puts it in eval mode (reference model, evaluation).
+        activation_checkpointing: wrap transformer layers (trainable models only).
+        fsdp_cpu_offload: keep FSDP shards on CPU.
+        reshard_after_forward: FSDP2 ``reshard_after_forward``.
+        adapter_state_dict: LoRA adapter weights to resume from.
+        dp_mesh: the FSDP2 ``DeviceMesh`` to shard over (None: every rank of the default
+            process group; the asynchronous recipe passes its trainer ranks' mesh).
+    """
+    checkpointing = trainable and activation_checkpointing
+    if world_size > 1:
+        with training.set_default_dtype(dtype), torch.device("meta"):
+            model = config.instantiate(cfg_model)
+        adapters = {n for n, _ in get_adapter_params(model).items()}
+        _check_state_dict(model, state_dict, adapters)
+        if adapters:
+            set_trainable_params(model, get_adapter_params(model))
+        if checkpointing:
+            training.set_activation_checkpointing(
+                model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
+            )
+        training.shard_model(
+            model=model,
+            shard_conditions=[partial(training.get_shard_conditions, names_to_match=None)],
+            cpu_offload=fsdp_cpu_offload,
+            reshard_after_forward=reshard_after_forward,
+            dp_mesh=dp_mesh,
+        )
+        with training.set_default_dtype(dtype), device:
+            for module in model.modules():
+                if isinstance(module, (LoRALinear, DoRALinear)):
+                    module.to_empty(device="cpu" if fsdp_cpu_offload else device)
+                    module.initialize_parameters()
+                if hasattr(module, "rope_init"):
+                    module.rope_init()
+        training.load_from_full_model_state_dict(
+            model, state_dict, device, strict=not adapters, cpu_offload=fsdp_cpu_offload
+        )
+        if adapter_state_dict:
+            training.load_from_full_model_state_dict(
+                model, adapter_state_dict, device, strict=False, cpu_offload=fsdp_cpu_offload
+            )
+    else:
+        with training.set_default_dtype(dtype), device:
+            model = config.instantiate(cfg_model)
+        adapters = {n for n, _ in get_adapter_params(model).items()}
+        _check_state_dict(model, state_dict, adapters)
+        model.load_state_dict(state_dict, strict=not adapters)
+        if adapter_state_dict:
+            model.load_state_dict(adapter_state_dict, strict=False)
+        if adapters:
+            set_trainable_params(model, get_adapter_params(model))
+        if checkpointing:
+            training.set_activation_checkpointing(
+                model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
+            )
+    install_output_modes(model)
+    if not trainable:
+        model.eval()
+        model.requires_grad_(False)
+    return model
+
+
+def output_vocab_size(model: nn.Module) -> int:
+    """``V``: rows of the output projection (tied or not)."""
+    out = model.output
+    weight = getattr(out, "weight", None)
+    if weight is None:  # torchtune's TiedLinear
+        weight = out.tied_module.weight
+    return int(weight.shape[0])
+
+
+@dataclass
+class TokenRules:
+    """What sampling may emit and where it stops.
+
+    Attributes:
+        allowed: ``[V]`` bool, ids sampling may emit (ordinary vocabulary and stop tokens).
+        logit_bias: ``[V]`` float32 on the device, 0 or ``-inf``.
+        stop_tokens: ``[s]`` stop ids on the device.
+        pad_id: padding id.
+    """
+
+    allowed: torch.Tensor
+    logit_bias: torch.Tensor
+    stop_tokens: torch.Tensor
+    pad_id: int
+
+
+def token_rules(tokenizer: Any, model: nn.Module, device: torch.device) -> TokenRules:
+    """The :class:`TokenRules` of ``tokenizer`` for ``model``'s vocabulary."""
+    allowed = allowed_token_mask(tokenizer, output_vocab_size(model))
+    return TokenRules(
+        allowed=allowed,
+        logit_bias=logit_bias_from_mask(allowed).to(device),
+        stop_tokens=torch.tensor(stop_token_ids(tokenizer), device=device),
+        pad_id=int(getattr(tokenizer, "pad_id", 0) or 0),
+    )

@@ -1,1 +1,0 @@
-"""GRPO building blocks: rollout generation, rewards, advantages, losses, log-probs."""

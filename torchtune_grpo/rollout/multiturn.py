@@ -1,0 +1,688 @@
+"""Multi-turn rollouts with tools: a row pauses on a tool call, gets the result, continues.
+
+:class:`ToolUseGenerator` implements the :class:`~torchtune_grpo.rollout.protocol.Generator`
+protocol by wrapping another generator (the *inner* one, by default
+:class:`~torchtune_grpo.rollout.native.NativeGenerator`) and calling its ``generate`` once per
+**turn**:
+
+1. Turn 0 samples the ``group_size`` completions of every prompt, as a single-turn rollout
+   does, except that the stop tokens also include every id that **may finish a call's close
+   tag** (every allowed token whose text holds the tag's last character, e.g. ``>``).
+2. After each turn, the rows that ended on such a token are checked on their *decoded text*:
+   a close tag (``</calculator>``) that the last token completed is a tool call. The tool runs
+   (:func:`~torchtune_grpo.rollout.tools.run_tool`: never raises), its result is formatted
+   (``<result>84</result>``), encoded without BOS/EOS (and without any stop token a tokenizer
+   may parse out of the result's text) and appended to the row as **tool tokens**
+   (``tool_mask``). A token that may finish a tag but did not (a ``>`` in other text)
+   is a false alarm: the row just continues.
+3. Every row that has neither stopped (a real stop token) nor used up its budget continues in
+   the next turn: one more inner ``generate`` call whose prompt is the row's prompt plus
+   everything so far (model and tool tokens), left-padded. The rows of a turn may be at
+   different turns of their own conversations; each turn re-prefills its rows (no KV cache
+   survives between turns), which costs one prefill per tool call.
+
+Why stop tokens rather than a text check at every decode step: a close tag spans several
+tokens with byte-level tokenizers, so no single id marks it, and the inner engines decode
+without per-step callbacks (vLLM cannot take one at all). Stopping on every id that *could*
+finish a tag, then checking the text, is exact (no call is missed, none is invented) and
+costs one extra turn per false alarm; with the default tags that is a ``>`` written outside a
+tag, which arithmetic text rarely has.
+
+**Positions.** A turn's prompt is a row's whole sequence so far, so a row with little budget
+left can decode, until the turn ends, past ``P + max_generated_tokens``; the turn's budget is
+therefore also capped so that no row of any rank decodes past the model's ``max_seq_len``
+(found with one more :func:`global_max`). When that cap binds (a model whose ``max_seq_len``
+is about the longest prompt plus ``max_generated_tokens``), a row cut by it continues in the
+next turn with the next turn's seed: the rollout stays deterministic, but such a row then
+depends on how long the others in its turn are.
+
+**Budgets.** A completion holds at most ``max_generated_tokens`` response tokens, model and
+tool tokens together, and at most ``max_tool_calls`` tool results; a result longer than the
+room left is cut to it and the row ends (truncated, ``stopped`` False); a call completed by
+the budget's last token is not run (no room for a result). Once a row has made
+``max_tool_calls`` calls, further close tags it writes are ordinary text. A turn is generated
+with the largest budget left among the pending rows of all ranks; a row's tokens past its own
+budget are dropped (a token never depends on the tokens after it, so this is what a per-row
+limit would have sampled).
+
+**Lockstep across ranks.** Every inner ``generate`` call runs collectives (FSDP forwards and
+the ``all_done`` decisions), so every rank must make the same calls with the same number of
+micro-batches and the same ``max_generated_tokens``. The loop keeps that with ``all_done``
+itself (a logical AND over ranks): each turn first asks whether every rank is done; the
+turn's token budget and row count are the maxima over ranks, found by a search of
+``all_done(value <= k)`` questions (:func:`global_max`, about ``2 log2(value)`` calls of a
+one-element all-reduce). A rank with fewer pending rows pads its turn with copies of one of
+them (same prompt and seed: they decode exactly alongside it and are discarded); a rank with
+none runs copies of a finished row's prompt under a bias that allows only the stop tokens, so
+its rows stop at once and it just follows the others' decode steps through ``all_done``.
+
+**Determinism.** Sample ``g`` of prompt ``b`` draws, in its turn ``k``, from the seed
+``mix_seeds(mix_seeds(prompt_seeds[b], g), k)`` (turn 0: ``mix_seeds(prompt_seeds[b], g)``,
+exactly the single-turn seed), so a completion is a function of the weights, its prompt, its
+seed and ``g`` only, not of the other rows, ranks or ``forward_batch_size`` (up to the float
+effects of batching that the inner engine documents). With no tool call and no false alarm
+the result equals the inner engine's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchtune_grpo.rollout.protocol import GenerationContext, Generator
+from torchtune_grpo.rollout.seeding import mix_seeds
+from torchtune_grpo.rollout.tools import (
+    ERROR_PREFIX,
+    ChatTemplateToolSyntax,
+    Tool,
+    ToolCallSyntax,
+    build_tools,
+    call_tool_json,
+    is_error,
+    make_tool_syntax,
+    run_tool,
+    tool_schema,
+)
+from torchtune_grpo.algorithm.trajectory import Trajectory
+
+__all__ = [
+    "ToolStats",
+    "ToolUseGenerator",
+    "decode_with_tools",
+    "global_max",
+    "runs_policy",
+    "tool_segments",
+]
+
+
+#: A result longer than this many characters per token of room left is cut before encoding.
+_CHARS_PER_TOKEN_CAP = 64
+
+
+def _local(local_done: bool) -> bool:
+    return local_done
+
+
+def global_max(value: int, all_done: Callable[[bool], bool] | None) -> int:
+    """The maximum of a non-negative int over ranks, from ``all_done`` questions alone.
+
+    ``all_done(x)`` is True when ``x`` is True on every rank. An exponential then a binary
+    search over ``k`` asks ``all_done(value <= k)``; every rank asks the same questions in the
+    same order (each depends only on earlier collective answers), so the collectives match.
+
+    Args:
+        value: this rank's value, ``>= 0``.
+        all_done: the recipe's ``all_done`` collective (None: this rank alone).
+
+    Returns:
+        The largest ``value`` over ranks.
+    """
+    if value < 0:
+        raise ValueError(f"global_max needs a non-negative value, got {value}")
+    if all_done is None:
+        return value
+    high = 1
+    while not all_done(value <= high):
+        high *= 2
+    low = 0
+    while low < high:
+        mid = (low + high) // 2
+        if all_done(value <= mid):
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
+
+@dataclass
+class ToolStats:
+    """Tool-use counts summed over rollouts (this rank), for the ``tools/...`` metrics.
+
+    Attributes:
+        completions (int): completions generated.
+        calls (int): tool calls made (results appended).
+        errors (int): results that report an error (``error: ...``).
+        result_tokens (int): tool-result tokens appended.
+    """
+
+    completions: int = 0
+    calls: int = 0
+    errors: int = 0
+    result_tokens: int = 0
+
+    def __add__(self, other: "ToolStats") -> "ToolStats":
+        """The counts of two sets of rollouts together."""
+        return ToolStats(self.completions + other.completions, self.calls + other.calls,
+                         self.errors + other.errors, self.result_tokens + other.result_tokens)
+
+    def as_tensor(self) -> torch.Tensor:
+        """``[4]`` float64 (completions, calls, errors, result_tokens): all-reduce with SUM."""
+        return torch.tensor([self.completions, self.calls, self.errors, self.result_tokens],
+                            dtype=torch.float64)
+
+    @staticmethod
+    def metrics(sums: torch.Tensor | "ToolStats") -> dict[str, float]:
+        """The logged metrics from (all-reduced) sums.
+
+        Args:
+            sums: a :class:`ToolStats` or its :meth:`as_tensor` (summed over ranks).
+
+        Returns:
+            ``tools/calls_per_completion``, ``tools/errors`` (per completion) and
+            ``tools/result_tokens`` (per completion).
+        """
+        if isinstance(sums, ToolStats):
+            sums = sums.as_tensor()
+        completions, calls, errors, tokens = (float(x) for x in sums.tolist())
+        per = 1.0 / completions if completions > 0 else 0.0
+        return {
+            "tools/calls_per_completion": calls * per,
+            "tools/errors": errors * per,
+            "tools/result_tokens": tokens * per,
+        }
+
+
+@dataclass
+class _Row:
+    """One completion being built (host-side lists; ``resp`` holds model and tool ids)."""
+
+    prompt: list[int]
+    seed: int | None
+    remaining: int
+    resp: list[int] = field(default_factory=list)
+    policy: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    calls: int = 0
+    errors: int = 0
+    stopped: bool = False
+    pending: bool = True
+
+
+class ToolUseGenerator(Generator):
+    """A rollout engine whose completions may call tools (see the module docstring).
+
+    Args:
+        tools (Sequence): :class:`~torchtune_grpo.rollout.tools.Tool` objects, or the config's
+            list of ``{_component_: ...}`` entries (built with
+            :func:`~torchtune_grpo.rollout.tools.build_tools`).
+        tokenizer: the run's tokenizer (``encode(text, add_bos=False, add_eos=False)`` and
+            ``decode(ids)``); may be given later with :meth:`set_tokenizer`.
+        inner (Generator | Mapping | None): the engine that samples each turn, or its config
+            node ``{_component_: ...}`` (default:
+            :class:`~torchtune_grpo.rollout.native.NativeGenerator`).
+        syntax (ToolCallSyntax | ChatTemplateToolSyntax | Mapping | None): the call and
+            result tags (default ``<name>...</name>`` and ``<result>...</result>``), or the
+            config's ``tool_syntax`` mapping; ``{format: chat_template}`` selects the chat
+            template's own format (:class:`~torchtune_grpo.rollout.tools.ChatTemplateToolSyntax`:
+            JSON calls in ``<tool_call>...</tool_call>``, results rendered as tool messages by
+            the tokenizer's chat template, which also gets the tools' JSON schemas for the
+            prompts).
+        max_tool_calls (int): most tool results per completion (0: tools never run, the
+            rollout equals the inner engine's up to false-alarm turns).
+
+    Raises:
+        ValueError: a negative ``max_tool_calls``, a bad tool entry, an inner engine that
+            is not a :class:`~torchtune_grpo.rollout.protocol.Generator`, a bad ``syntax``, or
+            (chat-template format) a tokenizer whose chat template cannot render tool calls and
+            tool messages (the error names ``tool_syntax.format``).
+    """
+
+    def __init__(self, tools: Sequence[Any] = (), tokenizer: Any = None,
+                 inner: Generator | None = None,
+                 syntax: ToolCallSyntax | ChatTemplateToolSyntax | Mapping[str, str] | None = None,
+                 max_tool_calls: int = 4) -> None:
+        if not isinstance(max_tool_calls, int) or isinstance(max_tool_calls, bool) \
+                or max_tool_calls < 0:
+            raise ValueError(f"max_tool_calls must be an int >= 0, got {max_tool_calls!r}")
+        tools = list(tools or ())
+        if tools and not all(isinstance(t, Tool) for t in tools):
+            tools = build_tools(tools)
+        names = [t.name for t in tools]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tool names must be distinct, got {names}")
+        if inner is None:
+            from torchtune_grpo.rollout.native import NativeGenerator
+
+            inner = NativeGenerator()
+        elif isinstance(inner, Mapping) or hasattr(inner, "_component_"):
+            from omegaconf import DictConfig, OmegaConf
+            from torchtune import config as tt_config  # a config node: {_component_: ...}
+
+            node = inner if isinstance(inner, DictConfig) else OmegaConf.create(dict(inner))
+            inner = tt_config.instantiate(node)
+        if not isinstance(inner, Generator):
+            raise ValueError(f"inner must be a Generator, got {type(inner).__name__}")
+        self.tools: dict[str, Tool] = {t.name: t for t in tools}
+        self.syntax = make_tool_syntax(syntax)
+        #: the tools' JSON schemas (chat-template format: given to the chat template)
+        self.tool_schemas: list[dict[str, Any]] = [tool_schema(t) for t in tools]
+        self.tokenizer = None
+        self.inner = inner
+        self.max_tool_calls = max_tool_calls
+        self.stats = ToolStats()
+        self._allowed: torch.Tensor | None = None
+        self._candidates: dict[int, torch.Tensor] = {}
+        if tokenizer is not None:
+            self.set_tokenizer(tokenizer)
+
+    @property
+    def chat_format(self) -> bool:
+        """Whether calls and results use the chat template's format."""
+        return isinstance(self.syntax, ChatTemplateToolSyntax)
+
+    # -- protocol: delegated
+    def setup(self, context: GenerationContext) -> None:
+        """Set up the inner engine; remember the allowed ids (for the close-tag stop ids)."""
+        self._allowed = context.allowed_tokens.detach().cpu().bool()
+        self.inner.setup(context)
+
+    def needs_policy_logprobs(self, *, top_k: int | None) -> bool:
+        """The inner engine's answer (its log-probs are the ones the turns return)."""
+        return self.inner.needs_policy_logprobs(top_k=top_k)
+
+    def before_update(self) -> None:
+        """Forwarded to the inner engine."""
+        self.inner.before_update()
+
+    def sync_weights(self, model: nn.Module) -> None:
+        """Forwarded to the inner engine."""
+        self.inner.sync_weights(model)
+
+    def close(self) -> None:
+        """Forwarded to the inner engine."""
+        self.inner.close()
+
+    # -- tool use
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        """Give the tokenizer (the recipe builds it after the generator).
+
+        In the chat-template format the tokenizer's template is checked (it must render a tool
+        call and a tool message) and, when it has ``set_tools``
+        (:class:`~torchtune_grpo.models.tokenizer.HFTokenizer`), it is given the tools' JSON
+        schemas, so prompts tokenized *after* this call are rendered with ``tools=[...]``.
+
+        Raises:
+            ValueError: (chat-template format) the check failed; it names
+                ``tool_syntax.format``.
+        """
+        if self.chat_format and self.tools:
+            self.syntax.check_tokenizer(tokenizer, self.tool_schemas)
+            if callable(getattr(tokenizer, "set_tools", None)):
+                tokenizer.set_tools(self.tool_schemas)
+        self.tokenizer = tokenizer
+        self._candidates.clear()
+
+    def pop_stats(self) -> ToolStats:
+        """The tool-use counts since the last call (then reset)."""
+        stats, self.stats = self.stats, ToolStats()
+        return stats
+
+    def close_tag_stop_ids(self, vocab_size: int,
+                           allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """``[c]`` long: the allowed ids whose text holds the last character of a close tag.
+
+        A close tag can only be completed by such a token, so a turn that stops on them (and
+        then checks the text) misses no call. In the chat-template format the set is narrower:
+        the ids whose text can end the close tag
+        (:meth:`~torchtune_grpo.rollout.tools.ChatTemplateToolSyntax.may_complete`), so the open
+        tag's ``>`` is no false alarm. Computed once per vocabulary size.
+
+        Args:
+            vocab_size: ``V``.
+            allowed: ``[V]`` bool, the ids sampling may emit (None: every id the tokenizer
+                decodes).
+        """
+        cached = self._candidates.get(vocab_size)
+        if cached is not None:
+            return cached
+        finals = self.syntax.final_characters(list(self.tools))
+        if any(not c.isascii() for c in finals):
+            finals = finals | {"\ufffd"}  # a byte of a multi-byte character decodes as U+FFFD
+        # chat-template format: only ids whose text can end the close tag (not "<tool_call>")
+        may_complete = getattr(self.syntax, "may_complete", None)
+        ids = []
+        for i in range(vocab_size):
+            if allowed is not None and not bool(allowed[i]):
+                continue
+            try:
+                text = self.tokenizer.decode([i])
+            except Exception:  # noqa: BLE001 - an undecodable id cannot finish a tag
+                continue
+            if may_complete(text) if may_complete is not None else any(c in text
+                                                                       for c in finals):
+                ids.append(i)
+        out = torch.tensor(ids, dtype=torch.long)
+        self._candidates[vocab_size] = out
+        return out
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        from torchtune_grpo.rollout.native import safe_decode
+
+        return safe_decode(self.tokenizer, ids)
+
+    def _call_chat_tool(self, text: str) -> tuple[str, str]:
+        """``(result, appended text)`` of the chat-template-format call ``text`` ends with."""
+        call = self.syntax.last_call(text, list(self.tools))
+        if call is None:  # not reached: the caller saw a new close tag
+            return f"{ERROR_PREFIX} no tool call found", ""
+        if call.error is not None:
+            result = call.error
+        else:
+            result = call_tool_json(self.tools[call.name], call.arguments)
+        # the tool's text must not add special tokens (an end of turn, a header) of its own
+        content = result
+        for token in getattr(self.tokenizer, "special_tokens", None) or {}:
+            content = content.replace(token, "")
+        return result, self.syntax.result_text(self.tokenizer, call.name, call.arguments,
+                                               content, self.tool_schemas)
+
+    def _call_tool(self, text: str) -> str:
+        """The result text of the call that ``text`` ends with."""
+        call = self.syntax.last_call(text, list(self.tools))
+        if call is None:  # not reached: the caller saw a new close tag
+            return f"{ERROR_PREFIX} no tool call found"
+        if call.arguments is None:
+            return (f"{ERROR_PREFIX} {self.syntax.close_tag(call.name)} without "
+                    f"{self.syntax.open_tag(call.name)}")
+        return run_tool(self.tools[call.name], call.arguments)
+
+    def _after_turn(self, row: _Row, new_ids: list[int], new_logprobs: list[float],
+                    stops: set[int], candidates: set[int]) -> None:
+        """Append one turn's sampled tokens to ``row``, then run a tool call they completed."""
+        new_ids = new_ids[: row.remaining]
+        new_logprobs = new_logprobs[: row.remaining]
+        if not new_ids:  # nothing sampled (an engine that stopped early): end the row
+            row.pending = False
+            return
+        before = len(row.resp)
+        row.resp += new_ids
+        row.policy += [True] * len(new_ids)
+        row.logprobs += new_logprobs
+        row.remaining -= len(new_ids)
+        last = new_ids[-1]
+        if last in stops:
+            row.stopped, row.pending = True, False
+            return
+        if last in candidates and row.calls < self.max_tool_calls and row.remaining > 0:
+            names = list(self.tools)
+            text_before = self._decode(row.resp[: before + len(new_ids) - 1])
+            text_after = self._decode(row.resp)
+            if (self.syntax.count_closes(text_after, names)
+                    > self.syntax.count_closes(text_before, names)):
+                if self.chat_format:
+                    # the template's own tokens: end of turn, tool message, assistant header
+                    # (the end-of-turn id is usually a stop id: kept, it is context here)
+                    result, text = self._call_chat_tool(text_after)
+                else:
+                    result = self._call_tool(text_after)
+                    text = self.syntax.format_result(result)
+                row.calls += 1
+                row.errors += int(is_error(result))
+                # a huge result is cut before it is encoded (it is cut to the room left anyway)
+                text = text[: _CHARS_PER_TOKEN_CAP * row.remaining]
+                ids = list(self.tokenizer.encode(text, add_bos=False, add_eos=False))
+                if not self.chat_format:
+                    # a stop token inside a result (a tokenizer that parses special-token
+                    # text) would end the conversation on the tool's say: left out
+                    ids = [t for t in ids if t not in stops]
+                ids = ids[: row.remaining]
+                row.resp += ids
+                row.policy += [False] * len(ids)
+                row.logprobs += [0.0] * len(ids)
+                row.remaining -= len(ids)
+                self.stats.result_tokens += len(ids)
+        if row.remaining <= 0:
+            row.pending = False
+
+    def generate(
+        self,
+        model: nn.Module,
+        prompt_tokens: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        *,
+        group_size: int,
+        max_generated_tokens: int,
+        stop_tokens: torch.Tensor,
+        pad_id: int,
+        temperature: float,
+        top_k: int | None,
+        logit_bias: torch.Tensor | None = None,
+        prompt_seeds: torch.Tensor | None = None,
+        forward_batch_size: int,
+        all_done: Callable[[bool], bool] | None = None,
+        cache_dtype: torch.dtype | None = None,
+    ) -> Trajectory:
+        """Sample ``group_size`` completions per prompt, running tools between turns.
+
+        Arguments and result as :meth:`torchtune_grpo.rollout.protocol.Generator.generate`,
+        with ``[B, P]`` prompts giving ``N = B * G`` rows and responses ``[N, T]``, ``T <=
+        max_generated_tokens``, plus the trajectory's ``tool_mask [N, T]``: True on
+        tool-result tokens, which ``response_mask`` excludes and whose ``logprobs`` are 0.
+        ``stopped [N]`` is True where the completion ended on a stop token. See the module
+        docstring for turns, budgets, lockstep and seeds.
+
+        Raises:
+            ValueError: no tokenizer was given, or no vocabulary size is known (no
+                ``logit_bias``, no :meth:`setup` and no ``tokenizer.vocab_size``).
+        """
+        if self.tokenizer is None:
+            raise ValueError("ToolUseGenerator needs the tokenizer: pass tokenizer= or call "
+                             "set_tokenizer(tokenizer) before generate")
+        device = prompt_tokens.device
+        num_prompts, prompt_len = prompt_tokens.shape
+        n = num_prompts * group_size
+        sync = all_done or _local
+        stops = {int(t) for t in stop_tokens.tolist()}
+        allowed = self._allowed
+        if allowed is None and logit_bias is not None:
+            allowed = torch.isfinite(logit_bias.detach().cpu())
+        vocab = (logit_bias.numel() if logit_bias is not None
+                 else allowed.numel() if allowed is not None
+                 else int(getattr(self.tokenizer, "vocab_size", 0)))
+        candidates = torch.zeros(0, dtype=torch.long)
+        if self.tools and self.max_tool_calls > 0:
+            if vocab <= 0:
+                raise ValueError("ToolUseGenerator cannot tell the vocabulary size: pass "
+                                 "logit_bias, call setup(context) or use a tokenizer with "
+                                 "vocab_size")
+            candidates = self.close_tag_stop_ids(vocab, allowed)
+        candidate_set = {int(t) for t in candidates.tolist()} - stops
+        turn_stops = torch.cat([stop_tokens.cpu().long(), candidates]).unique().to(
+            stop_tokens.device)
+
+        seeds = None
+        if prompt_seeds is not None:
+            sample = torch.arange(group_size).repeat(num_prompts)
+            seeds = mix_seeds(prompt_seeds.cpu().repeat_interleave(group_size), sample)
+        real_prompts = [row[mask].tolist() for row, mask in
+                        zip(prompt_tokens.cpu(), prompt_mask.cpu())]
+        rows = [_Row(prompt=real_prompts[i // group_size],
+                     seed=None if seeds is None else int(seeds[i]),
+                     remaining=max_generated_tokens) for i in range(n)]
+        options = dict(pad_id=pad_id, temperature=temperature, top_k=top_k,
+                       forward_batch_size=forward_batch_size, all_done=all_done,
+                       cache_dtype=cache_dtype)
+
+        # turn 0: the single-turn rollout, also stopping where a close tag may end
+        out = self.inner.generate(
+            model, prompt_tokens, prompt_mask, group_size=group_size,
+            max_generated_tokens=max_generated_tokens,
+            stop_tokens=turn_stops if candidate_set else stop_tokens, logit_bias=logit_bias,
+            prompt_seeds=prompt_seeds, **options)
+        self._collect(out, list(range(n)), rows, stops, candidate_set)
+
+        max_len = _model_max_len(model)
+        turn = 0
+        while True:
+            turn += 1
+            pending = [i for i, r in enumerate(rows) if r.pending]
+            if sync(not pending):  # every rank's rows are finished
+                break
+            budget = global_max(max((rows[i].remaining for i in pending), default=0), all_done)
+            count = global_max(len(pending), all_done)
+            idle = not pending
+            if idle:  # a finished row's prompt, made to stop at once (see the module doc)
+                seqs = [rows[0].prompt] * count
+            else:
+                batch = pending + [pending[0]] * (count - len(pending))
+                seqs = [rows[i].prompt + rows[i].resp for i in batch]
+            if max_len is not None:  # no row may decode past the model's last position
+                longest = global_max(max(len(q) for q in seqs), all_done)
+                budget = max(1, min(budget, max_len - longest + 1))
+            tokens, mask = _left_padded(seqs, pad_id, device)
+            turn_seeds = None
+            if seeds is not None:
+                turn_seeds = mix_seeds(torch.tensor(
+                    [rows[i].seed for i in ([0] * count if idle else batch)]), turn)
+            bias = logit_bias
+            if idle and logit_bias is not None:
+                bias = torch.full_like(logit_bias, float("-inf"))
+                bias[stop_tokens.to(bias.device)] = 0.0
+            exhausted = all(rows[i].calls >= self.max_tool_calls for i in pending)
+            out = self.inner.generate(
+                model, tokens, mask, group_size=1, max_generated_tokens=max(budget, 1),
+                stop_tokens=stop_tokens if exhausted or not candidate_set else turn_stops,
+                logit_bias=bias, prompt_seeds=turn_seeds, **options)
+            self._collect(out, pending, rows, stops, candidate_set)
+
+        return self._trajectory(rows, prompt_tokens, prompt_mask, group_size, pad_id)
+
+    def _collect(self, out: Trajectory, indices: list[int], rows: list[_Row],
+                 stops: set[int], candidates: set[int]) -> None:
+        """Hand row ``j`` of a turn's output to ``rows[indices[j]]`` (padding rows ignored)."""
+        tokens = out.response_tokens.cpu()
+        mask = out.response_mask.cpu()
+        logprobs = out.logprobs.float().cpu()
+        for j, i in enumerate(indices):
+            m = mask[j]
+            self._after_turn(rows[i], tokens[j][m].tolist(), logprobs[j][m].tolist(), stops,
+                             candidates)
+
+    def _trajectory(self, rows: list[_Row], prompt_tokens: torch.Tensor,
+                    prompt_mask: torch.Tensor, group_size: int, pad_id: int) -> Trajectory:
+        """The padded :class:`Trajectory` of the finished rows (on the prompts' device)."""
+        device = prompt_tokens.device
+        n = len(rows)
+        width = max([len(r.resp) for r in rows] + [1])
+        resp = torch.full((n, width), pad_id, dtype=torch.long)
+        policy = torch.zeros(n, width, dtype=torch.bool)
+        tool = torch.zeros(n, width, dtype=torch.bool)
+        logprobs = torch.zeros(n, width, dtype=torch.float32)
+        for i, r in enumerate(rows):
+            k = len(r.resp)
+            resp[i, :k] = torch.tensor(r.resp, dtype=torch.long)
+            policy[i, :k] = torch.tensor(r.policy, dtype=torch.bool)
+            tool[i, :k] = ~policy[i, :k]
+            logprobs[i, :k] = torch.tensor(r.logprobs, dtype=torch.float32)
+        self.stats.completions += n
+        self.stats.calls += sum(r.calls for r in rows)
+        self.stats.errors += sum(r.errors for r in rows)
+        return Trajectory(
+            tokens=torch.cat([prompt_tokens.repeat_interleave(group_size, 0), resp.to(device)],
+                             dim=1),
+            prompt_mask=prompt_mask.repeat_interleave(group_size, 0).clone(),
+            response_mask=policy.to(device),
+            logprobs=logprobs.to(device),
+            stopped=torch.tensor([r.stopped for r in rows], dtype=torch.bool, device=device),
+            pad_id=pad_id,
+            tool_mask=tool.to(device),
+        )
+
+
+def runs_policy(generator: Any) -> bool:
+    """Whether ``generator`` samples with the policy module itself (one forward per decode
+    step): :class:`~torchtune_grpo.rollout.native.NativeGenerator`, or an engine wrapping
+    one (:class:`ToolUseGenerator`'s ``inner``). The recipe then holds an FSDP2 policy's
+    gathered weights for the whole rollout."""
+    from torchtune_grpo.rollout.native import NativeGenerator
+
+    seen = 0
+    while generator is not None and seen < 16:  # a wrapper of a wrapper of ...
+        if isinstance(generator, NativeGenerator):
+            return True
+        generator = getattr(generator, "inner", None)
+        seen += 1
+    return False
+
+
+def _model_max_len(model: Any) -> int | None:
+    """The most positions ``model`` embeds (a torchtune decoder's ``max_seq_len``), or None."""
+    try:
+        from torchtune_grpo.policy.forward import _decoder
+
+        value = getattr(_decoder(model), "max_seq_len", None)
+    except (ValueError, AttributeError):
+        value = getattr(model, "max_seq_len", None)
+    return int(value) if isinstance(value, int) else None
+
+
+def _left_padded(seqs: list[list[int]], pad_id: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([m, L] ids, [m, L] mask)``: ``seqs`` left-padded to their longest."""
+    width = max(len(s) for s in seqs)
+    tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        if s:
+            tokens[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s):] = True
+    return tokens.to(device), mask.to(device)
+
+
+# ---------------------------------------------------------------------------- decoding
+def tool_segments(tokenizer: Any, traj: Trajectory,
+                  stop_tokens: Sequence[int] = ()) -> list[list[dict[str, str]]]:
+    """Each completion as alternating model / tool text, for transcripts (eval samples).
+
+    Args:
+        tokenizer: the run's tokenizer.
+        traj: a rollout of ``N`` rows (``response_mask`` and ``tool_mask`` ``[N, T]``).
+        stop_tokens: ids left out of the text (the stop token at the end).
+
+    Returns:
+        ``N`` lists of ``{"source": "model" | "tool", "text": ...}``, in order.
+    """
+    from torchtune_grpo.rollout.native import safe_decode
+
+    stops = {int(t) for t in stop_tokens}
+    out = []
+    for ids, policy, tool in zip(traj.response_tokens.tolist(), traj.response_mask.tolist(),
+                                 traj.tool_mask.tolist()):
+        segments: list[dict[str, str]] = []
+        run: list[int] = []
+        source = None
+        for t, p, k in zip(ids, policy, tool):
+            kind = "model" if p else "tool" if k else None
+            if kind is None or (kind == "model" and t in stops):
+                continue
+            if kind != source and run:
+                segments.append({"source": source, "text": safe_decode(tokenizer, run)})
+                run = []
+            source = kind
+            run.append(t)
+        if run:
+            segments.append({"source": source, "text": safe_decode(tokenizer, run)})
+        out.append(segments)
+    return out
+
+
+def decode_with_tools(tokenizer: Any, traj: Trajectory,
+                      stop_tokens: Sequence[int] = ()) -> list[str]:
+    """Each completion's whole text, model and tool tokens in order (stop tokens left out).
+
+    The text a reward should read in a tool run: the final answer usually follows the last
+    ``<result>...</result>``, and the tags show where the tool spoke.
+
+    Args:
+        tokenizer: the run's tokenizer.
+        traj: a rollout of ``N`` rows.
+        stop_tokens: ids left out of the text.
+
+    Returns:
+        ``N`` strings.
+    """
+    return ["".join(s["text"] for s in row) for row in tool_segments(tokenizer, traj, stop_tokens)]

@@ -1,0 +1,588 @@
+"""Rollout generation: sample ``group_size`` completions per prompt with a KV cache.
+
+Guarantees the recipe relies on:
+
+* **Uniform shapes.** Every micro-batch of ``forward_batch_size`` sequences is generated
+  separately (it may stop early), then all are padded to one ``P`` and one ``T``
+  (:func:`~torchtune_grpo.algorithm.trajectory.concat_trajectories`).
+* **No undefined ids.** Sampling only ever picks ids of the tokenizer's ordinary vocabulary
+  or its stop tokens (:func:`allowed_token_mask`); a model whose embedding table is larger than
+  the tokenizer (Llama 3 reserves ids it never defines) cannot emit the rest. The same
+  ``-inf`` bias is applied to the training log-probs, so both see one distribution.
+* **Lockstep.** With FSDP every forward is a collective, so all ranks run the same number of
+  decode steps: a rank keeps decoding (padding) until every rank's sequences have stopped.
+* **Log-probs for free.** The tempered log-prob of each sampled token is returned, so
+  ``ppo_epochs: 1`` needs no extra forward for the "old" policy.
+
+:class:`NativeGenerator` wraps :func:`generate_trajectory` as the default implementation of the
+:class:`~torchtune_grpo.rollout.protocol.Generator` protocol. Random numbers come from
+:mod:`torchtune_grpo.rollout.seeding`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchtune.modules.common_utils import delete_kv_caches
+
+from torchtune_grpo.policy.forward import last_position_logits
+from torchtune_grpo.rollout.protocol import GenerationContext, Generator
+from torchtune_grpo.rollout.kv_cache import (  # noqa: F401 (attention_modules: re-exported)
+    KVCacheStorage,
+    SpanKVCache,
+    attached,
+    attention_modules,
+)
+from torchtune_grpo.backends.cpu_decode import packed_linear_weights
+from torchtune_grpo.rollout.seeding import counter_uniform, mix_seeds
+from torchtune_grpo.algorithm.trajectory import (
+    Trajectory,
+    attention_mask,
+    concat_trajectories,
+    position_ids,
+)
+
+
+# ---------------------------------------------------------------------------- vocabulary
+def stop_token_ids(tokenizer) -> list[int]:
+    """The ids that end a completion: ``tokenizer.stop_tokens`` or, failing that, ``eos_id``."""
+    stops = getattr(tokenizer, "stop_tokens", None) or [tokenizer.eos_id]
+    return sorted({int(t) for t in stops})
+
+
+def _ordinary_ids(tokenizer) -> Iterable[int] | None:
+    """Ids of the tokenizer's ordinary (non-special) vocabulary, when it exposes them."""
+    ordinary = getattr(tokenizer, "ordinary_token_ids", None)
+    if callable(ordinary):  # e.g. torchtune_grpo.models.HFTokenizer
+        return list(ordinary())
+    tt = getattr(getattr(tokenizer, "tt_model", None), "tt_model", None)
+    if tt is not None and hasattr(tt, "_mergeable_ranks"):  # tiktoken (Llama 3 and co.)
+        return tt._mergeable_ranks.values()
+    encoder = getattr(tokenizer, "encoder", None)
+    if isinstance(encoder, dict):  # byte-level BPE (Qwen2 and co.)
+        return encoder.values()
+    return None
+
+
+def allowed_token_mask(tokenizer, vocab_size: int) -> torch.Tensor:
+    """Ids sampling may emit: ordinary tokens plus stop tokens, within the model's vocabulary.
+
+    Special tokens other than the stop tokens (chat headers, Llama 3's reserved ids, padding)
+    are excluded, and so is every id the tokenizer does not define at all.
+
+    Args:
+        tokenizer: a torchtune tokenizer.
+        vocab_size: ``V``, the size of the model's output layer.
+
+    Returns:
+        ``[V]`` bool, True where the id may be sampled.
+    """
+    allowed = torch.zeros(vocab_size, dtype=torch.bool)
+    ids = _ordinary_ids(tokenizer)
+    if ids is None:  # generic fallback: probe the decoder one id at a time
+        specials = set(getattr(tokenizer, "special_tokens", {}).values())
+        ids = [i for i in range(vocab_size) if i not in specials and _decodes(tokenizer, i)]
+    ids = torch.tensor([i for i in ids if 0 <= i < vocab_size], dtype=torch.long)
+    allowed[ids] = True
+    stops = [t for t in stop_token_ids(tokenizer) if t < vocab_size]
+    if not stops:
+        raise ValueError(
+            f"none of the tokenizer's stop tokens {stop_token_ids(tokenizer)} fits in the "
+            f"model's vocabulary of {vocab_size}: check `tokenizer` against `model`"
+        )
+    allowed[stops] = True
+    return allowed
+
+
+def logit_bias_from_mask(allowed: torch.Tensor) -> torch.Tensor:
+    """``[V]`` float32 bias: 0 where ``allowed``, ``-inf`` elsewhere."""
+    bias = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
+    return bias.masked_fill_(~allowed, float("-inf"))
+
+
+def _decodes(tokenizer, token_id: int) -> bool:
+    try:
+        tokenizer.decode([token_id])
+        return True
+    except Exception:  # noqa: BLE001 - any failure means "not decodable"
+        return False
+
+
+def safe_decode(tokenizer, token_ids: Sequence[int], allowed: torch.Tensor | None = None) -> str:
+    """Decode ``token_ids`` without ever raising on ids the tokenizer does not define.
+
+    Ids outside ``allowed`` (when given) are dropped; if decoding still fails, ids are decoded
+    one by one and the undecodable ones are skipped.
+    """
+    ids = [int(i) for i in token_ids]
+    if allowed is not None:
+        ids = [i for i in ids if 0 <= i < allowed.numel() and bool(allowed[i])]
+    try:
+        return tokenizer.decode(ids)
+    except Exception:  # noqa: BLE001
+        return "".join(tokenizer.decode([i]) for i in ids if _decodes(tokenizer, i))
+
+
+def decode_completions(tokenizer, trajectory: Trajectory, allowed: torch.Tensor) -> list[str]:
+    """Text of each completion, without its stop token and padding."""
+    stops = set(stop_token_ids(tokenizer))
+    texts = []
+    for row, mask in zip(trajectory.response_tokens.tolist(), trajectory.response_mask.tolist()):
+        ids = [t for t, m in zip(row, mask) if m and t not in stops]
+        texts.append(safe_decode(tokenizer, ids, allowed))
+    return texts
+
+
+# ---------------------------------------------------------------------------- sampling
+def sample_next_token(
+    logits: torch.Tensor,
+    *,
+    temperature: float,
+    top_k: int | None = None,
+    logit_bias: torch.Tensor | None = None,
+    seeds: torch.Tensor | None = None,
+    counter: int = 0,
+    inplace: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row by inverse-CDF sampling with counter-based random numbers.
+
+    Args:
+        logits: ``[n, V]`` raw logits.
+        temperature: ``> 0`` samples from ``softmax(logits / temperature)``; ``0`` is greedy.
+        top_k: keep only the ``top_k`` most likely ids when sampling (None: all).
+        logit_bias: ``[V]`` additive bias (``-inf`` forbids an id; such ids are never drawn).
+        seeds: ``[n]`` int64 per-row seeds (required when sampling).
+        counter: decode step, so that each step draws fresh numbers.
+        inplace: ``logits`` (float32) may be overwritten with the tempered, biased scores (the
+            engine passes its own model output: saves a fresh ``[n, V]`` block per step).
+
+    Returns:
+        ``(tokens [n] long, logprobs [n] float32)``: the log-prob is that of the tempered
+        distribution over the whole (allowed) vocabulary, the same quantity the training
+        forward computes, whether or not ``top_k`` truncated the sampling.
+    """
+    own = inplace and logits.dtype == torch.float32
+    scores = logits.float()
+    if temperature > 0 and temperature != 1.0:
+        scores = scores.div_(temperature) if own else scores / temperature
+        own = True
+    if logit_bias is not None:
+        scores = scores.add_(logit_bias) if own else scores + logit_bias
+    if temperature <= 0:
+        logprobs = torch.log_softmax(scores, dim=-1)
+        tokens = logprobs.argmax(dim=-1)
+        return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    if seeds is None:
+        raise ValueError("sampling with temperature > 0 needs per-row `seeds`")
+    # One softmax serves both the sampling and the log-prob: log(p[token]) of a sampled token
+    # (p > 0, in practice far above float32's smallest normal) agrees with log_softmax to an
+    # ulp, and saves a pass over [n, V]. softmax rather than exp(): exp() of the very negative
+    # tail is slow on CPU.
+    probs = torch.softmax(scores, dim=-1)
+    sample_probs = probs
+    if top_k is not None and top_k < scores.shape[-1]:
+        kth = torch.topk(probs, top_k, dim=-1).values[:, -1:]
+        sample_probs = probs.masked_fill(probs < kth, 0.0)
+    tokens = inverse_cdf_sample(sample_probs, counter_uniform(seeds, counter).to(probs.device))
+    return tokens, probs.gather(1, tokens.unsqueeze(1)).squeeze(1).log()
+
+
+#: Ids per block of :func:`inverse_cdf_sample`'s two-level search.
+CDF_BLOCK = 256
+
+
+def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The id where ``u`` falls in each row's cumulative distribution, in two levels.
+
+    Row ``i`` gets the smallest id ``j`` with ``sum(probs[i, :j + 1]) >= u[i] * sum(probs[i])``,
+    so an id of probability 0 is never returned for ``u`` in ``(0, 1)``. Instead of a float64
+    cumulative sum over the whole vocabulary, the rows are cut into blocks of
+    :data:`CDF_BLOCK` ids: one float32 pass sums the blocks (no float64 copy of the row), a
+    float64 search over the ``V / CDF_BLOCK`` block totals picks the block, and only that block
+    is accumulated (in float64) and searched. The result differs from one float64 cumulative
+    sum only where ``u`` falls within float32 rounding (~1e-7 of a block's mass) of a boundary.
+
+    Args:
+        probs: ``[n, V]`` non-negative weights (float32), each row with a positive sum.
+        u: ``[n]`` uniform numbers in ``(0, 1)``.
+
+    Returns:
+        ``[n]`` int64 ids in ``[0, V)``.
+    """
+    n, v = probs.shape
+    num_blocks = -(-v // CDF_BLOCK)
+    if num_blocks * CDF_BLOCK != v:
+        probs = F.pad(probs, (0, num_blocks * CDF_BLOCK - v))
+    blocks = probs.view(n, num_blocks, CDF_BLOCK)
+    block_cdf = blocks.sum(-1).double().cumsum(-1)  # [n, num_blocks]
+    target = u.double() * block_cdf[:, -1]
+    k = torch.searchsorted(block_cdf, target.unsqueeze(1)).squeeze(1).clamp_(max=num_blocks - 1)
+    before = torch.where(k > 0, block_cdf.gather(1, (k - 1).clamp(min=0).unsqueeze(1)).squeeze(1),
+                         torch.zeros((), dtype=torch.float64, device=probs.device))
+    inner = blocks[torch.arange(n, device=probs.device), k].double().cumsum(-1)  # [n, block]
+    # rounding may leave the residual a hair above the block's own total: cap it there, so the
+    # search lands on the block's last id of positive probability
+    residual = torch.minimum(target - before, inner[:, -1])
+    j = torch.searchsorted(inner, residual.unsqueeze(1)).squeeze(1).clamp_(max=CDF_BLOCK - 1)
+    return (k * CDF_BLOCK + j).clamp_(max=v - 1)
+
+
+def _distinct_rows(prompt_tokens: torch.Tensor, prompt_mask: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows holding the distinct prompts, and which of them each row repeats.
+
+    Returns:
+        ``(first [u], inverse [n])``: ``prompt_tokens[first[inverse]]`` equals
+        ``prompt_tokens`` on every real token (padding ids are ignored).
+    """
+    n = prompt_tokens.shape[0]
+    key = torch.where(prompt_mask, prompt_tokens, torch.full_like(prompt_tokens, -1))
+    _, inverse = torch.unique(key, dim=0, return_inverse=True)
+    u = int(inverse.max()) + 1
+    first = torch.full((u,), n, dtype=torch.long, device=key.device)
+    first.scatter_reduce_(0, inverse, torch.arange(n, device=key.device), "amin")
+    order = first.argsort()  # keep the rows' order: unique id = rank of its first row
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(u, device=key.device)
+    return first[order], rank[inverse]
+
+
+def _compiled(model: nn.Module) -> Callable[..., torch.Tensor]:
+    """``torch.compile`` of ``model``'s forward, built once per model instance."""
+    fn = model.__dict__.get("_grpo_compiled_decode")
+    if fn is None:
+        fn = torch.compile(model, dynamic=False, fullgraph=False)
+        model.__dict__["_grpo_compiled_decode"] = fn
+    return fn
+
+
+# ---------------------------------------------------------------------------- rollout
+def _always_local(local_done: bool) -> bool:
+    return local_done
+
+
+#: Shrink the decode batch once this fraction of its rows (or more) has stopped since the
+#: last shrink (see :func:`generate_micro_batch`).
+SHRINK_FRACTION = 0.25
+
+
+def _rows_to_keep(stopped: torch.Tensor) -> torch.Tensor | None:
+    """Which rows of the decode batch to keep, or None when shrinking does not pay yet.
+
+    Args:
+        stopped: ``[m]`` bool, True on the decode batch's rows that have stopped.
+
+    Returns:
+        ``[m']`` long, ascending indices into the batch (the rows still running; a single
+        stopped row when none is, so that a rank waiting for the others still has a row to
+        call the model on), or None unless ``m - m' >= SHRINK_FRACTION * m``.
+    """
+    m = stopped.shape[0]
+    kept = max(m - int(stopped.sum()), 1)
+    if m - kept < max(1.0, SHRINK_FRACTION * m):
+        return None
+    keep = (~stopped).nonzero().squeeze(1)
+    return keep if keep.numel() else keep.new_zeros(1)
+
+
+def _compact_cache_rows(caches: Sequence[SpanKVCache], keep: torch.Tensor) -> None:
+    """Move cache rows ``keep`` of every layer to the front: row ``i`` <- row ``keep[i]``.
+
+    Only the filled span ``[:length]`` is copied, and only the rows that move (a row whose
+    index does not change stays where it is). The moving rows are gathered (a copy) before
+    any row is overwritten.
+
+    Args:
+        caches: the span caches of every attention layer (span decode, not static).
+        keep: ``[m']`` long, ascending row indices of the current decode batch.
+    """
+    dest = torch.arange(keep.numel(), device=keep.device)
+    moved = keep != dest
+    if not bool(moved.any()):
+        return
+    src, dest = keep[moved], dest[moved]
+    for cache in caches:
+        for buf in (cache.k_cache, cache.v_cache):
+            span = buf[:, :, : cache.length]  # [rows, kv_heads, length, head_dim] view
+            span.index_copy_(0, dest, span.index_select(0, src))
+
+
+@torch.no_grad()
+def generate_micro_batch(
+    model: nn.Module,
+    prompt_tokens: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    *,
+    max_generated_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    stop_tokens: torch.Tensor,
+    pad_id: int,
+    logit_bias: torch.Tensor | None = None,
+    seeds: torch.Tensor | None = None,
+    all_done: Callable[[bool], bool] | None = None,
+    cache_dtype: torch.dtype | None = None,
+    kv_storage: KVCacheStorage | None = None,
+    compile_decode: bool = False,
+    shrink_finished: bool = True,
+) -> Trajectory:
+    """Generate one completion for each row of a micro-batch, with a KV cache.
+
+    The model is always called through its own ``forward`` (so FSDP2's hooks gather and free
+    each layer's weights); only the attention's key/value cache is replaced
+    (:class:`SpanKVCache`): distinct prompts are prefilled once and copied into the rows that
+    share them, and each decode step attends over the filled positions only.
+
+    **Finished rows stop decoding** (``shrink_finished``). The decode batch starts as the ``n``
+    rows; ``live [m]`` maps its rows to the micro-batch's. After a step's tokens are sampled,
+    once at least ``SHRINK_FRACTION`` (a quarter) of the decode batch's ``m`` rows has stopped
+    since the last shrink, the batch shrinks to the ``m'`` rows still running: their tokens,
+    positions, masks, seeds and KV cache rows (the filled span, in every layer; rows whose index
+    does not change are not copied) move to the front, and the next steps run the model on
+    ``m'`` rows. The copy costs about as much as one step's attention reading those rows'
+    cache, while each later step saves the ``m - m'`` rows' whole forward (linear layers,
+    attention, output projection, sampling), so waiting for a quarter keeps the number of
+    copies small (at most about ``log(n) / log(4/3)``) while never decoding more than a third
+    more rows than are running. Stopped rows left in the batch until then are decoded and
+    masked, as without shrinking. A rank whose rows have all stopped keeps one (stopped) row and
+    calls the model on it until ``all_done`` says every rank is done, so every rank still runs
+    the same number of forwards. Sampling draws per-row counter-based numbers (``seeds[row]``,
+    step), so a row's samples do not depend on which rows share its batch. What does change is
+    the batch size of the model's matmuls, and CPU GEMM kernels round differently for a few rows
+    than for many: tokens, masks and stop flags are equal, log-probs agree to a couple of
+    float32 ulps (measured <= 9.6e-7; tested to 1e-6), as between two ``forward_batch_size``
+    values. Off with ``compile_decode`` (static shapes: each batch size would compile a graph).
+
+    Args:
+        model: a torchtune decoder (FSDP-sharded or not).
+        prompt_tokens: ``[n, P]`` left-padded prompts.
+        prompt_mask: ``[n, P]`` True on real prompt tokens.
+        max_generated_tokens: the most tokens generated per row.
+        temperature: sampling temperature (0: greedy).
+        top_k: top-k sampling (None: off).
+        stop_tokens: ``[s]`` ids that end a completion.
+        pad_id: id written after a completion ended.
+        logit_bias: ``[V]`` bias forbidding undefined ids (see :func:`allowed_token_mask`).
+        seeds: ``[n]`` int64 per-row sampling seeds (see :func:`counter_uniform`).
+        all_done: given whether this rank's rows have all stopped, says whether every rank's
+            have (a collective in distributed runs; None: this rank alone).
+        cache_dtype: dtype of the KV cache (default: the model's parameter dtype).
+        kv_storage: preallocated cache storage (see :class:`KVCacheStorage`); allocated here
+            when None or too small.
+        compile_decode: run decode steps through ``torch.compile(model)`` with static shapes
+            (attention over the whole cache; single device only; off by default).
+        shrink_finished: drop stopped rows from the decode batch (see above; ignored with
+            ``compile_decode``). False decodes every row until the last one stops.
+
+    Returns:
+        A :class:`Trajectory` with ``T`` = the number of decode steps taken: the same, token
+        and log-prob, whether ``shrink_finished`` is on or off.
+    """
+    n, prompt_len = prompt_tokens.shape
+    device = prompt_tokens.device
+    all_done = all_done or _always_local
+    total_len = prompt_len + max_generated_tokens
+    dtype = cache_dtype or next(model.parameters()).dtype
+    if kv_storage is None or not kv_storage.fits(n, total_len, dtype, device):
+        kv_storage = KVCacheStorage(model, rows=n, max_len=total_len, dtype=dtype, device=device)
+    if model.caches_are_setup():  # torchtune's own caches would double the memory
+        delete_kv_caches(model)
+
+    # valid[:, j]: position j holds a real token (generated positions count as real: after a
+    # row stops, what it attends to no longer matters). Filled in place, never rebuilt.
+    valid = torch.ones(n, total_len, dtype=torch.bool, device=device)
+    valid[:, :prompt_len] = prompt_mask
+    positions = position_ids(valid)
+    first, inverse = _distinct_rows(prompt_tokens, prompt_mask)
+    shared = first.numel() < n
+    write_pos = torch.zeros(1, dtype=torch.long, device=device) if compile_decode else None
+    if compile_decode:
+        seen = torch.zeros(n, total_len, dtype=torch.bool, device=device)
+        seen[:, :prompt_len] = prompt_mask
+    step_fn = _compiled(model) if compile_decode else model
+
+    with attached(kv_storage, n, write_pos) as caches:
+        for cache in caches:
+            cache.start_prefill(inverse if shared else None)
+        rows = first if shared else slice(None)
+        with last_position_logits(model):
+            logits = model(prompt_tokens[rows], mask=attention_mask(prompt_mask[rows]),
+                           input_pos=positions[rows, :prompt_len])
+            if shared:
+                logits = logits.index_select(0, inverse)
+
+            out_tokens = torch.full((n, max_generated_tokens), pad_id, dtype=torch.long,
+                                    device=device)
+            out_logprobs = torch.zeros(n, max_generated_tokens, dtype=torch.float32,
+                                       device=device)
+            out_mask = torch.zeros(n, max_generated_tokens, dtype=torch.bool, device=device)
+            stopped = torch.zeros(n, dtype=torch.bool, device=device)
+            shrink = shrink_finished and not compile_decode
+            # The decode batch: row i is the micro-batch's row live[i]. Rows left out of it
+            # have stopped, and their outputs keep the defaults above (pad, 0, False).
+            live = torch.arange(n, device=device)  # [m]
+            batch_seeds = seeds  # [m] or None
+            batch_valid, batch_positions = valid, positions  # [m, total_len]
+            steps = 0
+            for t in range(max_generated_tokens):
+                token, logprob = sample_next_token(
+                    logits[:, -1],
+                    temperature=temperature,
+                    top_k=top_k,
+                    logit_bias=logit_bias,
+                    seeds=batch_seeds,
+                    counter=t,
+                    inplace=True,  # the model's output, used for nothing else
+                )  # [m], [m]
+                done = stopped[live]  # [m]: stopped before this step
+                token = token.masked_fill_(done, pad_id)
+                out_tokens[live, t] = token
+                out_logprobs[live, t] = logprob.masked_fill_(done, 0.0)
+                out_mask[live, t] = ~done
+                done = done | torch.isin(token, stop_tokens)
+                stopped[live] = done
+                steps = t + 1
+                if steps == max_generated_tokens or all_done(bool(stopped.all())):
+                    break
+                keep = _rows_to_keep(done) if shrink else None
+                if keep is not None:
+                    _compact_cache_rows(caches, keep)
+                    live, token = live[keep], token[keep]
+                    batch_valid, batch_positions = batch_valid[keep], batch_positions[keep]
+                    if batch_seeds is not None:
+                        batch_seeds = batch_seeds[keep.to(batch_seeds.device)]
+                cur = prompt_len + t
+                if compile_decode:
+                    write_pos.fill_(cur)
+                    seen[:, cur] = True
+                    step_mask = seen.unsqueeze(1)
+                else:
+                    step_mask = batch_valid[:, None, : cur + 1]
+                logits = step_fn(token.unsqueeze(1), mask=step_mask,
+                                 input_pos=batch_positions[:, cur : cur + 1])
+
+    return Trajectory(
+        tokens=torch.cat([prompt_tokens, out_tokens[:, :steps]], dim=1),
+        prompt_mask=prompt_mask.clone(),
+        response_mask=out_mask[:, :steps],
+        logprobs=out_logprobs[:, :steps],
+        stopped=stopped,
+        pad_id=pad_id,
+    )
+
+
+def generate_trajectory(
+    model: nn.Module,
+    prompt_tokens: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    *,
+    group_size: int,
+    forward_batch_size: int,
+    prompt_seeds: torch.Tensor | None = None,
+    packed_weights: bool = True,
+    **kwargs,
+) -> Trajectory:
+    """Sample ``group_size`` completions for each prompt, ``forward_batch_size`` rows at a time.
+
+    The KV cache is allocated once, for ``forward_batch_size`` rows of ``P +
+    max_generated_tokens`` positions, and reused by every micro-batch; within a micro-batch each
+    distinct prompt is prefilled once and shared by its group's samples.
+
+    Args:
+        model: a torchtune decoder.
+        prompt_tokens: ``[B, P]`` left-padded prompts.
+        prompt_mask: ``[B, P]`` True on real prompt tokens.
+        group_size: ``G``, completions per prompt.
+        forward_batch_size: rows per generation micro-batch (a divisor of ``B * G``).
+        prompt_seeds: ``[B]`` int64, one seed per prompt; sample ``g`` of prompt ``b`` uses
+            ``mix_seeds(prompt_seeds[b], g)``, so a completion depends only on its prompt's seed
+            and its index in the group (needed when ``temperature > 0``).
+        packed_weights: on CPU, decode on oneDNN-reordered weights made once for the whole
+            rollout (:func:`packed_linear_weights`; not with ``compile_decode``).
+        **kwargs: passed to :func:`generate_micro_batch`.
+
+    Returns:
+        A :class:`Trajectory` of ``N = B * G`` rows, row ``b * G + g`` being sample ``g`` of
+        prompt ``b``, padded to the longest micro-batch.
+    """
+    tokens = prompt_tokens.repeat_interleave(group_size, dim=0)
+    mask = prompt_mask.repeat_interleave(group_size, dim=0)
+    seeds = None
+    if prompt_seeds is not None:
+        sample_index = torch.arange(group_size).repeat(prompt_tokens.shape[0])
+        seeds = mix_seeds(prompt_seeds.cpu().repeat_interleave(group_size), sample_index)
+    if kwargs.get("kv_storage") is None:
+        dtype = kwargs.get("cache_dtype") or next(model.parameters()).dtype
+        kwargs["kv_storage"] = KVCacheStorage(
+            model, rows=min(forward_batch_size, tokens.shape[0]),
+            max_len=tokens.shape[1] + int(kwargs["max_generated_tokens"]), dtype=dtype,
+            device=tokens.device,
+        )
+    with packed_linear_weights(model, packed_weights and not kwargs.get("compile_decode")):
+        parts = [
+            generate_micro_batch(
+                model, tokens[i : i + forward_batch_size], mask[i : i + forward_batch_size],
+                seeds=None if seeds is None else seeds[i : i + forward_batch_size], **kwargs,
+            )
+            for i in range(0, tokens.shape[0], forward_batch_size)
+        ]
+    return concat_trajectories(parts)
+
+
+# ---------------------------------------------------------------------------- generator
+class NativeGenerator(Generator):
+    """The default rollout engine (``generator._component_`` in a config): this module's KV-cache
+    sampler, run on the policy itself, so there are no weights to synchronise.
+
+    Implements :class:`~torchtune_grpo.rollout.protocol.Generator` (see there for the contract);
+    :class:`~torchtune_grpo.rollout.vllm_engine.VLLMGenerator` is the other implementation.
+
+    Args:
+        compile_decode (bool): run the decode steps through ``torch.compile`` with static
+            shapes (single device; see :func:`generate_micro_batch`).
+        packed_weights (bool): on CPU, run the rollout's small-batch linear layers on weights
+            reordered once per rollout for oneDNN (:func:`packed_linear_weights`): faster
+            decoding, one more copy of those weights while the rollout runs. No effect on GPU,
+            with FSDP2 (several ranks) or with ``compile_decode``.
+    """
+
+    def __init__(self, compile_decode: bool = False, packed_weights: bool = True) -> None:
+        self.compile_decode = bool(compile_decode)
+        self.packed_weights = bool(packed_weights)
+
+    def setup(self, context: GenerationContext) -> None:
+        """Nothing to prepare: generation runs on the policy module itself.
+
+        Raises:
+            ValueError: ``compile_decode`` with more than one process.
+        """
+        if self.compile_decode and context.world_size > 1:
+            raise ValueError("generator.compile_decode is single-device only (got "
+                             f"{context.world_size} processes): set it to false")
+
+    def generate(self, model: nn.Module, prompt_tokens: torch.Tensor,
+                 prompt_mask: torch.Tensor, **options) -> Trajectory:
+        """:func:`generate_trajectory` on ``model``: ``[B, P]`` prompts -> ``N = B * G`` rows.
+
+        Arguments (``options``: the keyword arguments) and result as
+        :meth:`torchtune_grpo.rollout.protocol.Generator.generate`.
+        """
+        return generate_trajectory(model, prompt_tokens, prompt_mask,
+                                   compile_decode=self.compile_decode,
+                                   packed_weights=self.packed_weights, **options)
+
+    def needs_policy_logprobs(self, *, top_k: int | None) -> bool:
+        """False: the engine's log-probs are the policy's (tempered, full allowed vocabulary)."""
+        return False
+
+    def before_update(self) -> None:
+        """Nothing to free."""
+
+    def sync_weights(self, model: nn.Module) -> None:
+        """Nothing to copy: the policy generates."""
+
+    def close(self) -> None:
+        """Nothing to release."""
