@@ -1,8 +1,8 @@
 """Update and rollout seconds with ``keep_freed_cpu_memory`` on and off, A/B in fresh processes.
 
 The setting changes how glibc ``malloc`` serves the process
-(:func:`torchtune_grpo.backends.allocator.keep_freed_memory`), which cannot be undone inside a process,
-so each run is a fresh worker process: the recipe is built at ``--shape`` (see
+(:func:`torchtune_grpo.backends.allocator.keep_freed_memory`), which cannot be undone inside a
+process, so each run is a fresh worker process: the recipe is built at ``--shape`` (see
 ``benchmarks/decode_kernels.py``: ``step`` or ``smollm2``), one rollout is timed, and then
 ``--updates`` updates on that same trajectory (the same tokens every time: only the allocator
 differs). Workers alternate off, on, off, on, ... for ``--pairs`` pairs, so that a drift of the
@@ -28,7 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+if not __package__:  # run as a file: python benchmarks/allocator.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import harness  # noqa: E402
 
 #: Updates per worker left out of the steady-state median (the heap still grows in them).
 WARM_UPDATES = 2
@@ -40,9 +42,7 @@ def worker(shape: str, keep: bool, updates: int, new_tokens: int, threads: int,
     import torch
 
     torch.set_num_threads(threads)
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import decode_kernels
-
+    from benchmarks import decode_kernels
     from torchtune_grpo.training.memory import peak_rss_bytes
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -72,8 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=None,
                         help="default: 32 (step), 128 (smollm2)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--model-dir", type=Path,
-                        default=Path("/tmp/tune_grpo_models/SmolLM2-135M-Instruct"))
+    parser.add_argument("--model-dir", type=Path, default=harness.SMOLLM2_DIR)
     parser.add_argument("--out", type=Path, help="write the times as JSON")
     parser.add_argument("--worker", choices=["on", "off"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -85,9 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.updates <= WARM_UPDATES:
         parser.error(f"--updates must be > {WARM_UPDATES}")
-    if args.shape == "smollm2" and not (args.model_dir / "config.json").exists():
-        print(f"error: no model at {args.model_dir}; run `tune-grpo prepare-model smollm2`",
-              file=sys.stderr)
+    if args.shape == "smollm2" and harness.smollm2_missing(args.model_dir):
         return 2
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")
            and k != "GLIBC_TUNABLES"}
@@ -116,11 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"first update: off {first['off']:.2f} s, on {first['on']:.2f} s")
     print(f"peak memory: off {peaks['off']:.2f} GB, on {peaks['on']:.2f} GB")
     if args.out:
-        args.out.write_text(json.dumps({
-            "command": " ".join(["python", "benchmarks/allocator.py",
-                                 *(argv if argv is not None else sys.argv[1:])]),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "runs": runs, "update_median_s": medians, "peak_gb": peaks}, indent=2))
+        harness.write_json(args.out, {
+            **harness.run_metadata("allocator", argv),
+            "runs": runs, "update_median_s": medians, "peak_gb": peaks})
     return 0
 
 

@@ -24,23 +24,17 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+if not __package__:  # run as a file: python benchmarks/async_learning.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import harness  # noqa: E402
 
 
 def _run(args: list[str], cwd: Path) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "torchtune._cli.tune", *args], cwd=cwd,
-                          env=env, capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"tune {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
+    harness.tune_run(args, cwd=cwd, threads=1, pythonpath=[harness.REPO])
 
 
 def _pass_at_1(out: Path) -> dict[int, float]:
@@ -93,9 +87,9 @@ def main(argv: list[str] | None = None) -> int:
             cells = [f"{by_step[s]:.3f}" if s in by_step else "-" for s in (0, args.steps, longer)]
             print(f"| {seed} | {name} | " + " | ".join(cells) + " |")
     if args.out:
-        args.out.write_text(json.dumps({str(s): {n: {str(k): v for k, v in r.items()}
-                                                  for n, r in runs.items()}
-                                        for s, runs in results.items()}, indent=2))
+        harness.write_json(args.out, {str(s): {n: {str(k): v for k, v in r.items()}
+                                               for n, r in runs.items()}
+                                      for s, runs in results.items()})
     return 0
 
 

@@ -103,7 +103,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -113,9 +112,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import async_sim  # noqa: E402
+if not __package__:  # run as a file: python benchmarks/async_step.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import async_sim, harness  # noqa: E402
 
 #: Dimensions of the stopping model (Llama 3.2 architecture, tied embeddings).
 DIMS = {"vocab_size": 320, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
@@ -141,7 +140,7 @@ KEYS = ("time/step", "time/generation", "time/update", "time/weight_sync",
 def _stop_ids(tokenizer, vocab: int):
     import torch
 
-    from torchtune_grpo.rollout.native import allowed_token_mask, stop_token_ids
+    from torchtune_grpo.rollout.sampling import allowed_token_mask, stop_token_ids
 
     return allowed_token_mask(tokenizer, vocab), torch.tensor(stop_token_ids(tokenizer))
 
@@ -242,7 +241,8 @@ def _own_completions(model, tokenizer, ordinary, max_tokens: int, seed: int,
     samples (temperature 1) with every stop id masked, so every row runs ``max_tokens``."""
     import torch
 
-    from torchtune_grpo.rollout.native import generate_trajectory, logit_bias_from_mask
+    from torchtune_grpo.rollout.native import generate_trajectory
+    from torchtune_grpo.rollout.sampling import logit_bias_from_mask
 
     allowed, stops = _stop_ids(tokenizer, int(model.tok_embeddings.weight.shape[0]))
     allowed = allowed.clone()
@@ -316,23 +316,16 @@ def overrides(model_dir: Path, out: Path, steps: int, max_tokens: int) -> list[s
 def run_mode(mode: str, k: int, model_dir: Path, out: Path, steps: int, max_tokens: int,
              threads: int, nproc: int = 3) -> list[dict[str, float]]:
     """One ``tune run`` (``mode`` ``sync`` or ``async`` at staleness ``k``); its training rows."""
-    from torchtune_grpo.training.metrics import read_disk_log
-
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests" / "recipes"), str(ROOT),
-                                         env.get("PYTHONPATH", "")])
     if mode == "sync":
         recipe, config, extra = "grpo_full_finetune_distributed", "grpo/quickstart_cpu", []
     else:
         recipe, config = "async_grpo_full_finetune_distributed", "grpo/quickstart_cpu_async"
         extra = ["rollout_ranks=1", f"max_staleness={k}"]
-    cmd = [sys.executable, "-m", "torchtune._cli.tune", "run", "--nproc_per_node", str(nproc),
-           recipe, "--config", config, *overrides(model_dir, out, steps, max_tokens), *extra]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800,
-                          cwd=out.parent)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
-    return [r for r in read_disk_log(out / "logs") if "grad_norm" in r]
+    harness.tune_run(["run", "--nproc_per_node", str(nproc), recipe, "--config", config,
+                      *overrides(model_dir, out, steps, max_tokens), *extra],
+                     cwd=out.parent, threads=threads,
+                     pythonpath=[harness.REPO / "tests" / "recipes", harness.REPO], timeout=1800)
+    return harness.training_rows(out)
 
 
 def summarize(rows: Sequence[dict[str, float]], warmup: int) -> dict[str, float]:
@@ -381,7 +374,8 @@ def measure_decode(model, tokenizer, prompt_tokens: int, max_tokens: int, thread
     """
     import torch
 
-    from torchtune_grpo.rollout.native import generate_trajectory, logit_bias_from_mask
+    from torchtune_grpo.rollout.native import generate_trajectory
+    from torchtune_grpo.rollout.sampling import logit_bias_from_mask
 
     torch.set_num_threads(threads)
     allowed, stops = _stop_ids(tokenizer, int(model.tok_embeddings.weight.shape[0]))
@@ -523,26 +517,22 @@ TABLE_HEADER = ("| mode | split | k | s/step | speed-up | trainer wait s | rollo
                 "| rollout idle s | mean response length |\n|---|---|---|---|---|---|---|---|---|")
 
 
-def _fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}"
-
-
 def table_row(name: str, res: dict[str, Any], sync_s: float) -> str:
     """One markdown row of :data:`TABLE_HEADER`; sync shows ``time/generation`` as busy and
     ``time/update`` in the idle column's place as ``upd``."""
     if name == "sync":
         split, k = "3 (gen + update)", "-"
         wait = "-"
-        busy = f"{_fmt(res.get('time/generation'))} gen"
-        idle = f"{_fmt(res.get('time/update'))} upd"
+        busy = f"{harness.fmt(res.get('time/generation'))} gen"
+        idle = f"{harness.fmt(res.get('time/update'))} upd"
     else:
         split, k = "1+2", name.split("=")[1]
-        wait = _fmt(res.get("async/trainer_wait_s"))
-        busy = _fmt(res.get("async/rollout_generate_s"))
-        idle = _fmt(res.get("async/rollout_weight_wait_s"))
+        wait = harness.fmt(res.get("async/trainer_wait_s"))
+        busy = harness.fmt(res.get("async/rollout_generate_s"))
+        idle = harness.fmt(res.get("async/rollout_weight_wait_s"))
     return (f"| {name} | {split} | {k} | {res['time/step']:.2f} | "
             f"{sync_s / res['time/step']:.2f}x | {wait} | {busy} | {idle} | "
-            f"{_fmt(res.get('response_length/mean'))} |")
+            f"{harness.fmt(res.get('response_length/mean'))} |")
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
@@ -569,8 +559,8 @@ def prompt_length() -> int:
     """Mean token count of the quickstart addition prompts (the first 64 of the train split)."""
     from torchtune import config as tt_config
 
-    from torchtune_grpo.training.config import load_config
     from torchtune_grpo.quickstart.tiny import tiny_tokenizer
+    from torchtune_grpo.training.config import load_config
 
     with tempfile.TemporaryDirectory() as tmp:
         tok = tiny_tokenizer(tmp)
@@ -678,10 +668,10 @@ def main(argv: list[str] | None = None) -> int:
           "oversubscribed cores (each waits for a descheduled peer), which the rollout rank's "
           "engine never does; the trainers' audit forward of stale batches.")
     if args.out:
-        Path(args.out).write_text(json.dumps({
+        harness.write_json(args.out, {
             "args": vars(args), "load_average": load, "model": info, "prompt_tokens": ptok,
             "runs": per_run, "results": results, "decode": decode, "fits": fits,
-            "validation": validations}, indent=1))
+            "validation": validations}, indent=1)
     return 0
 
 

@@ -9,7 +9,7 @@ Features (``--compare``):
 
 * ``packed``: ``NativeGenerator.packed_weights`` (oneDNN-reordered weights, fused layers);
 * ``decode-attention``: the fused layers' one-step attention
-  (:func:`torchtune_grpo.rollout.kv_cache.attend_decode_step`) against their general path
+  (:func:`torchtune_grpo.backends.cpu_decode.attend_decode_step`) against their general path
   (``attend_projected`` after splitting the q|k|v product), packed weights on in both.
 
 Shapes:
@@ -30,34 +30,29 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+if not __package__:  # run as a file: python benchmarks/decode_kernels.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import harness  # noqa: E402
 
 
 def build_recipe(shape: str, workdir: Path, new_tokens: int, model_dir: Path,
                  overrides: dict | None = None):
     """A set-up ``GRPORecipe`` at ``shape`` (see the module docstring), with the top-level config
     keys of ``overrides`` set."""
-    import torch
-
-    sys.path.insert(0, str(REPO / "benchmarks"))
     from torchtune_grpo.training.recipe import GRPORecipe
 
     if shape == "step":
-        import step
+        from benchmarks import step
 
-        from torchtune_grpo.quickstart.tiny import tiny_llama, write_hf_checkpoint
-
-        torch.manual_seed(0)
-        write_hf_checkpoint(tiny_llama(**step.DIMS), workdir / "model", step.DIMS)
+        harness.write_tiny_model(workdir / "model", step.DIMS)
         cfg = step.build_config(workdir, "cpu", new_tokens)
     else:
-        import real_step
+        from benchmarks import real_step
 
         cfg = real_step.build_config(workdir, model_dir, new_tokens)
     for key, value in (overrides or {}).items():
@@ -117,16 +112,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="the feature switched off and on")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--model-dir", type=Path,
-                        default=Path("/tmp/tune_grpo_models/SmolLM2-135M-Instruct"))
+    parser.add_argument("--model-dir", type=Path, default=harness.SMOLLM2_DIR)
     parser.add_argument("--out", type=Path, help="write the times as JSON")
     args = parser.parse_args(argv)
     import torch
 
     torch.set_num_threads(args.threads)
-    if args.shape == "smollm2" and not (args.model_dir / "config.json").exists():
-        print(f"error: no model at {args.model_dir}; run `tune-grpo prepare-model smollm2`",
-              file=sys.stderr)
+    if args.shape == "smollm2" and harness.smollm2_missing(args.model_dir):
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         recipe = build_recipe(args.shape, Path(tmp), args.new_tokens, args.model_dir)
@@ -143,12 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{labels[1]} / {labels[0]}: {median(times[True]) / median(times[False]):.2f}; "
           f"same tokens: {times['same_tokens']}")
     if args.out:
-        args.out.write_text(json.dumps({
-            "command": " ".join(["python", "benchmarks/decode_kernels.py",
-                                 *(argv if argv is not None else sys.argv[1:])]),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        harness.write_json(args.out, {
+            **harness.run_metadata("decode_kernels", argv),
             "compare": args.compare, "off_s": times[False], "on_s": times[True],
-            "same_tokens": times["same_tokens"]}, indent=2))
+            "same_tokens": times["same_tokens"]})
     return 0
 
 

@@ -25,7 +25,6 @@ runs interleaved, is the figure to compare.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -34,11 +33,11 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from torchtune_grpo.rollout.native import generate_trajectory  # noqa: E402
+if not __package__:  # run as a file: python benchmarks/finished_rows.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import harness  # noqa: E402
 from torchtune_grpo.quickstart.tiny import tiny_llama  # noqa: E402
+from torchtune_grpo.rollout.native import generate_trajectory  # noqa: E402
 
 DIMS = {"vocab_size": 32000, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4,
         "embed_dim": 256, "max_seq_len": 1024, "tie_word_embeddings": False}
@@ -133,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
           f"ratio on/off {result['ratio']:.2f}; median of the {args.repeats} paired ratios "
           f"{result['median_pair_ratio']:.2f}")
     if args.out:
-        args.out.write_text(json.dumps(result, indent=2))
+        harness.write_json(args.out, result)
     if not result["same_tokens"] or result["max_logprob_diff"] > 1e-6:
         sys.exit("outputs differ between shrink_finished off and on")
 

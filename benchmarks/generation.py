@@ -42,22 +42,20 @@ On a shared machine the numbers move with the load; the ratios are measured in o
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from torchtune_grpo.rollout.native import generate_trajectory  # noqa: E402
+if not __package__:  # run as a file: python benchmarks/generation.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import harness  # noqa: E402
 from torchtune_grpo.quickstart.tiny import tiny_llama, write_hf_checkpoint  # noqa: E402
+from torchtune_grpo.rollout.native import generate_trajectory  # noqa: E402
 
 #: Model shapes: ``32m`` is the anchor shape (8 layers, dim 512, vocab 2048).
 SHAPES = {
@@ -78,53 +76,6 @@ class Workload:
     new_tokens: int
 
 
-def matmul_flops_per_second(size: int = 1024, repeats: int = 8) -> float:
-    """Best fp32 matmul rate of ``[size, size] @ [size, size]`` over ``repeats`` runs."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    for _ in range(2):
-        a @ b
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return 2 * size**3 / best
-
-
-def decode_matmul_flops_per_second(model: torch.nn.Module, rows: int, repeats: int = 5,
-                                   kernel: str = "linear") -> float:
-    """Best rate of one decode step's matmuls: every weight of ``model`` applied to ``rows``.
-
-    The weights are used in model order, so (as in a real decode step) each is read from
-    memory rather than cache once the model outgrows the cache; ``rows`` is the decode batch.
-    This is the rate a decode step's linear layers can reach here, which for small ``rows`` is
-    well below the square-matmul rate. ``kernel``: ``"linear"`` times ``F.linear`` (MKL on
-    CPU); ``"onednn"`` times oneDNN on weights reordered beforehand, as the native engine's
-    ``packed_weights`` decodes on CPU.
-    """
-    weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    if not isinstance(getattr(model, "output", None), torch.nn.Linear):
-        weights.append(model.tok_embeddings.weight.detach())  # tied output projection
-    inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
-    work = sum(2 * rows * w.shape[0] * w.shape[1] for w in weights)
-    if kernel == "onednn":
-        packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
-
-        def step():
-            for w, p in zip(weights, packed):
-                torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
-    elif kernel == "linear":
-        def step():
-            for w in weights:
-                torch.nn.functional.linear(inputs[w.shape[1]], w)
-    else:
-        raise ValueError(f"kernel must be 'linear' or 'onednn', got {kernel!r}")
-
-    step()
-    best = min(_timed(step) for _ in range(repeats))
-    return work / best
-
-
 def generation_work(dims: dict, w: Workload) -> float:
     """FLOPs of generating ``w`` without prefill sharing (see the module docstring)."""
     d, v, layers = dims["embed_dim"], dims["vocab_size"], dims["num_layers"]
@@ -137,12 +88,6 @@ def generation_work(dims: dict, w: Workload) -> float:
     linear = 2 * body * w.batch * total_len + 2 * v * d * w.batch * w.new_tokens
     attention = 4 * layers * heads * head_dim * w.batch * total_len * (total_len + 1) / 2
     return linear + attention
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------------------- engines
@@ -160,7 +105,7 @@ def run_native(model, prompts: torch.Tensor, w: Workload, group_size: int = 1) -
         assert traj.response_mask.sum() == w.batch * new_tokens
 
     go(4)
-    return _timed(lambda: go(w.new_tokens))
+    return harness.timed(lambda: go(w.new_tokens))
 
 
 def run_torchtune(model, prompts: torch.Tensor, w: Workload) -> float:
@@ -182,7 +127,7 @@ def run_torchtune(model, prompts: torch.Tensor, w: Workload) -> float:
         assert out.shape == (w.batch, w.prompt_len + new_tokens)
 
     go(4)
-    return _timed(lambda: go(w.new_tokens))
+    return harness.timed(lambda: go(w.new_tokens))
 
 
 def load_hf(model, dims: dict, directory: Path):
@@ -214,7 +159,7 @@ def run_hf(hf, prompts: torch.Tensor, w: Workload) -> float:
 
     torch.manual_seed(0)
     go(4)
-    return _timed(lambda: go(w.new_tokens))
+    return harness.timed(lambda: go(w.new_tokens))
 
 
 def run_vllm(directory: Path, prompts: torch.Tensor, w: Workload) -> float | str:
@@ -231,7 +176,7 @@ def run_vllm(directory: Path, prompts: torch.Tensor, w: Workload) -> float | str
                                 min_tokens=w.new_tokens, ignore_eos=True, detokenize=False)
         inputs = [{"prompt_token_ids": p.tolist()} for p in prompts]
         llm.generate(inputs[:1], params, use_tqdm=False)
-        return _timed(lambda: llm.generate(inputs, params, use_tqdm=False))
+        return harness.timed(lambda: llm.generate(inputs, params, use_tqdm=False))
     except Exception as exc:  # noqa: BLE001
         return f"skipped ({type(exc).__name__}: {str(exc)[:80]})"
 
@@ -248,7 +193,7 @@ def bench_shape(name: str, dims: dict, w: Workload, flops: float, engines: list[
     bound = flops * w.batch * w.new_tokens / work
     # the same work, with the decode steps' share at the rate their [batch, D] matmuls reach
     prefill = generation_work(dims, Workload(w.batch, w.prompt_len, 0))
-    decode_rate = decode_matmul_flops_per_second(model, w.batch)
+    decode_rate = harness.decode_matmul_flops_per_second(model, w.batch)
     decode_bound = w.batch * w.new_tokens / (prefill / flops + (work - prefill) / decode_rate)
     tokens = w.batch * w.new_tokens
     seconds: dict[str, float | str] = {}
@@ -302,11 +247,8 @@ def print_table(result: dict, flops: float) -> None:
             print(f"{engine:<12} {row['status']}")
             continue
 
-        def fmt(x):
-            return "-" if x is None else f"{x:.2f}"
-
         print(f"{engine:<12} {row['tokens_per_second']:>9.1f} {row['seconds']:>8.2f} "
-              f"{fmt(row['vs_torchtune']):>12} {fmt(row['vs_hf']):>7} "
+              f"{harness.fmt(row['vs_torchtune']):>12} {harness.fmt(row['vs_hf']):>7} "
               f"{row['fraction_of_flop_bound']:>8.0%} {row['fraction_of_decode_bound']:>16.0%}")
 
 
@@ -326,22 +268,22 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
                               "0" if args.threads == 1 else f"0-{args.threads - 1}")
     w = Workload(batch=16, prompt_len=64, new_tokens=32) if args.quick else Workload(32, 64, 128)
-    flops = matmul_flops_per_second()
+    flops = harness.matmul_flops_per_second()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.shapes:
             results.append(bench_shape(name, SHAPES[name], w, flops, args.engines, Path(tmp)))
             print_table(results[-1], flops)
-    flops_after = matmul_flops_per_second()
+    flops_after = harness.matmul_flops_per_second()
     print(f"\nfp32 matmul rate: {flops / 1e9:.1f} GFLOP/s before, {flops_after / 1e9:.1f} after; "
           f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}")
     if args.out:
-        args.out.write_text(json.dumps({
+        harness.write_json(args.out, {
             "matmul_flops_per_second": flops, "matmul_flops_per_second_after": flops_after,
             "threads": torch.get_num_threads(), "load_average": os.getloadavg(),
             "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
             "quick": args.quick, "results": results,
-        }, indent=2))
+        })
     return 0
 
 

@@ -33,8 +33,8 @@ byte-level tiny tokenizer of :mod:`torchtune_grpo.quickstart.tiny`. For each sha
   (:data:`PEAK_BF16_TFLOPS`, dense, no sparsity); MFU is also printed against the bf16 rate of
   a big square matmul measured in the same run;
 * **peak memory** (``torch.cuda.max_memory_allocated``, reset before the recipe is built) next to
-  :func:`torchtune_grpo.training.memory.estimate_memory` (what ``tune-grpo estimate-memory`` prints) for
-  the same config.
+  :func:`torchtune_grpo.training.memory_estimate.estimate_memory` (what
+  ``tune-grpo estimate-memory`` prints) for the same config.
 
 Every part runs under a time guard: when the rest of ``--time-budget`` is smaller than what a
 part needs, it is skipped with a printed reason (and listed under ``skipped`` in the JSON). The
@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -61,9 +60,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+if not __package__:  # run as a file: python benchmarks/gpu.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import harness  # noqa: E402
+from benchmarks.harness import REPO  # noqa: E402
 
 #: Builder arguments of :func:`torchtune.models.qwen2.qwen2` per shape; ``0.5b`` and ``3b`` are
 #: those of ``torchtune.models.qwen2_5.qwen2_5_0_5b`` and ``qwen2_5_3b``.
@@ -200,14 +200,13 @@ def matmul_tflops(device, dtype_name: str, size: int, repeats: int = 10) -> floa
     for _ in range(3):
         a @ b
     _sync(device)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+
+    def five() -> None:
         for _ in range(5):
             a @ b
         _sync(device)
-        best = min(best, (time.perf_counter() - t0) / 5)
-    return 2 * size**3 / best / 1e12
+
+    return 2 * size**3 / (harness.best_seconds(five, repeats, warmup=0) / 5) / 1e12
 
 
 def hf_qwen2_config(dims: dict, dtype_name: str) -> dict:
@@ -271,7 +270,8 @@ def grpo_config(model_dir: Path, workdir: Path, dims: dict, w: Workload, device:
                 dtype_name: str):
     """The GRPO config of one shape: ``benchmarks/step.py``'s, with this model and workload."""
     from omegaconf import OmegaConf
-    from step import build_config
+
+    from benchmarks.step import build_config
 
     cfg = build_config(workdir, device, w.new_tokens)
     cfg.model_dir = str(model_dir)
@@ -296,7 +296,7 @@ def bench_grpo_step(cfg, w: Workload, budget: Budget, device: str) -> tuple[dict
     """Warm-up + ``w.steps`` GRPO steps through ``GRPORecipe``; returns (results, recipe)."""
     import torch
 
-    from torchtune_grpo.training.memory import estimate_memory, peak_rss_bytes
+    from torchtune_grpo.training.memory_estimate import estimate_memory
     from torchtune_grpo.training.recipe import GRPORecipe
 
     cuda = torch.device(device).type == "cuda"
@@ -315,26 +315,17 @@ def bench_grpo_step(cfg, w: Workload, budget: Budget, device: str) -> tuple[dict
             budget.allow(f"GRPO step {step}", warmup_s + 5)
             break
         batch = recipe.batches.batch(recipe.step)
-        times: dict[str, float] = {}
-        _sync(device)
-        t = time.perf_counter()
-        traj = recipe.rollout(batch)
-        _sync(device)
-        times["generation"] = time.perf_counter() - t
-        t = time.perf_counter()
-        adv = recipe.advantages(recipe.score(traj, batch))
-        _sync(device)
-        times["scoring"] = time.perf_counter() - t
-        t = time.perf_counter()
-        ref = recipe.reference_logprobs(traj)
-        _sync(device)
-        times["reference"] = time.perf_counter() - t
-        t = time.perf_counter()
-        recipe.update(traj, adv.advantages.to(recipe.device), ref)
-        _sync(device)
-        times["update"] = time.perf_counter() - t
+        phases = harness.Phases(sync=lambda: _sync(device))
+        with phases("generation"):
+            traj = recipe.rollout(batch)
+        with phases("scoring"):
+            adv = recipe.advantages(recipe.score(traj, batch))
+        with phases("reference"):
+            ref = recipe.reference_logprobs(traj)
+        with phases("update"):
+            recipe.update(traj, adv.advantages.to(recipe.device), ref)
         recipe.step += 1
-        times["total"] = sum(times.values())
+        times = {**phases.seconds, "total": sum(phases.seconds.values())}
         prompt = int(traj.prompt_mask.sum())
         generated = int(traj.response_mask.sum())
         tokens = {"prefill": prompt // w.group, "generated": generated,
@@ -345,7 +336,7 @@ def bench_grpo_step(cfg, w: Workload, budget: Budget, device: str) -> tuple[dict
         else:
             rows.append({"seconds": times, "tokens": tokens,
                          "padded_prompt_len": int(traj.prompt_len)})
-    peak = int(torch.cuda.max_memory_allocated(device)) if cuda else peak_rss_bytes()
+    peak = harness.peak_memory_bytes(device)
     estimate = estimate_memory(cfg, 1, name="gpu-benchmark")
     out = {"params": params, "setup_s": setup_s, "warmup_s": warmup_s, "steps": rows,
            "peak_memory_bytes": peak, "allocated_before_bytes": baseline,
@@ -353,10 +344,8 @@ def bench_grpo_step(cfg, w: Workload, budget: Budget, device: str) -> tuple[dict
            "estimated_peak_bytes": estimate.peak_bytes, "estimated_peak_phase": estimate.peak_phase,
            "estimate": estimate.to_dict()["components"]}
     if rows:
-        parts = rows[0]["seconds"]
-        out["mean_seconds"] = {k: sum(r["seconds"][k] for r in rows) / len(rows) for k in parts}
-        out["mean_tokens"] = {k: sum(r["tokens"][k] for r in rows) / len(rows)
-                              for k in rows[0]["tokens"]}
+        out["mean_seconds"] = harness.mean_of([r["seconds"] for r in rows])
+        out["mean_tokens"] = harness.mean_of([r["tokens"] for r in rows])
         out["flops_per_step"] = step_flops(params, out["mean_tokens"])
         out["flops_formula"] = ("6*N*trained_tokens + 2*N*(prefill_tokens + generated_tokens + "
                                 "reference_tokens); N = all parameters (tied embedding once); "
@@ -448,8 +437,7 @@ def bench_vllm(model_dir: Path, name: str, w: Workload, dims: dict, args,
     if args.vllm_cuda_graphs:
         cmd.append("--vllm-cuda-graphs")
     try:
-        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-        proc = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": path},
+        proc = subprocess.run(cmd, env=harness.subprocess_env(REPO),
                               timeout=max(10.0, budget.left()), capture_output=True, text=True)
         print(proc.stdout[-2000:], end="")
     except subprocess.TimeoutExpired:
@@ -517,11 +505,6 @@ def bench_shape(name: str, dims: dict, w: Workload, args, budget: Budget, workdi
     return result
 
 
-def _fmt(x, spec: str = ".0f", suffix: str = "") -> str:
-    """``x`` formatted, or ``-`` when it is missing."""
-    return "-" if x is None else f"{x:{spec}}{suffix}"
-
-
 def _params(n: int | None) -> str:
     """A parameter count as ``494M`` / ``3.09B`` / ``0.20M``."""
     if n is None:
@@ -535,9 +518,10 @@ def markdown_table(report: dict) -> str:
     """The results as a markdown table (one row per shape) plus a line on the device."""
     lines = [
         f"{report['device_name']}, torch {report['torch']}, {report['dtype']}; peak "
-        f"{_fmt(report['peak_tflops'])} TFLOP/s ({report['peak_tflops_source']}), measured "
-        f"{report['matmul_size']}^3 matmul {report['matmul_tflops']:.1f} TFLOP/s. Step FLOPs: "
-        "6 N (prompt + response tokens trained) + 2 N (prefill + generated + reference tokens).",
+        f"{harness.fmt(report['peak_tflops'], '.0f')} TFLOP/s ({report['peak_tflops_source']}), "
+        f"measured {report['matmul_size']}^3 matmul {report['matmul_tflops']:.1f} TFLOP/s. "
+        "Step FLOPs: 6 N (prompt + response tokens trained) + 2 N (prefill + generated + "
+        "reference tokens).",
         "",
         "| shape | params | workload | native tok/s | vLLM tok/s | step s (gen / score / ref / "
         "update) | MFU vs peak | MFU vs matmul | peak GiB | estimate GiB |",
@@ -548,6 +532,8 @@ def markdown_table(report: dict) -> str:
         native = r["generation"].get("native", {})
         vllm = r["generation"].get("vllm", {})
         step = r.get("grpo_step", {})
+        vllm_tps = ("skipped" if "skipped" in vllm
+                    else harness.fmt(vllm.get("tokens_per_second"), ".0f"))
         if "mean_seconds" in step:
             s = step["mean_seconds"]
             split = (f"{s['total']:.2f} ({s['generation']:.2f} / {s['scoring']:.2f} / "
@@ -558,12 +544,12 @@ def markdown_table(report: dict) -> str:
         est = step.get("estimated_peak_bytes")
         lines.append(
             f"| {name} | {_params(r['params'])} | {w['prompts']} x {w['group']} x "
-            f"{w['new_tokens']} | {_fmt(native.get('tokens_per_second'))} | "
-            f"{_fmt(vllm.get('tokens_per_second')) if 'skipped' not in vllm else 'skipped'} | "
-            f"{split} | {_fmt(step.get('mfu_vs_peak'), '.1%')} | "
-            f"{_fmt(step.get('mfu_vs_matmul'), '.1%')} | "
-            f"{_fmt(None if mem is None else mem / 2**30, '.2f')} | "
-            f"{_fmt(None if est is None else est / 2**30, '.2f')} |")
+            f"{w['new_tokens']} | {harness.fmt(native.get('tokens_per_second'), '.0f')} | "
+            f"{vllm_tps} | "
+            f"{split} | {harness.fmt(step.get('mfu_vs_peak'), '.1%')} | "
+            f"{harness.fmt(step.get('mfu_vs_matmul'), '.1%')} | "
+            f"{harness.fmt(None if mem is None else mem / 2**30, '.2f')} | "
+            f"{harness.fmt(None if est is None else est / 2**30, '.2f')} |")
     kinds = {r.get("grpo_step", {}).get("memory_kind") for r in report["shapes"].values()}
     if "peak_rss" in kinds:
         lines.append("\npeak GiB: the process's peak resident set size on CPU, not comparable "
@@ -637,8 +623,8 @@ def main(argv: list[str] | None = None) -> int:
     peak, source = peak_tflops(args.device, args.peak_tflops)
     size = 8192 if cuda else 256
     rates = {"peak_tflops": peak, "matmul_tflops": matmul_tflops(args.device, args.dtype, size)}
-    print(f"{device_name}: peak {_fmt(peak)} TFLOP/s ({source}); {args.dtype} {size}^3 matmul "
-          f"{rates['matmul_tflops']:.1f} TFLOP/s", flush=True)
+    print(f"{device_name}: peak {harness.fmt(peak, '.0f')} TFLOP/s ({source}); {args.dtype} "
+          f"{size}^3 matmul {rates['matmul_tflops']:.1f} TFLOP/s", flush=True)
     shapes = {"tiny": TINY} if args.tiny else {k: SHAPES[k] for k in args.shapes}
     report: dict = {
         "device": args.device, "device_name": device_name, "torch": torch.__version__,
@@ -670,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + report["markdown"])
     print(f"\ntotal {report['elapsed_s']:.0f} s of the {args.time_budget:.0f} s budget")
     if args.out:
-        args.out.write_text(json.dumps(report, indent=2))
+        harness.write_json(args.out, report)
     return 0
 
 

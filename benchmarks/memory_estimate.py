@@ -1,8 +1,9 @@
 """Estimated peak memory per rank of the shipped training configs (or of one config).
 
-Prints the breakdown of :func:`torchtune_grpo.training.memory.estimate_memory` (weights, gradients,
-optimizer state, reference model, KV cache, activations, logits) and the peak. Each shipped
-config is estimated for the ranks its header launches it with (``--nproc_per_node N``, else 1).
+Prints the breakdown of :func:`torchtune_grpo.training.memory_estimate.estimate_memory` (weights,
+gradients, optimizer state, reference model, KV cache, activations, logits) and the peak. Each
+shipped config is estimated for the ranks its header launches it with (``--nproc_per_node N``,
+else 1).
 
     python benchmarks/memory_estimate.py                        # all shipped training configs
     python benchmarks/memory_estimate.py --all --out mem.json   # and write JSON
@@ -21,13 +22,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from torchtune_grpo.training.config import load_config
-from torchtune_grpo.training.memory import (
+if not __package__:  # run as a file: python benchmarks/memory_estimate.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import harness  # noqa: E402
+from torchtune_grpo.training.config import load_config  # noqa: E402
+from torchtune_grpo.training.memory import measure_peak_memory  # noqa: E402
+from torchtune_grpo.training.memory_estimate import (  # noqa: E402
     MemoryEstimate,
     dump_json,
     estimate_memory,
     intended_world_size,
-    measure_peak_memory,
     summary_table,
     training_configs,
 )
@@ -54,12 +58,8 @@ VALIDATION_RUNS: dict[str, list[str]] = {
 
 def write_validation_model(directory: Path) -> Path:
     """Write the validation model (random weights) and the tiny tokenizer into ``directory``."""
-    import torch
-
-    from torchtune_grpo.quickstart.tiny import tiny_llama, write_hf_checkpoint
-
-    torch.manual_seed(0)
-    return write_hf_checkpoint(tiny_llama(**VALIDATION_DIMS), directory, VALIDATION_DIMS)
+    harness.write_tiny_model(directory, VALIDATION_DIMS)
+    return directory
 
 
 def validation_overrides(model_dir: Path, output_dir: Path, extra: list[str]) -> list[str]:

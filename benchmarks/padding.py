@@ -107,9 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write the results as JSON")
     args = parser.parse_args(argv)
 
-    from torchtune_grpo.policy.forward import micro_batch_logprobs
     from torchtune_grpo.algorithm.loss import GRPOLoss
     from torchtune_grpo.algorithm.trajectory import trim_to_extent
+    from torchtune_grpo.policy.forward import micro_batch_logprobs
     from torchtune_grpo.quickstart.tiny import tiny_llama
 
     torch.set_num_threads(args.threads)

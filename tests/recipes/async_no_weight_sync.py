@@ -4,16 +4,16 @@ weights. Run through torchrun like the recipe; the log-prob gap metric must expo
 
 import copy
 
-from torchtune_grpo.training import async_recipe as async_grpo
+from torchtune_grpo.training import async_transport
 
-_receive = async_grpo.WeightReceiver.receive
+_receive = async_transport.WeightReceiver.receive
 
 
 def _receive_into_a_copy(self, model):
     return _receive(self, copy.deepcopy(model))
 
 
-async_grpo.WeightReceiver.receive = _receive_into_a_copy
+async_transport.WeightReceiver.receive = _receive_into_a_copy
 
 if __name__ == "__main__":
     from async_grpo_full_finetune_distributed import recipe_main

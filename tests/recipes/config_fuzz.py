@@ -211,12 +211,13 @@ def _child(config_name: str, mutated: dict, mutation: dict, base: str | None, wo
         save(stage="validate")
         is_eval = config_name.startswith("eval_")  # the grpo_eval recipe's configs
         if any(k in cfg for k in ("rollout_ranks", "max_staleness")):
-            from torchtune_grpo.training.config import validate_async_config
+            from torchtune_grpo.training.validation import validate_async_config
 
             validate_async_config(cfg, world_size=3)
             save(stage="accepted")
             return
-        from torchtune_grpo.training.config import EVAL_KEYS, validate_config
+        from torchtune_grpo.training.schema import EVAL_KEYS
+        from torchtune_grpo.training.validation import validate_config
 
         validate_config(cfg, schema=EVAL_KEYS if is_eval else None)  # what __init__ runs
         if not runnable:

@@ -1,33 +1,23 @@
-"""Smoke test of ``benchmarks/ablate.py``: the reduced grid (``--quick``) end to end."""
+"""Smoke test of ``benchmarks.ablate``: the reduced grid (``--quick``) end to end."""
 
 from __future__ import annotations
 
 import csv
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks import ablate
 from tests.recipes._helpers import recipe_env
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "ablate.py"
-
-
-def _ablate_module():
-    spec = importlib.util.spec_from_file_location("ablate", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("ablate", module)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_grid_is_one_factor_at_a_time():
-    ablate = _ablate_module()
     grid = ablate.full_grid()
     assert {s.knob for s in grid} == set(ablate.KNOBS)
     for setting in grid:
@@ -50,13 +40,12 @@ def test_quick_grid_writes_csv_and_plots(tmp_path):
     out = tmp_path / "ablate"
     budget = 1.5
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--out", str(out), "--budget-s", str(budget),
-         "--warmup-steps", "60"],
-        cwd=tmp_path, env=recipe_env(threads=1), capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "benchmarks.ablate", "--quick", "--out", str(out),
+         "--budget-s", str(budget), "--warmup-steps", "60"],
+        cwd=ROOT, env=recipe_env(threads=1), capture_output=True, text=True, timeout=300,
         check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    ablate = _ablate_module()
 
     with (out / "ablate.csv").open() as f:
         reader = csv.DictReader(f)

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from tests.recipes._helpers import quickstart_config
-from torchtune_grpo.evaluation.difficulty import read_difficulty, score_difficulty, select_by_difficulty
+from torchtune_grpo.datasets.difficulty import read_difficulty, select_by_difficulty
+from torchtune_grpo.evaluation.difficulty import score_difficulty
 
 SPLIT = "train"
 LIMIT = 24

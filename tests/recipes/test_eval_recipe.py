@@ -61,12 +61,13 @@ def test_eval_recipe_with_huggingface_base_tokenizer(base_model, tmp_path):
     import torch
     from omegaconf import OmegaConf
 
-    from torchtune_grpo.training.config import resolve_config_path
     from torchtune_grpo.datasets import addition_dataset
-    from torchtune_grpo.evaluation.evaluate import EvalSettings, evaluate
+    from torchtune_grpo.evaluation.evaluate import evaluate
     from torchtune_grpo.policy.model import token_rules
     from torchtune_grpo.quickstart.prepare import load_quickstart_model
     from torchtune_grpo.rewards.components import build_reward_set
+    from torchtune_grpo.training.config import resolve_config_path
+    from torchtune_grpo.training.settings import EvalSettings
 
     ckpt = tmp_path / "ckpt"  # an HF folder: weights, config.json, tokenizer(_config).json
     shutil.copytree(base_model, ckpt)

@@ -142,7 +142,7 @@ def test_check_writable_names_the_folder(tmp_path, monkeypatch):
 def test_prepare_quickstart_keeps_an_existing_model(tmp_path, capsys):
     from safetensors.torch import load_file
 
-    from torchtune_grpo.quickstart.prepare import main
+    from torchtune_grpo.quickstart.cli import main
 
     out = tmp_path / "base"
     main(["--output-dir", str(out), "--warmup-steps", "0", "--seed", "0"])

@@ -28,7 +28,7 @@ def warmed_up_tool_model(tmp_path_factory):
     """The tool quickstart's real starting model (default warm-up and seed)."""
     import torch
 
-    from torchtune_grpo.quickstart.prepare import prepare_tools_quickstart
+    from torchtune_grpo.quickstart.tools import prepare_tools_quickstart
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny model gains nothing from a second thread

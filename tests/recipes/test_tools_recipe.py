@@ -33,7 +33,7 @@ from tests.recipes._helpers import (
 
 #: The calculator, called as ``6<expression>8`` and answered as ``(<result>)``.
 TOOL_OVERRIDES = [
-    "tools=" + json.dumps([{"_component_": "torchtune_grpo.rollout.tools.Calculator",
+    "tools=" + json.dumps([{"_component_": "torchtune_grpo.rollout.tools.calculator.Calculator",
                             "name": "8"}]),
     "tool_syntax=" + json.dumps({"call_open": "6", "call_close": "{name}",
                                  "result_open": "(", "result_close": ")"}),
@@ -113,7 +113,7 @@ def test_tool_tokens_carry_no_logprob_and_no_loss(base_model, tmp_path):
     log-probs and entropies are 0, and the loss normaliser counts policy tokens only; the
     logged lengths count policy tokens, ``tools/result_tokens`` the tool tokens."""
     from torchtune_grpo.training.recipe import GRPORecipe
-    from torchtune_grpo.rollout.multiturn import decode_with_tools
+    from torchtune_grpo.rollout.tool_trajectory import decode_with_tools
 
     out = tmp_path / "run"
     # every rollout goes through the update (the counts below include tied groups)
@@ -190,7 +190,7 @@ def test_the_tool_loop_around_the_native_engine_runs_the_policy():
     policy: the native one, alone or inside the tool loop (not, e.g., vLLM)."""
     from torchtune_grpo.rollout.native import NativeGenerator
     from torchtune_grpo.rollout.multiturn import ToolUseGenerator, runs_policy
-    from torchtune_grpo.rollout.tools import Calculator
+    from torchtune_grpo.rollout.tools.calculator import Calculator
     from torchtune_grpo.rollout.vllm_engine import VLLMGenerator
 
     assert runs_policy(NativeGenerator())

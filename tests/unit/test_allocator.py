@@ -60,9 +60,10 @@ def test_an_allocator_chosen_by_the_environment_is_left_alone():
 def test_recipe_applies_it_on_cpu_unless_turned_off(monkeypatch, tmp_path):
     import torchtune_grpo.training.recipe as recipe_module
     from tests.recipes._helpers import quickstart_config
+    from torchtune_grpo.backends import allocator
 
     calls = []
-    monkeypatch.setattr(recipe_module, "keep_freed_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(allocator, "keep_freed_memory", lambda: calls.append(1) or True)
     recipe_module.GRPORecipe(quickstart_config(tmp_path / "model", tmp_path / "out"))
     assert calls == [1]
     recipe_module.GRPORecipe(quickstart_config(tmp_path / "model", tmp_path / "out",

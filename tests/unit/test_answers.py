@@ -17,12 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchtune_grpo.rewards import answers
-
-from torchtune_grpo.rewards import math_grading
+from torchtune_grpo.rewards import answers, grading_worker
 from torchtune_grpo.rewards.answers import last_number, parse_number
-from torchtune_grpo.rewards.math_grading import MathEquivalence
 from torchtune_grpo.rewards.components import NumericCorrectness
+from torchtune_grpo.rewards.math_grading import MathEquivalence
 
 # (text, the number a careful grader reads as its final answer; None: no number)
 NUMBER_TABLE = [
@@ -150,9 +148,9 @@ def test_latex_heavy_inputs_are_fast(text):
 
 
 def test_math_grading_worker_imports_no_torch():
-    """The grading worker runs math_grading.py, which imports rewards.answers: neither needs torch."""
-    path = Path(math_grading.__file__).resolve()
-    code = math_grading._WORKER_CODE.format(path=str(path), root=str(path.parents[2]))
+    """The grading worker runs grading_worker.py, which imports the standard library only."""
+    path = Path(grading_worker.__file__).resolve()
+    code = grading_worker._WORKER_CODE.format(path=str(path), root=str(path.parents[2]))
     code = code.replace("module._worker_main()\n", "print('torch' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60)

@@ -7,16 +7,17 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from torchtune_grpo.training.async_recipe import (
+from torchtune_grpo.training.async_recipe import _validate_async
+from torchtune_grpo.training.async_transport import (
     Roles,
     VersionStore,
     _buffers_like,
     _flatten_by_dtype,
-    _validate_async,
     behavior_version,
     last_sent_version,
 )
-from torchtune_grpo.training.config import ConfigError, async_errors, load_config, validate_config
+from torchtune_grpo.training.config import load_config
+from torchtune_grpo.training.validation import ConfigError, async_errors, validate_config
 
 
 def test_behavior_version_is_fixed_by_step_and_staleness():

@@ -1,28 +1,13 @@
-"""benchmarks/async_sim.py: hand-checkable cases of the sync vs. async GRPO event simulation."""
+"""benchmarks.async_sim: hand-checkable cases of the sync vs. async GRPO event simulation."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_async_sim",
-                                                  ROOT / "benchmarks" / "async_sim.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
-
-
-sim = _load()
+from benchmarks import async_sim as sim
 
 # a + b * rows per decode step, prefill per token, update per token
 A, B_ROW, PRE, UPD = 0.01, 0.001, 1e-4, 1e-3

@@ -1,28 +1,13 @@
-"""benchmarks/async_step.py: the stopping model, the cost fit and the table (no torchrun)."""
+"""benchmarks.async_step: the stopping model, the cost fit and the table (no torchrun)."""
 
 from __future__ import annotations
-
-import importlib.util
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from benchmarks import async_step as bench
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_async_step",
-                                                  ROOT / "benchmarks" / "async_step.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
 torch.set_num_threads(1)  # small matmuls; two threads on two busy cores are far slower
 sim = bench.async_sim
 SMALL = {"num_layers": 2, "embed_dim": 64, "num_heads": 4, "num_kv_heads": 2}

@@ -20,23 +20,25 @@ import torch
 from omegaconf import OmegaConf
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from torchtune_grpo.training.config import ConfigError, load_config, validate_config
+from torchtune_grpo.training.config import load_config
+from torchtune_grpo.training.validation import ConfigError, validate_config
 from torchtune_grpo.datasets._prompt import PromptTemplate, tokenize_prompt
 from torchtune_grpo.models.tokenizer import HFTokenizer
 from torchtune_grpo.policy.forward import micro_batch_logprobs
-from torchtune_grpo.rollout.native import stop_token_ids
+from torchtune_grpo.rollout.sampling import stop_token_ids
 from torchtune_grpo.rollout.protocol import Generator
 from torchtune_grpo.algorithm.loss import GRPOLoss
-from torchtune_grpo.rollout.multiturn import ToolUseGenerator, decode_with_tools, tool_segments
-from torchtune_grpo.rollout.tools import (
-    Calculator,
+from torchtune_grpo.rollout.multiturn import ToolUseGenerator
+from torchtune_grpo.rollout.tool_trajectory import decode_with_tools, tool_segments
+from torchtune_grpo.rollout.tools.base import is_error
+from torchtune_grpo.rollout.tools.build import make_tool_syntax
+from torchtune_grpo.rollout.tools.calculator import Calculator
+from torchtune_grpo.rollout.tools.chat_template import (
     ChatTemplateToolSyntax,
-    ToolCallSyntax,
     call_tool_json,
-    is_error,
-    make_tool_syntax,
     tool_schema,
 )
+from torchtune_grpo.rollout.tools.syntax import ToolCallSyntax
 from torchtune_grpo.algorithm.trajectory import Trajectory
 
 # ---------------------------------------------------------------- a template written for tests
@@ -501,7 +503,7 @@ def test_bad_tool_syntax_values(syntax, message):
 
 def _config(folder: Path, syntax: dict) -> OmegaConf:
     cfg = load_config("grpo/quickstart_cpu", [
-        'tools=[{"_component_": "torchtune_grpo.rollout.tools.Calculator"}]',
+        'tools=[{"_component_": "torchtune_grpo.rollout.tools.calculator.Calculator"}]',
         "tool_syntax=" + json.dumps(syntax)])
     cfg.tokenizer = OmegaConf.create({"_component_": "torchtune_grpo.models.hf_tokenizer",
                                       "path": str(folder)})

@@ -9,11 +9,9 @@ import torch
 from torchtune import config as tt_config
 
 from tests.conftest import check_instantiates_offline
-from torchtune_grpo.training.config import (
+from torchtune_grpo.training.config import list_shipped_configs, load_config, resolve_config_path
+from torchtune_grpo.training.validation import (
     ConfigError,
-    list_shipped_configs,
-    load_config,
-    resolve_config_path,
     validate_async_config,
     validate_config,
 )
@@ -97,7 +95,7 @@ def test_real_configs_instantiate_what_needs_no_download(name):
 
 
 def test_every_shipped_config_validates():
-    from torchtune_grpo.training.config import EVAL_KEYS
+    from torchtune_grpo.training.schema import EVAL_KEYS
 
     for name in list_shipped_configs():
         if "eval" in name:
@@ -135,7 +133,7 @@ def test_activation_offloading_needs_cuda_and_checkpointing():
 
 
 def test_eval_configs_check_sampling():
-    from torchtune_grpo.training.config import EVAL_KEYS
+    from torchtune_grpo.training.schema import EVAL_KEYS
 
     with pytest.raises(ConfigError, match="num_samples=2"):
         validate_config(load_config("grpo/eval_quickstart", [
@@ -185,7 +183,7 @@ def test_nested_blocks_are_checked_like_the_top_level(overrides, message):
 
 
 def test_nested_blocks_read_into_settings_with_defaults_in_one_place():
-    from torchtune_grpo.training.config import RECIPE_KEYS, with_defaults
+    from torchtune_grpo.training.schema import RECIPE_KEYS, with_defaults
     from torchtune_grpo.training.settings import AdvantageSettings, EvalSettings, settings_from_config
 
     cfg = load_config("grpo/quickstart_cpu", ["advantages.scale=none"])
@@ -202,7 +200,7 @@ def test_nested_blocks_read_into_settings_with_defaults_in_one_place():
 
 
 # ---------------------------------------------------------------------------- tools
-CALCULATOR = {"_component_": "torchtune_grpo.rollout.tools.Calculator"}
+CALCULATOR = {"_component_": "torchtune_grpo.rollout.tools.calculator.Calculator"}
 
 
 def _tools_override(*entries) -> str:
@@ -217,12 +215,13 @@ def _tools_override(*entries) -> str:
         ([_tools_override(CALCULATOR, {"max_digits": 3})],
          "config key 'tools[1]'._component_ is missing"),
         ([_tools_override({**CALCULATOR, "max_digits": 0})],
-         "config key 'tools[0]'._component_='torchtune_grpo.rollout.tools.Calculator' could not "
-         "be built: ValueError: Calculator max_digits must be a positive number"),
-        ([_tools_override({"_component_": "torchtune_grpo.rollout.tools.Calculatr"})],
-         "tools[0]._component_: module 'torchtune_grpo.rollout.tools' has no 'Calculatr'"),
+         "config key 'tools[0]'._component_='torchtune_grpo.rollout.tools.calculator.Calculator' "
+         "could not be built: ValueError: Calculator max_digits must be a positive number"),
+        ([_tools_override({"_component_": "torchtune_grpo.rollout.tools.calculator.Calculatr"})],
+         "tools[0]._component_: module 'torchtune_grpo.rollout.tools.calculator' has no "
+         "'Calculatr'"),
         ([_tools_override(CALCULATOR, CALCULATOR)], "config key 'tools[1]'.name='calculator'"),
-        (['tools={"_component_": "torchtune_grpo.rollout.tools.Calculator"}'],
+        (['tools={"_component_": "torchtune_grpo.rollout.tools.calculator.Calculator"}'],
          "config key 'tools' must be list|null"),
         ([_tools_override(CALCULATOR), 'tool_syntax={"call_opn": "["}'],
          "Did you mean 'tool_syntax.call_open'?"),
@@ -242,7 +241,7 @@ def test_bad_tools_fail_validation_naming_the_entry(overrides, message):
 
 
 def test_tools_validate_and_default():
-    from torchtune_grpo.training.config import EVAL_KEYS, RECIPE_KEYS, with_defaults
+    from torchtune_grpo.training.schema import EVAL_KEYS, RECIPE_KEYS, with_defaults
 
     cfg = load_config("grpo/quickstart_cpu", [
         _tools_override({**CALCULATOR, "name": "calc"}), "max_tool_calls=2",

@@ -1,24 +1,18 @@
-"""benchmarks/decode_kernels.py: the A/B runs and reports both settings of a feature."""
+"""benchmarks.decode_kernels: the A/B runs and reports both settings of a feature."""
 
 from __future__ import annotations
-
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_kernels.py"
+from benchmarks import decode_kernels
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
 def test_ab_alternates_both_settings_and_samples_the_same_tokens(capsys, tmp_path):
-    spec = importlib.util.spec_from_file_location("decode_kernels", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     threads = torch.get_num_threads()
     try:
-        assert module.main(["--shape", "step", "--rollouts", "1", "--new-tokens", "2",
+        assert decode_kernels.main(["--shape", "step", "--rollouts", "1", "--new-tokens", "2",
                             "--threads", "1", "--out", str(tmp_path / "ab.json")]) == 0
     finally:
         torch.set_num_threads(threads)
@@ -36,9 +30,6 @@ def test_ab_alternates_both_settings_and_samples_the_same_tokens(capsys, tmp_pat
 def test_decode_attention_ab_switches_the_one_step_path_and_restores_it(capsys, monkeypatch):
     from torchtune_grpo.backends import cpu_decode as packed_decode
 
-    spec = importlib.util.spec_from_file_location("decode_kernels", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     real = packed_decode.attend_decode_step
     calls = []
     monkeypatch.setattr(packed_decode, "attend_decode_step",
@@ -46,7 +37,7 @@ def test_decode_attention_ab_switches_the_one_step_path_and_restores_it(capsys, 
     counting = packed_decode.attend_decode_step
     threads = torch.get_num_threads()
     try:
-        assert module.main(["--shape", "step", "--rollouts", "1", "--new-tokens", "3",
+        assert decode_kernels.main(["--shape", "step", "--rollouts", "1", "--new-tokens", "3",
                             "--threads", "1", "--compare", "decode-attention"]) == 0
     finally:
         torch.set_num_threads(threads)
@@ -60,8 +51,5 @@ def test_decode_attention_ab_switches_the_one_step_path_and_restores_it(capsys, 
 
 
 def test_smollm2_shape_without_the_model_exits_2(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("decode_kernels", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.main(["--shape", "smollm2", "--model-dir", str(tmp_path)]) == 2
+    assert decode_kernels.main(["--shape", "smollm2", "--model-dir", str(tmp_path)]) == 2
     assert "prepare-model smollm2" in capsys.readouterr().err

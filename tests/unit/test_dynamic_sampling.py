@@ -124,7 +124,7 @@ def test_settings_validate_max_batches():
 
 
 def test_config_key_is_validated():
-    from torchtune_grpo.training.config import RECIPE_KEYS
+    from torchtune_grpo.training.schema import RECIPE_KEYS
 
     key = RECIPE_KEYS["dynamic_sampling"]
     assert key.default is None and key.settings is DynamicSamplingSettings
@@ -268,7 +268,9 @@ def _free_port() -> int:
 
 
 def _rank_worker(rank: int, port: int, out_dir: str) -> None:
-    from torchtune_grpo.training.distributed import all_ranks_true
+    from torchtune_grpo.training.distributed import WORLD
+
+    all_ranks_true = WORLD.all_ranks_true
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -335,7 +337,7 @@ def _train(base, out, rewards, *overrides, capture=None):
 @pytest.mark.slow
 def test_recipe_all_tied_batch_draws_max_batches_and_the_metrics_say_so(tiny_base, tmp_path,
                                                                          monkeypatch):
-    import torchtune_grpo.training.recipe as recipe_module
+    import torchtune_grpo.training.rollouts as rollouts_module
 
     seeds = []  # (step, draw, seeds) of every rollout
 
@@ -344,7 +346,7 @@ def test_recipe_all_tied_batch_draws_max_batches_and_the_metrics_say_so(tiny_bas
         seeds.append((step, draw, out))
         return out
 
-    monkeypatch.setattr(recipe_module, "rollout_seeds", recording_seeds)
+    monkeypatch.setattr(rollouts_module, "rollout_seeds", recording_seeds)
     rewards = [{"_component_": "tests.unit.test_dynamic_sampling.constant_reward",
                 "success": True}]
     captured = []

@@ -12,20 +12,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import torchtune_grpo.evaluation.evaluate as evaluation
+import torchtune_grpo.evaluation.metrics as eval_metrics
 from torchtune_grpo.datasets import addition_dataset
-from torchtune_grpo.evaluation.evaluate import (
-    RESULTS_FILE,
-    SAMPLES_FILE,
-    EvalSettings,
-    decode_prompt,
-    evaluate,
-    majority_correct,
-    partial_samples_path,
-    pass_at_k,
-)
+from torchtune_grpo.evaluation.evaluate import decode_prompt, evaluate
+from torchtune_grpo.evaluation.metrics import majority_correct, pass_at_k
+from torchtune_grpo.evaluation.results import RESULTS_FILE, SAMPLES_FILE, partial_samples_path
 from torchtune_grpo.policy.model import token_rules
 from torchtune_grpo.rewards.components import build_reward_set
+from torchtune_grpo.training.settings import EvalSettings
 
 
 def _pass_at_k_by_enumeration(n: int, c: int, k: int) -> float:
@@ -106,8 +100,8 @@ def write_hf_tokenizer(directory: Path) -> tuple[Path, Path]:
     """Write a ``tokenizers``-loadable byte-level BPE with the tiny tokenizer's ids.
 
     Byte ``b`` is id ``b`` (no merges) and the tiny tokenizer's Llama 3 special tokens follow
-    at 256.., so it encodes text exactly as :func:`torchtune_grpo.quickstart.tiny.tiny_tokenizer` does and
-    fits the quickstart model's 320-id vocabulary (269 ids). BOS is ``<|begin_of_text|>``;
+    at 256.., so it encodes text exactly as :func:`torchtune_grpo.quickstart.tiny.tiny_tokenizer`
+    does and fits the quickstart model's 320-id vocabulary (269 ids). BOS is ``<|begin_of_text|>``;
     EOS is ``<|eot_id|>``, the token the quickstart model ends its answers with.
 
     Returns:
@@ -234,7 +228,7 @@ def test_failing_metric_keeps_every_scored_problem(tokenizer, tiny_model, tmp_pa
     def broken(*args, **kwargs):
         raise ZeroDivisionError("a broken metric")
 
-    monkeypatch.setattr(evaluation, "majority_correct", broken)
+    monkeypatch.setattr(eval_metrics, "majority_correct", broken)  # where compute_metrics looks
     partial = partial_samples_path(tmp_path, 0)
     with pytest.raises(RuntimeError, match="a broken metric") as info:
         evaluate(tiny_model, tokenizer, dataset, rewards, settings, partial_dir=tmp_path,

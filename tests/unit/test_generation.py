@@ -5,24 +5,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchtune_grpo.policy.forward import response_logprobs
-from torchtune_grpo.rollout.native import (
-    allowed_token_mask,
-    decode_completions,
-    generate_micro_batch,
-    generate_trajectory,
-    logit_bias_from_mask,
-    safe_decode,
-    sample_next_token,
-    stop_token_ids,
-)
 from torchtune_grpo.algorithm.trajectory import (
     Trajectory,
     attention_mask,
     concat_trajectories,
     position_ids,
 )
+from torchtune_grpo.policy.forward import response_logprobs
 from torchtune_grpo.quickstart.tiny import TINY_TOKENIZER_VOCAB, tiny_llama
+from torchtune_grpo.rollout.native import generate_micro_batch, generate_trajectory
+from torchtune_grpo.rollout.sampling import (
+    allowed_token_mask,
+    decode_completions,
+    logit_bias_from_mask,
+    safe_decode,
+    sample_next_token,
+    stop_token_ids,
+)
 
 
 def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,7 +225,7 @@ def test_inverse_cdf_sample_equals_full_cumulative_sum(vocab):
     """The two-level search picks the id of one float64 cumulative sum over the row (apart from
     draws within float32 rounding of a boundary: none among these), never an id of probability
     0 (forbidden ids, the padding of a last partial block)."""
-    from torchtune_grpo.rollout.native import inverse_cdf_sample
+    from torchtune_grpo.rollout.sampling import inverse_cdf_sample
 
     torch.manual_seed(vocab)
     n = 512

@@ -13,20 +13,19 @@ import shutil
 import pytest
 import torch
 
-from torchtune_grpo.rollout import native as gen
-from torchtune_grpo.rollout import kv_cache as kvc
+from torchtune_grpo.algorithm.trajectory import attention_mask, position_ids
 from torchtune_grpo.backends import cpu_decode as pd
 from torchtune_grpo.policy.forward import response_logprobs
-from torchtune_grpo.rollout.native import (
+from torchtune_grpo.quickstart.tiny import tiny_llama
+from torchtune_grpo.rollout import kv_cache as kvc
+from torchtune_grpo.rollout import native as gen
+from torchtune_grpo.rollout.kv_cache import attention_modules
+from torchtune_grpo.rollout.native import generate_micro_batch, generate_trajectory
+from torchtune_grpo.rollout.sampling import (
     allowed_token_mask,
-    attention_modules,
-    generate_micro_batch,
-    generate_trajectory,
     logit_bias_from_mask,
     stop_token_ids,
 )
-from torchtune_grpo.algorithm.trajectory import attention_mask, position_ids
-from torchtune_grpo.quickstart.tiny import tiny_llama
 
 PROMPTS = ["1+2=", "13+27=", "5+5=", "99+1=", "40+2=", "7+70=", "3+33=", "11+1="]
 

@@ -22,16 +22,15 @@ import pytest
 import torch
 
 from torchtune_grpo.cli import main as _cli
-from torchtune_grpo.models import gguf as gguf_import
+from torchtune_grpo.models import packaged
 from torchtune_grpo.models.gguf import (
     HF_FILES,
-    find_packaged_gguf,
     gguf_to_hf,
     hf_tensor_name,
     is_converted,
-    prepare_model,
     unpermute_rotary,
 )
+from torchtune_grpo.models.packaged import find_packaged_gguf, prepare_model
 
 gguf = pytest.importorskip("gguf")
 
@@ -408,7 +407,7 @@ def test_cli_prepare_model_with_gguf(tiny, tmp_path, capsys):
 
 
 def test_default_output_dir():
-    assert gguf_import.default_output_dir() == Path(
+    assert packaged.default_output_dir() == Path(
         "/tmp/tune_grpo_models/SmolLM2-135M-Instruct")
 
 

@@ -1,4 +1,4 @@
-"""``benchmarks/gpu.py``: its command line, its shapes, its HF folder, and the CPU tiny run."""
+"""``benchmarks.gpu``: its command line, its shapes, its HF folder, and the CPU tiny run."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks import gpu
+
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "gpu.py"
 
 FAKE_VLLM = '''
 """A stand-in for vLLM: returns max_tokens zeros per prompt (tests the plumbing only)."""
@@ -36,19 +37,11 @@ class LLM:
 '''
 
 
-def _gpu_module():
-    """``benchmarks/gpu.py`` imported as a module."""
-    spec = importlib.util.spec_from_file_location("gpu_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run the script in a fresh interpreter."""
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=300)
+    """Run the script in a fresh interpreter (``python -m benchmarks.gpu``)."""
+    return subprocess.run([sys.executable, "-m", "benchmarks.gpu", *args], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, **(env or {})},
+                          timeout=300)
 
 
 def test_help():
@@ -69,7 +62,6 @@ def test_help():
 ])
 def test_argument_errors_are_clear(argv, message, capsys):
     """A bad argument exits 2 with a message naming the value (and the choices)."""
-    gpu = _gpu_module()
     with pytest.raises(SystemExit) as info:
         gpu.parse_args(argv)
     assert info.value.code == 2
@@ -79,7 +71,7 @@ def test_argument_errors_are_clear(argv, message, capsys):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_requested_without_cuda(capsys):
     """The default ``--device cuda`` on a machine without CUDA says what to do instead."""
-    assert _gpu_module().main(["--time-budget", "10"]) == 2
+    assert gpu.main(["--time-budget", "10"]) == 2
     assert "torch.cuda.is_available() is False" in capsys.readouterr().err
 
 
@@ -88,7 +80,6 @@ def test_shapes_are_torchtunes_qwen2_5():
     from torchtune import config
     from torchtune.models.qwen2 import qwen2
 
-    gpu = _gpu_module()
     for name, builder in gpu.BUILDERS.items():
         with torch.device("meta"):
             ours = qwen2(**gpu.SHAPES[name])
@@ -100,14 +91,12 @@ def test_shapes_are_torchtunes_qwen2_5():
 
 def test_step_flops_formula():
     """6 N per trained token plus 2 N per prefill, generated and reference token."""
-    gpu = _gpu_module()
     tokens = {"trained": 10, "prefill": 3, "generated": 5, "reference": 10}
     assert gpu.step_flops(7, tokens) == 6 * 7 * 10 + 2 * 7 * (3 + 5 + 10)
 
 
 def test_peak_table(monkeypatch):
     """``--peak-tflops`` wins; otherwise the table by device name; none for CPU."""
-    gpu = _gpu_module()
     assert gpu.peak_tflops("cpu", 123.0) == (123.0, "--peak-tflops")
     assert gpu.peak_tflops("cpu", None)[0] is None
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H200")
@@ -123,7 +112,6 @@ def test_hf_folder_is_the_same_model(tmp_path):
     from torchtune.models.qwen2 import qwen2
     from torchtune.training import FullModelHFCheckpointer
 
-    gpu = _gpu_module()
     dims = gpu.TINY
     folder = tmp_path / "model"
     gpu.write_random_qwen2(dims, folder, "cpu", "fp32")
@@ -182,7 +170,6 @@ def test_tiny_cpu_run_with_vllm_plumbing(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(fake))
     monkeypatch.setenv("PYTHONPATH", str(fake))
     out = tmp_path / "gpu.json"
-    gpu = _gpu_module()
     assert gpu.main(["--device", "cpu", "--tiny", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     _check_report(report)

@@ -21,7 +21,7 @@ from torchtune.data import Message
 
 from torchtune_grpo.datasets._prompt import PromptTemplate, tokenize_prompt
 from torchtune_grpo.models.tokenizer import HFTokenizer, hf_tokenizer
-from torchtune_grpo.rollout.native import allowed_token_mask
+from torchtune_grpo.rollout.sampling import allowed_token_mask
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from torchtune_grpo.training.distributed import all_reduce
+from torchtune_grpo.training.distributed import WORLD
 from torchtune_grpo.policy.logprobs import chunked_token_logprobs
 from torchtune_grpo.algorithm.loss import (
     GRPOLoss,
@@ -543,7 +543,7 @@ def _distributed_worker(rank: int, world_size: int, port: int, out_dir: str) -> 
             lo = rank * half
             parts = [slice(lo, lo + 1), slice(lo + 1, lo + half)]
             local = sum(loss_fn.normalizer_contribution(data["mask"][p]) for p in parts)
-            norm = all_reduce(local.clone(), "sum")
+            norm = WORLD.all_reduce(local.clone(), "sum")
             model.zero_grad()
             stats = []
             for p in parts:

@@ -10,7 +10,9 @@ import torch
 from torchtune import config as tt_config
 
 from tests.conftest import check_instantiates_offline, shared_data
-from torchtune_grpo.training.config import EVAL_KEYS, load_config, validate_config
+from torchtune_grpo.training.config import load_config
+from torchtune_grpo.training.schema import EVAL_KEYS
+from torchtune_grpo.training.validation import validate_config
 from torchtune_grpo.datasets import (
     MATH_TEMPLATE,
     PromptTemplate,

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from tests.conftest import shared_data
 from torchtune_grpo.datasets import format_boxed_completion, math_gold_answer
 from torchtune_grpo.rewards.answers import extract_boxed
+from torchtune_grpo.rewards.build import build_reward_set
 from torchtune_grpo.rewards.math_grading import MathEquivalence, normalize_answer
-from torchtune_grpo.rewards.reward_set import build_reward_set
 
 pytest.importorskip("math_verify")
 

@@ -3,16 +3,16 @@ measured peak."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from pathlib import Path
 
 import pytest
 
+from benchmarks import memory_estimate
 from tests.conftest import check_instantiates_offline
-from torchtune_grpo.training.config import load_config, resolve_config_path, validate_config
-from torchtune_grpo.training.memory import (
+from torchtune_grpo.training.config import load_config, resolve_config_path
+from torchtune_grpo.training.memory_estimate import (
     DEFAULT_PROMPT_TOKENS,
     FUSED_LOGIT_COPIES,
     GIB,
@@ -22,6 +22,7 @@ from torchtune_grpo.training.memory import (
     model_dims,
     training_configs,
 )
+from torchtune_grpo.training.validation import validate_config
 
 ROOT = Path(__file__).resolve().parents[2]
 BUDGET_CONFIGS = {
@@ -31,14 +32,6 @@ BUDGET_CONFIGS = {
 }
 #: The estimate must leave this share of the device free (CUDA context, fragmentation).
 MARGIN = 0.75
-
-
-def _bench_module():
-    spec = importlib.util.spec_from_file_location("memory_estimate",
-                                                  ROOT / "benchmarks" / "memory_estimate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _quickstart(*overrides: str):
@@ -193,7 +186,7 @@ def test_cli_prints_the_breakdown(capsys):
 
 def test_benchmark_script_estimates_every_training_config(tmp_path, capsys):
     out = tmp_path / "mem.json"
-    assert _bench_module().main(["--all", "--out", str(out)]) == 0
+    assert memory_estimate.main(["--all", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())
     # a config is left out only when it reads its dimensions from a model folder that is absent
     absent = {n for n in training_configs()
@@ -208,9 +201,8 @@ def test_benchmark_script_estimates_every_training_config(tmp_path, capsys):
 @pytest.mark.slow
 def test_estimate_matches_measured_cpu_peak_within_25_percent():
     """Full fine-tuning and LoRA on a 29M-parameter model (weights ~116 MB in fp32)."""
-    bench = _bench_module()
-    names = [n for n in bench.VALIDATION_RUNS if "reference +" not in n]
-    rows = bench.validate(names, threads=2)
+    names = [n for n in memory_estimate.VALIDATION_RUNS if "reference +" not in n]
+    rows = memory_estimate.validate(names, threads=2)
     for row in rows:
         assert 0.75 <= row["ratio"] <= 1.25, row
 
@@ -272,7 +264,8 @@ def test_tools_size_the_kv_cache_for_the_models_context():
     import json
 
     base = ("batch_size=4", "group_size=8", "forward_batch_size=8", "max_generated_tokens=20")
-    tools = "tools=" + json.dumps([{"_component_": "torchtune_grpo.rollout.tools.Calculator"}])
+    calculator = "torchtune_grpo.rollout.tools.calculator.Calculator"
+    tools = "tools=" + json.dumps([{"_component_": calculator}])
     plain = estimate_memory(_quickstart(*base), prompt_tokens=30)
     multi = estimate_memory(_quickstart(*base, tools), prompt_tokens=30)
     d = multi.dims

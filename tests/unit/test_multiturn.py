@@ -16,22 +16,17 @@ import torch
 from _tool_components import ScriptedGenerator
 
 from torchtune_grpo.policy.forward import micro_batch_logprobs
-from torchtune_grpo.rollout.native import (
-    NativeGenerator,
+from torchtune_grpo.rollout.native import NativeGenerator
+from torchtune_grpo.rollout.sampling import (
     allowed_token_mask,
     logit_bias_from_mask,
     stop_token_ids,
 )
 from torchtune_grpo.algorithm.loss import GRPOLoss
-from torchtune_grpo.rollout.multiturn import (
-    ToolStats,
-    ToolUseGenerator,
-    decode_with_tools,
-    global_max,
-    tool_segments,
-)
+from torchtune_grpo.rollout.multiturn import ToolUseGenerator, global_max
 from torchtune_grpo.rollout.seeding import mix_seeds
-from torchtune_grpo.rollout.tools import Calculator
+from torchtune_grpo.rollout.tool_trajectory import ToolStats, decode_with_tools, tool_segments
+from torchtune_grpo.rollout.tools.calculator import Calculator
 from torchtune_grpo.algorithm.trajectory import (
     Trajectory,
     concat_trajectories,
@@ -338,7 +333,7 @@ def test_generator_builds_from_a_config_node(tokenizer):
     _component_: torchtune_grpo.rollout.multiturn.ToolUseGenerator
     max_tool_calls: 3
     tools:
-      - _component_: torchtune_grpo.rollout.tools.Calculator
+      - _component_: torchtune_grpo.rollout.tools.calculator.Calculator
         max_digits: 12
       - _component_: _tool_components.WordCount
     syntax: {call_open: "[{name}:", call_close: "]", result_open: " = ", result_close: ";"}
@@ -586,7 +581,7 @@ def _fsdp_worker(rank: int, port: int, state_path: str, tok_dir: str, out_dir: s
         counter = _CountingNative()
         traj, _, _ = _calling_rollout(
             model, tokenizer, keys=FSDP_KEYS[rank], inner=counter,
-            all_done=lambda local: D.all_ranks_true(local, torch.device("cpu")))
+            all_done=lambda local: D.WORLD.all_ranks_true(local, torch.device("cpu")))
         torch.save({"tokens": traj.tokens, "tool_mask": traj.tool_mask,
                     "response_mask": traj.response_mask, "logprobs": traj.logprobs,
                     "calls": counter.calls}, f"{out_dir}/rank{rank}.pt")

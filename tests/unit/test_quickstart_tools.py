@@ -13,8 +13,9 @@ from torchtune_grpo.datasets import (
     multiplication_problems,
 )
 from torchtune_grpo.datasets.multiplication import MULTIPLICATION_SPLIT_SIZES
-from torchtune_grpo.quickstart.prepare import (
-    QUICKSTART_MODEL_DIMS,
+from torchtune_grpo.quickstart.prepare import QUICKSTART_MODEL_DIMS
+from torchtune_grpo.quickstart.tiny import tiny_llama, tiny_tokenizer
+from torchtune_grpo.quickstart.tools import (
     copy_drills,
     direct_guess,
     tool_demonstration,
@@ -22,8 +23,8 @@ from torchtune_grpo.quickstart.prepare import (
     tool_warmup,
 )
 from torchtune_grpo.rewards.components import NumericCorrectness
-from torchtune_grpo.rollout.tools import Calculator, ToolCallSyntax
-from torchtune_grpo.quickstart.tiny import tiny_llama, tiny_tokenizer
+from torchtune_grpo.rollout.tools.calculator import Calculator
+from torchtune_grpo.rollout.tools.syntax import ToolCallSyntax
 
 
 def test_splits_are_disjoint_fixed_and_cover_every_pair():
@@ -80,13 +81,13 @@ def test_direct_guess_is_plausible_and_never_right():
 
 def test_tool_warmup_is_deterministic_and_trains_only_model_text(tmp_path, monkeypatch):
     """Same seed, same weights; the loss never covers the tool's result tokens."""
-    import torchtune_grpo.quickstart.prepare as qs
+    import torchtune_grpo.quickstart.tools as qs
 
     tokenizer = tiny_tokenizer(tmp_path)
     problems = multiplication_problems("warmup")[:50]
     weights = []
     seen = []
-    original = qs._train_on_demonstrations
+    original = qs.train_on_demonstrations
 
     def spy(model, tok, demonstrate, **kwargs):
         def wrapped():
@@ -95,7 +96,7 @@ def test_tool_warmup_is_deterministic_and_trains_only_model_text(tmp_path, monke
             return prompt, segments
         return original(model, tok, wrapped, **kwargs)
 
-    monkeypatch.setattr(qs, "_train_on_demonstrations", spy)
+    monkeypatch.setattr(qs, "train_on_demonstrations", spy)  # where tool_warmup looks it up
     for _ in range(2):
         torch.manual_seed(0)
         model = tiny_llama(**QUICKSTART_MODEL_DIMS)

@@ -1,8 +1,7 @@
-"""``benchmarks/real_step.py``: its command line, the TRL install hint, and the bound helpers."""
+"""``benchmarks.real_step``: its command line, the TRL install hint, and the bound helpers."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -10,22 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks import harness, real_step
+
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "real_step.py"
-
-
-def _module():
-    """``benchmarks/real_step.py`` imported as a module."""
-    spec = importlib.util.spec_from_file_location("real_step", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    """The script as a command, with ``args``."""
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
-                          timeout=120)
+    """The script as a command (``python -m benchmarks.real_step``), with ``args``."""
+    return subprocess.run([sys.executable, "-m", "benchmarks.real_step", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
 
 
 def test_help():
@@ -69,14 +61,13 @@ def test_missing_model_exits_2_with_the_prepare_hint(tmp_path):
 
 def test_decode_schedule_follows_the_rows_still_running():
     """Ideal rows count only running rows; the engine's keep the stopped ones until 25% stop."""
-    module = _module()
-    sched = module.decode_schedule([2, 4, 4, 4], [True, True, False, True], max_new=4,
+    sched = real_step.decode_schedule([2, 4, 4, 4], [True, True, False, True], max_new=4,
                                    micro_batch=4)
     # calls for tokens 1, 2, 3 (max length 4): after token 1 row 0 (L=2) has stopped
     assert sched["ideal"] == [4, 3, 3]
     assert sched["engine"] == [4, 3, 3]  # 1 of 4 stopped >= max(1, 0.25 x 4): shrink
     # two micro-batches of 2: the second never stops before the limit
-    sched = module.decode_schedule([1, 3, 3, 3], [True, True, False, False], max_new=3,
+    sched = real_step.decode_schedule([1, 3, 3, 3], [True, True, False, False], max_new=3,
                                    micro_batch=2)
     assert sched["ideal"] == [1, 1, 2, 2]
     assert len(sched["engine"]) == 4 and all(e >= i for e, i in zip(sched["engine"],
@@ -88,39 +79,37 @@ def test_decode_schedule_spans_and_the_timed_attention():
     attention grows with the cache length and is interpolated between the timed lengths."""
     from torchtune_grpo.quickstart.tiny import tiny_llama
 
-    module = _module()
-    sched = module.decode_schedule([2, 4, 4, 4], [True, True, False, True], max_new=4,
+    sched = real_step.decode_schedule([2, 4, 4, 4], [True, True, False, True], max_new=4,
                                    micro_batch=2, prompt_lengths=[3, 5, 7, 2])
     assert sched["span"] == [6, 7, 8, 8, 9, 10]  # P = 5, then 7; 3 calls each (max length 4)
-    assert "span" not in module.decode_schedule([2], [True], max_new=4, micro_batch=1)
+    assert "span" not in real_step.decode_schedule([2], [True], max_new=4, micro_batch=1)
     torch.manual_seed(0)
-    timed = module.decode_attention_seconds(tiny_llama(), [1, 2], [8, 2048], repeats=2)
+    timed = real_step.decode_attention_seconds(tiny_llama(), [1, 2], [8, 2048], repeats=2)
     assert set(timed) == {(1, 8), (1, 2048), (2, 8), (2, 2048)}
     assert timed[(2, 2048)] > timed[(2, 8)] > 0
     fake = {(1, 10): 1.0, (1, 20): 2.0, (1, 40): 3.0}
-    assert module.interpolate_attention(fake, 1, 15) == pytest.approx(1.5)
-    assert module.interpolate_attention(fake, 1, 30) == pytest.approx(2.5)
-    assert module.interpolate_attention(fake, 1, 60) == pytest.approx(4.0)  # extended
-    assert module.interpolate_attention({(1, 10): 1.0}, 1, 99) == 1.0
+    assert real_step.interpolate_attention(fake, 1, 15) == pytest.approx(1.5)
+    assert real_step.interpolate_attention(fake, 1, 30) == pytest.approx(2.5)
+    assert real_step.interpolate_attention(fake, 1, 60) == pytest.approx(4.0)  # extended
+    assert real_step.interpolate_attention({(1, 10): 1.0}, 1, 99) == 1.0
 
 
 def test_phase_bounds_on_a_tiny_model_are_positive_and_consistent():
     """The FLOP, bandwidth and timed-matmul bounds of a tiny model agree with their parts."""
     from torchtune_grpo.quickstart.tiny import tiny_llama
 
-    module = _module()
     torch.manual_seed(0)
     model = tiny_llama()
-    decode_s = module.decode_step_seconds(model, [1, 2, 3, 4], repeats=2)
+    decode_s = real_step.decode_step_seconds(model, [1, 2, 3, 4], repeats=2)
     assert all(s > 0 for s in decode_s.values())
     if torch.backends.mkldnn.is_available():  # the engine's packed-weight kernel, timed too
-        onednn = module.decode_step_seconds(model, [1, 4], repeats=2, kernel="onednn")
+        onednn = real_step.decode_step_seconds(model, [1, 4], repeats=2, kernel="onednn")
         assert set(onednn) == {1, 4} and all(s > 0 for s in onednn.values())
     with pytest.raises(ValueError, match="kernel"):
-        module.decode_step_seconds(model, [1], repeats=1, kernel="mkl")
+        real_step.decode_step_seconds(model, [1], repeats=1, kernel="mkl")
     kwargs = dict(group_size=2, max_new=6, micro_batch=4, flops_per_second=1e10,
                   read_bytes_per_second=1e10, decode_seconds=decode_s)
-    b = module.phase_bounds(model, [5, 5, 3, 3], [6, 2, 4, 6], [False, True, True, False],
+    b = real_step.phase_bounds(model, [5, 5, 3, 3], [6, 2, 4, 6], [False, True, True, False],
                             **kwargs)
     params = sum(p.numel() for p in model.parameters())
     assert b["params"] == params and b["weight_bytes"] == 4 * params
@@ -139,12 +128,12 @@ def test_phase_bounds_on_a_tiny_model_are_positive_and_consistent():
     assert b["decode_row_steps_ideal"] == 4 + 3 + 3 + 2 + 2
     assert "decode_attention_s" not in b
     attention = {(r, s): 0.001 * r for r in (1, 2, 3, 4) for s in (5, 11)}
-    with_attention = module.phase_bounds(model, [5, 5, 3, 3], [6, 2, 4, 6],
+    with_attention = real_step.phase_bounds(model, [5, 5, 3, 3], [6, 2, 4, 6],
                                          [False, True, True, False],
                                          **{**kwargs, "attention_seconds": attention})
     assert with_attention["decode_attention_s"] == pytest.approx(0.001 * (4 + 3 + 3 + 2 + 2))
     # twice the flop rate halves every FLOP bound
-    faster = module.phase_bounds(model, [5, 5, 3, 3], [6, 2, 4, 6],
+    faster = real_step.phase_bounds(model, [5, 5, 3, 3], [6, 2, 4, 6],
                                  [False, True, True, False],
                                  **{**kwargs, "flops_per_second": 2e10})
     assert faster["update_s"] == pytest.approx(b["update_s"] / 2)
@@ -153,21 +142,20 @@ def test_phase_bounds_on_a_tiny_model_are_positive_and_consistent():
 
 def test_memory_read_bandwidth_is_positive():
     """The bandwidth probe returns a positive rate on a small tensor."""
-    assert _module().memory_read_bytes_per_second(mib=8, repeats=2) > 0
+    assert harness.memory_read_bytes_per_second(mib=8, repeats=2) > 0
 
 
 def test_update_matmul_seconds_grows_with_the_tokens():
     """The timed update bound times real matmuls: 32x the tokens take longer."""
     from torchtune_grpo.quickstart.tiny import tiny_llama
 
-    module = _module()
     torch.manual_seed(0)
     model = tiny_llama(vocab_size=512)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # no thread-pool waits on a busy machine: the matmuls dominate
     try:
-        small = module.update_matmul_seconds(model, 64, 16, repeats=2)
-        large = module.update_matmul_seconds(model, 4096, 1024, repeats=2)
+        small = real_step.update_matmul_seconds(model, 64, 16, repeats=2)
+        large = real_step.update_matmul_seconds(model, 4096, 1024, repeats=2)
     finally:
         torch.set_num_threads(threads)
     assert 0 < small < large

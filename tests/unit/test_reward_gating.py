@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from torchtune_grpo.training.config import list_shipped_configs, load_config
 from torchtune_grpo.datasets import (
     ADDITION_TEMPLATE,
     ARITHMETIC_TEMPLATE,
@@ -17,7 +16,8 @@ from torchtune_grpo.datasets import (
     format_reference_completion,
     resolve_template,
 )
-from torchtune_grpo.rewards.reward_set import build_reward_set
+from torchtune_grpo.rewards.build import build_reward_set
+from torchtune_grpo.training.config import list_shipped_configs, load_config
 
 #: Each dataset builder's default template (a config's ``dataset.template`` wins).
 DEFAULT_TEMPLATES = {

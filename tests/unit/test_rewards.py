@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
 from torchtune_grpo.rewards.answers import extract_tagged, numbers_match, parse_number
-from torchtune_grpo.rewards.reward_set import RewardEntry, RewardSet, build_reward_set
+from torchtune_grpo.rewards.build import build_reward_set
 from torchtune_grpo.rewards.components import FormatReward, NumericCorrectness
+from torchtune_grpo.rewards.reward_set import RewardEntry, RewardSet
 
 # ------------------------------------------------------------------ user-defined components
 # Plugged in below purely by their `_component_` path, as a user's own module would be.
@@ -450,8 +451,9 @@ def test_build_errors(entries, match):
 
 def test_reward_entry_keys_are_checked_in_one_place():
     """build_reward_set, RewardSet and validate_config all go through check_reward_entry."""
-    from torchtune_grpo.training.config import ConfigError, load_config, validate_config
     from torchtune_grpo.rewards.reward_set import REWARD_ENTRY_KEYS, check_reward_entry
+    from torchtune_grpo.training.config import load_config
+    from torchtune_grpo.training.validation import ConfigError, validate_config
 
     assert REWARD_ENTRY_KEYS == {
         "_component_", "weight", "name", "success", "success_threshold", "on_error",

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from torchtune_grpo.policy.packing import SharedPrefixSegments
 from torchtune_grpo.policy.forward import (
-    SharedPrefixSegments,
     micro_batch_logprobs,
     packed_micro_batch_logprobs,
 )

@@ -1,29 +1,20 @@
-"""benchmarks/step.py: the FLOP counts behind its bounds and the torchtune-dev peer's errors."""
+"""benchmarks.step: the FLOP counts behind its bounds and the torchtune-dev peer's errors."""
 
 from __future__ import annotations
 
-import importlib.util
 from argparse import Namespace
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _step_module():
-    spec = importlib.util.spec_from_file_location("bench_step", ROOT / "benchmarks" / "step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchmarks import step
 
 
 def test_phase_flops_count_real_tokens_only():
     from torchtune_grpo.algorithm.trajectory import Trajectory
     from torchtune_grpo.quickstart.tiny import tiny_llama
 
-    step = _step_module()
     model = tiny_llama(vocab_size=64, num_layers=2, num_heads=2, num_kv_heads=1, embed_dim=32,
                        max_seq_len=64)
     n, p, t = 4, 6, 5
@@ -52,7 +43,6 @@ def test_phase_flops_count_real_tokens_only():
 
 
 def test_peer_that_cannot_run_says_how_to_install(tmp_path):
-    step = _step_module()
     args = Namespace(peer_python=tmp_path / "no-venv" / "bin" / "python",
                      torchtune_src=tmp_path / "torchtune", device="cpu", new_tokens=8, steps=1,
                      threads=1)
@@ -64,7 +54,6 @@ def test_peer_python_without_the_recipe_is_refused(tmp_path):
     """A Python that exists but cannot import the dev recipe (no checkout there)."""
     import sys
 
-    step = _step_module()
     args = Namespace(peer_python=Path(sys.executable), torchtune_src=tmp_path / "missing",
                      device="cpu", new_tokens=8, steps=1, threads=1)
     with pytest.raises(step.PeerUnavailable, match="cannot be run"):

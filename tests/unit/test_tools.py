@@ -10,14 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from torchtune_grpo.rollout.tools import (
-    Calculator,
-    Tool,
-    ToolCallSyntax,
-    build_tools,
-    is_error,
-    run_tool,
-)
+from torchtune_grpo.rollout.tools.base import Tool, is_error, run_tool
+from torchtune_grpo.rollout.tools.build import build_tools
+from torchtune_grpo.rollout.tools.calculator import Calculator
+from torchtune_grpo.rollout.tools.syntax import ToolCallSyntax
 
 CALC = Calculator()
 
@@ -165,7 +161,7 @@ def test_syntax_templates_name_each_tool():
 # ---------------------------------------------------------------------------- user tools
 def test_user_tool_plugs_in_by_component_path():
     cfg = OmegaConf.create([
-        {"_component_": "torchtune_grpo.rollout.tools.Calculator", "max_digits": 10},
+        {"_component_": "torchtune_grpo.rollout.tools.calculator.Calculator", "max_digits": 10},
         {"_component_": "_tool_components.WordCount", "prefix": "n="},
     ])
     calc, words = build_tools(cfg)
@@ -178,12 +174,12 @@ def test_user_tool_plugs_in_by_component_path():
 
 
 @pytest.mark.parametrize("entries, message", [
-    ({"_component_": "torchtune_grpo.rollout.tools.Calculator"}, "must be a list"),
+    ({"_component_": "torchtune_grpo.rollout.tools.calculator.Calculator"}, "must be a list"),
     (["calculator"], r"tools\[0\]' must be a mapping"),
-    ([{"_component_": "torchtune_grpo.rollout.tools.Calculator"}, {"max_digits": 3}],
+    ([{"_component_": "torchtune_grpo.rollout.tools.calculator.Calculator"}, {"max_digits": 3}],
      r"tools\[1\]'._component_ is missing"),
     ([{"_component_": "no_such_module.Tool"}], r"tools\[0\]'._component_='no_such_module"),
-    ([{"_component_": "torchtune_grpo.rollout.tools.Calculator", "max_digits": -1}],
+    ([{"_component_": "torchtune_grpo.rollout.tools.calculator.Calculator", "max_digits": -1}],
      r"tools\[0\].*max_digits"),
     ([{"_component_": "_tool_components.not_a_tool"}], r"tools\[0\].*'name'"),
     ([{"_component_": "_tool_components.WordCount"},

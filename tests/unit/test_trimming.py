@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from torchtune_grpo.policy.packing import PackedSegments
 from torchtune_grpo.policy.forward import (
-    PackedSegments,
     micro_batch_logprobs,
     packed_micro_batch_logprobs,
 )
@@ -299,13 +299,10 @@ def test_packed_attention_keeps_rows_apart() -> None:
 
 
 def test_padding_benchmark_runs_and_checks_equality(tmp_path) -> None:
-    """``benchmarks/padding.py --quick``: the three variants agree and are timed."""
+    """``benchmarks.padding --quick``: the three variants agree and are timed."""
     import json
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import padding
+    from benchmarks import padding
 
     out = tmp_path / "padding.json"
     assert padding.main(["--quick", "--repeats", "1", "--threads", "1", "--out", str(out)]) == 0

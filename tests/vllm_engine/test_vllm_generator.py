@@ -12,16 +12,16 @@ import torch
 
 vllm = pytest.importorskip("vllm")
 
+from torchtune_grpo.algorithm.trajectory import attention_mask, position_ids  # noqa: E402
 from torchtune_grpo.policy.forward import response_logprobs  # noqa: E402
-from torchtune_grpo.rollout.native import (  # noqa: E402
+from torchtune_grpo.quickstart.tiny import TINY_MODEL_DIMS, tiny_llama, write_hf_checkpoint  # noqa: E402
+from torchtune_grpo.rollout.protocol import GenerationContext, Generator  # noqa: E402
+from torchtune_grpo.rollout.sampling import (  # noqa: E402
     allowed_token_mask,
     logit_bias_from_mask,
     stop_token_ids,
 )
-from torchtune_grpo.rollout.protocol import GenerationContext, Generator  # noqa: E402
-from torchtune_grpo.algorithm.trajectory import attention_mask, position_ids  # noqa: E402
 from torchtune_grpo.rollout.vllm_engine import VLLMGenerator  # noqa: E402
-from torchtune_grpo.quickstart.tiny import TINY_MODEL_DIMS, tiny_llama, write_hf_checkpoint  # noqa: E402
 
 #: vLLM's CPU attention needs head_dim >= 32: dim 128, 2 heads of 64, 1 KV head.
 DIMS = dict(TINY_MODEL_DIMS, embed_dim=128, num_heads=2, num_kv_heads=1)

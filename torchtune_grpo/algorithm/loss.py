@@ -3,36 +3,24 @@
 Shapes: ``N`` sequences (``prompts * group_size``, groups contiguous), ``T`` response tokens
 (right-padded). ``response_mask [N, T]`` is True on real response tokens, stop token included.
 
-Per response token ``t`` of sequence ``i`` (``A_i`` its advantage, ``r_it`` its importance ratio):
+:class:`GRPOLoss` checks its options (:mod:`~torchtune_grpo.algorithm.loss_checks`) and composes
+the pure tensor parts of :mod:`~torchtune_grpo.algorithm.loss_parts`, whose docstrings give the
+formulas (``docs/losses.md`` the papers and the choice). Per response token ``t`` of sequence
+``i``, with advantage ``A_i``:
 
-* ``clip_mode="ppo"``: ``l_it = -min(r_it * A_i, clip(r_it, 1 - eps_low, 1 + eps_high) * A_i)``,
-  and with ``dual_clip=c`` for ``A_i < 0``: ``l_it = min(l_it, -c * A_i)``.
-* ``clip_mode="cispo"``: ``l_it = -sg(clip(r_it, 1 - eps_low, 1 + eps_high)) * A_i * logp_it``
-  (``sg`` = stop-gradient). The value is not comparable with the PPO form; the gradient is what
-  matters: it never vanishes, only the weight is truncated.
-* ``importance_level="token"``: ``r_it = exp(logp_it - old_logp_it)``;
-  ``"sequence"`` (GSPO): ``r_it = s_i = exp(mean_t(logp_it - old_logp_it))`` over the
-  sequence's response tokens, the same ratio for every token of the sequence.
-
-Off-policy corrections (``off_policy_correction``, for asynchronous training, where the batch was
-sampled by an older policy or by an engine whose numerics differ): ``old_logp`` above is then the
-*proximal* policy's log-prob (the trainer's weights before the step, ``pi_prox``) and
-``behav_it`` the log-prob under the behaviour policy ``mu`` that sampled the token (the engine's).
-The policy term is multiplied by the constant behaviour weight
-``w_it = exp(clamp(old_logp_it - behav_it))`` (``"sequence"``: ``exp(mean_t(...))`` over the
-sequence's response tokens, repeated per token), ``l_it <- sg(w'_it) * l_it``:
-
-* ``"none"``: ``w'_it = 1`` (``old_logp`` is then the behaviour log-prob itself);
-* ``"decoupled"`` (decoupled PPO): ``w'_it = w_it``; with ``is_weight_cap=C``, tokens with
-  ``w_it > C`` are dropped (``w'_it = 0``) but still count in the normaliser;
-* ``"tis"`` (truncated importance sampling): ``w'_it = min(w_it, C)``.
-
-The KL and entropy terms are never weighted.
-
-To ``l_it`` are added ``kl_coeff * kl_it`` (an estimator of ``KL(pi || pi_ref)``, see
-:class:`GRPOLoss`) and ``- entropy_coeff * entropy_it``. The log-ratios fed to ``exp`` are clamped
-to ``[-20, 20]``: beyond that a token is far outside any trust region and an unclamped ``exp``
-would turn its (zero) gradient into NaN.
+* the importance ratio ``r_it`` against ``old_logprobs``, at token level (GRPO) or sequence level
+  (GSPO: ``importance_level="sequence"``), log-ratios clamped to ``[-20, 20]`` before ``exp``;
+* the policy term ``l_it``: PPO's clipped surrogate with ``[1 - epsilon_low, 1 + epsilon_high]``
+  (``clip_mode="ppo"``, DAPO's clip-higher when the two differ, optional ``dual_clip``) or
+  CISPO's clipped, stop-gradient weight times ``A_i * logp_it`` (``clip_mode="cispo"``);
+* with an ``off_policy_correction`` (asynchronous training, engine mismatch), ``old_logprobs``
+  are the proximal policy's and ``l_it`` is multiplied by the constant behaviour weight
+  ``pi_prox / mu = exp(old_logp_it - behav_it)`` (sequence-level with GSPO), dropped above
+  ``is_weight_cap`` (``"decoupled"``) or truncated at it (``"tis"``);
+* plus ``kl_coeff * kl_it`` (an estimator of ``KL(pi || pi_ref)``) and
+  ``- entropy_coeff * entropy_it``, never weighted;
+* summed per ``aggregation`` (per-sequence means for ``"sequence_mean"``, a plain sum for
+  ``"token_mean"`` and ``"constant"``) and divided by the global normalizer.
 
 Exact normalisation across micro-batches, gradient accumulation and ranks: the loss of a
 micro-batch is ``local_sum / normalizer`` where ``normalizer`` is the *global* sum of
@@ -44,12 +32,39 @@ exactly the gradient of the whole global batch.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
 from torch import Tensor, nn
+
+from torchtune_grpo.algorithm.loss_checks import (
+    AGGREGATIONS,
+    CLIP_MODES,
+    IMPORTANCE_LEVELS,
+    KL_ESTIMATORS,
+    OFF_POLICY_CORRECTIONS,
+    check_loss_config,
+    check_loss_inputs,
+)
+from torchtune_grpo.algorithm.loss_parts import (
+    BehaviourWeight,
+    PolicyTerm,
+    aggregate,
+    apply_dual_clip,
+    approx_kl_to_old,
+    behaviour_weight,
+    cispo_surrogate,
+    clamped_log_ratio,
+    drop_above_cap,
+    importance_ratio,
+    kl_per_token,
+    masked,
+    normalizer_contribution,
+    ppo_clipped_surrogate,
+    safe_normalizer,
+    truncate_at_cap,
+)
 
 __all__ = [
     "AGGREGATIONS",
@@ -61,76 +76,18 @@ __all__ = [
     "summarize_loss_stats",
 ]
 
-AGGREGATIONS = ("sequence_mean", "token_mean", "constant")
-IMPORTANCE_LEVELS = ("token", "sequence")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-CLIP_MODES = ("ppo", "cispo")
-OFF_POLICY_CORRECTIONS = ("none", "decoupled", "tis")
-
-# Log-ratios are clamped to this range before exp() (see the module docstring).
-_LOG_RATIO_CLAMP = 20.0
-
 # Stats reduced with MAX; every other stat is reduced with SUM.
 _MAX_STATS = ("ratio_max", "is_weight_max")
-
-
-def _as_float(name: str, value: object) -> float:
-    try:
-        return float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number, got {value!r}") from None
-
-
-def _check_number(name: str, value: object, *, low: float, low_inclusive: bool = True) -> float:
-    number = _as_float(name, value)
-    ok = number >= low if low_inclusive else number > low
-    if not ok or not math.isfinite(number):
-        op = ">=" if low_inclusive else ">"
-        raise ValueError(f"{name} must be finite and {op} {low}, got {value!r}")
-    return number
-
-
-def _kl_per_token(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
-    """Per-token estimator of ``KL(pi || pi_ref)`` from tokens sampled from ``pi``.
-
-    Args:
-        logprobs (Tensor): ``[N, T]`` log-probs of the sampled tokens under the policy.
-        ref_logprobs (Tensor): ``[N, T]`` log-probs of the same tokens under the reference.
-        estimator (str): ``"k1"``, ``"k2"`` or ``"k3"``.
-
-    Returns:
-        Tensor: ``[N, T]`` per-token estimate.
-    """
-    log_ratio = logprobs - ref_logprobs  # log pi/pi_ref
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio.square()
-    d = (-log_ratio).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # log pi_ref/pi
-    return torch.exp(d) - d - 1.0
 
 
 class GRPOLoss(nn.Module):
     """Clipped GRPO policy loss with the variants of GRPO, DAPO, Dr. GRPO, GSPO and CISPO.
 
     The per-token objective is described in the module docstring. It is aggregated over the
-    response tokens (``mask``) of the micro-batch and divided by the caller's global
-    ``normalizer``:
-
-    * ``"sequence_mean"`` (GRPO): ``sum_i (sum_t m_it l_it / |o_i|) / normalizer`` with
-      ``normalizer`` = number of sequences in the global batch. A sequence with no response
-      token contributes 0.
-    * ``"token_mean"`` (DAPO): ``sum_it m_it l_it / normalizer``, ``normalizer`` = number of
-      response tokens in the global batch.
-    * ``"constant"`` (Dr. GRPO): ``sum_it m_it l_it / normalizer``, ``normalizer`` =
-      ``sequences * max_generated_tokens``, independent of the completions' lengths.
-
-    KL estimators of ``KL(pi || pi_ref)`` per token, with ``x = log pi - log pi_ref``:
-
-    * ``"k1"``: ``x``; unbiased for the KL value, high variance, can be negative.
-    * ``"k2"``: ``x**2 / 2``; biased, low variance, always ``>= 0``.
-    * ``"k3"``: ``exp(-x) + x - 1`` (= ``exp(ref - logp) - (ref - logp) - 1``); unbiased,
-      low variance, always ``>= 0``. This is the estimator of the GRPO paper.
+    response tokens of the micro-batch and divided by the caller's global ``normalizer``, the sum
+    of :meth:`normalizer_contribution`: the number of sequences for ``"sequence_mean"`` (GRPO),
+    of response tokens for ``"token_mean"`` (DAPO), ``sequences * max_generated_tokens`` for
+    ``"constant"`` (Dr. GRPO). A sequence with no response token contributes 0.
 
     Args:
         epsilon (float): clip range: ratios are clipped to ``[1 - epsilon, 1 + epsilon]``.
@@ -147,7 +104,8 @@ class GRPOLoss(nn.Module):
             for it; usually the rollout's ``max_generated_tokens``).
         kl_coeff (float): weight of the KL penalty towards the reference policy; ``0`` disables
             it (then no reference log-probs are needed).
-        kl_estimator (str): ``"k1"``, ``"k2"`` or ``"k3"`` (see above).
+        kl_estimator (str): ``"k1"``, ``"k2"`` or ``"k3"`` (see
+            :func:`~torchtune_grpo.algorithm.loss_parts.kl_per_token`).
         entropy_coeff (float): weight of the entropy bonus (subtracted from the loss); ``0``
             disables it.
         clip_mode (str): ``"ppo"`` (clipped surrogate) or ``"cispo"`` (clipped, stop-gradient
@@ -182,92 +140,33 @@ class GRPOLoss(nn.Module):
         is_weight_cap: float | None = None,
     ) -> None:
         super().__init__()
-        epsilon = _check_number("epsilon", epsilon, low=0.0)
-        eps_low = (
-            epsilon if epsilon_low is None else _check_number("epsilon_low", epsilon_low, low=0.0)
+        config = check_loss_config(
+            epsilon,
+            epsilon_low,
+            epsilon_high,
+            dual_clip,
+            importance_level,
+            aggregation,
+            max_generated_tokens,
+            kl_coeff,
+            kl_estimator,
+            entropy_coeff,
+            clip_mode,
+            off_policy_correction,
+            is_weight_cap,
         )
-        eps_high = (
-            epsilon
-            if epsilon_high is None
-            else _check_number("epsilon_high", epsilon_high, low=0.0)
-        )
-        if eps_low > 1.0:
-            name = "epsilon" if epsilon_low is None else "epsilon_low"
-            raise ValueError(
-                f"{name} must be <= 1 (the lower clip bound 1 - epsilon_low must stay >= 0), "
-                f"got {eps_low}; set epsilon_low explicitly"
-            )
-        if dual_clip is not None:
-            dual_clip = _check_number("dual_clip", dual_clip, low=1.0, low_inclusive=False)
-        if importance_level not in IMPORTANCE_LEVELS:
-            raise ValueError(
-                f"importance_level must be one of {IMPORTANCE_LEVELS}, got {importance_level!r}"
-            )
-        if aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
-        if max_generated_tokens is not None and (
-            isinstance(max_generated_tokens, bool)
-            or not isinstance(max_generated_tokens, int)
-            or max_generated_tokens < 1
-        ):
-            raise ValueError(
-                f"max_generated_tokens must be a positive integer, got {max_generated_tokens!r}"
-            )
-        if aggregation == "constant" and max_generated_tokens is None:
-            raise ValueError(
-                "max_generated_tokens is required when aggregation='constant' (Dr. GRPO); "
-                "pass the rollout's max_generated_tokens"
-            )
-        kl_coeff = _check_number("kl_coeff", kl_coeff, low=0.0)
-        if kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
-        entropy_coeff = _as_float("entropy_coeff", entropy_coeff)
-        if not math.isfinite(entropy_coeff):
-            raise ValueError(f"entropy_coeff must be a finite number, got {entropy_coeff!r}")
-        if clip_mode not in CLIP_MODES:
-            raise ValueError(f"clip_mode must be one of {CLIP_MODES}, got {clip_mode!r}")
-        if clip_mode == "cispo" and importance_level != "token":
-            raise ValueError(
-                "clip_mode='cispo' works on token-level importance weights; set "
-                "importance_level='token' (or use clip_mode='ppo' for GSPO)"
-            )
-        if clip_mode == "cispo" and dual_clip is not None:
-            raise ValueError(
-                "dual_clip only applies to clip_mode='ppo'; set dual_clip=None for 'cispo'"
-            )
-        if off_policy_correction not in OFF_POLICY_CORRECTIONS:
-            raise ValueError(
-                f"off_policy_correction must be one of {OFF_POLICY_CORRECTIONS}, got "
-                f"{off_policy_correction!r}"
-            )
-        if is_weight_cap is not None:
-            if off_policy_correction == "none":
-                raise ValueError(
-                    f"is_weight_cap={is_weight_cap!r} has no effect with "
-                    "off_policy_correction='none'; set is_weight_cap=None or choose "
-                    "off_policy_correction='decoupled' or 'tis'"
-                )
-            is_weight_cap = _check_number(
-                "is_weight_cap", is_weight_cap, low=1.0, low_inclusive=False
-            )
-        elif off_policy_correction == "tis":
-            raise ValueError(
-                "is_weight_cap is required when off_policy_correction='tis' (the truncation "
-                "bound of the importance weight, > 1, e.g. 2.0)"
-            )
-
-        self.epsilon_low = eps_low
-        self.epsilon_high = eps_high
-        self.dual_clip = dual_clip
-        self.importance_level = importance_level
-        self.aggregation = aggregation
-        self.max_generated_tokens = max_generated_tokens
-        self.kl_coeff = kl_coeff
-        self.kl_estimator = kl_estimator
-        self.entropy_coeff = float(entropy_coeff)
-        self.clip_mode = clip_mode
-        self.off_policy_correction = off_policy_correction
-        self.is_weight_cap = is_weight_cap
+        self.epsilon_low = config.epsilon_low
+        self.epsilon_high = config.epsilon_high
+        self.dual_clip = config.dual_clip
+        self.importance_level = config.importance_level
+        self.aggregation = config.aggregation
+        self.max_generated_tokens = config.max_generated_tokens
+        self.kl_coeff = config.kl_coeff
+        self.kl_estimator = config.kl_estimator
+        self.entropy_coeff = config.entropy_coeff
+        self.clip_mode = config.clip_mode
+        self.off_policy_correction = config.off_policy_correction
+        self.is_weight_cap = config.is_weight_cap
 
     @property
     def needs_reference(self) -> bool:
@@ -316,84 +215,7 @@ class GRPOLoss(nn.Module):
             raise ValueError(
                 f"response_mask must be [N, T], got shape {tuple(response_mask.shape)}"
             )
-        n = response_mask.shape[0]
-        device = response_mask.device
-        if self.aggregation == "token_mean":
-            return response_mask.bool().sum().to(torch.float32)
-        if self.aggregation == "sequence_mean":
-            return torch.tensor(float(n), dtype=torch.float32, device=device)
-        assert self.max_generated_tokens is not None
-        return torch.tensor(
-            float(n * self.max_generated_tokens), dtype=torch.float32, device=device
-        )
-
-    def _check_inputs(
-        self,
-        logprobs: Tensor,
-        old_logprobs: Tensor,
-        advantages: Tensor,
-        response_mask: Tensor,
-        normalizer: float | Tensor,
-        ref_logprobs: Tensor | None,
-        entropy: Tensor | None,
-        behavior_logprobs: Tensor | None = None,
-    ) -> None:
-        if logprobs.dim() != 2:
-            raise ValueError(f"logprobs must be [N, T], got shape {tuple(logprobs.shape)}")
-        shape = logprobs.shape
-        for name, t in (("old_logprobs", old_logprobs), ("response_mask", response_mask)):
-            if t.shape != shape:
-                raise ValueError(
-                    f"{name} must have the shape of logprobs {tuple(shape)}, got {tuple(t.shape)}"
-                )
-        if advantages.shape != shape[:1]:
-            raise ValueError(
-                f"advantages must be [N] = {tuple(shape[:1])}, one per sequence, got "
-                f"{tuple(advantages.shape)}"
-            )
-        if ref_logprobs is None and self.needs_reference:
-            raise ValueError(
-                f"ref_logprobs is required when kl_coeff != 0 (kl_coeff={self.kl_coeff}); "
-                "compute the reference model's log-probs or set kl_coeff=0"
-            )
-        if entropy is None and self.needs_entropy:
-            raise ValueError(
-                f"entropy is required when entropy_coeff != 0 (entropy_coeff="
-                f"{self.entropy_coeff}); pass return_entropy=True to the log-prob function or "
-                "set entropy_coeff=0"
-            )
-        if behavior_logprobs is None and self.needs_proximal_logprobs:
-            raise ValueError(
-                f"behavior_logprobs is required when off_policy_correction="
-                f"{self.off_policy_correction!r}: pass the rollout engine's log-probs of the "
-                "sampled tokens (and the proximal policy's as old_logprobs), or set "
-                "off_policy_correction='none'"
-            )
-        for name, t in (
-            ("ref_logprobs", ref_logprobs),
-            ("entropy", entropy),
-            ("behavior_logprobs", behavior_logprobs),
-        ):
-            if t is not None and t.shape != shape:
-                raise ValueError(
-                    f"{name} must have the shape of logprobs {tuple(shape)}, got {tuple(t.shape)}"
-                )
-        if not isinstance(normalizer, Tensor):
-            if not _as_float("normalizer", normalizer) >= 0:
-                raise ValueError(
-                    f"normalizer must be >= 0 (the global sum of normalizer_contribution), "
-                    f"got {normalizer!r}"
-                )
-        elif normalizer.numel() != 1:
-            raise ValueError(
-                f"normalizer must be a scalar, got a tensor of shape {tuple(normalizer.shape)}"
-            )
-
-    def _aggregate(self, per_token: Tensor, mask: Tensor, lengths: Tensor) -> Tensor:
-        """Un-normalised local sum of a masked ``[N, T]`` per-token quantity (a scalar)."""
-        if self.aggregation == "sequence_mean":
-            return (per_token.sum(dim=1) / lengths.clamp(min=1)).sum()
-        return per_token.sum()
+        return normalizer_contribution(response_mask, self.aggregation, self.max_generated_tokens)
 
     def forward(
         self,
@@ -461,7 +283,7 @@ class GRPOLoss(nn.Module):
         Raises:
             ValueError: on inconsistent shapes or a missing required input.
         """
-        self._check_inputs(
+        check_loss_inputs(
             logprobs,
             old_logprobs,
             advantages,
@@ -470,124 +292,118 @@ class GRPOLoss(nn.Module):
             ref_logprobs,
             entropy,
             behavior_logprobs,
+            kl_coeff=self.kl_coeff,
+            entropy_coeff=self.entropy_coeff,
+            off_policy_correction=self.off_policy_correction,
         )
         mask = response_mask.bool()
-        fmask = mask.to(torch.float32)
-        lengths = fmask.sum(dim=1)  # [N]
-        zero = torch.zeros((), dtype=torch.float32, device=logprobs.device)
-
-        logp = torch.where(mask, logprobs.float(), zero)
-        old = torch.where(mask, old_logprobs.detach().float(), zero)
+        lengths = mask.to(torch.float32).sum(dim=1)  # [N]
+        logp = masked(logprobs.float(), mask)  # [N, T]
+        old = masked(old_logprobs.detach().float(), mask)  # [N, T]
         adv = advantages.detach().float().unsqueeze(1)  # [N, 1]
 
-        token_log_ratio = (logp - old).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-        if self.importance_level == "sequence":
-            seq_log_ratio = token_log_ratio.sum(dim=1) / lengths.clamp(min=1)
-            log_ratio = seq_log_ratio.unsqueeze(1).expand_as(logp)
-        else:
-            log_ratio = token_log_ratio
-        ratio = torch.exp(log_ratio)  # [N, T]
-        lower, upper = 1.0 - self.epsilon_low, 1.0 + self.epsilon_high
-        clipped_ratio = ratio.clamp(lower, upper)
-
-        if self.clip_mode == "cispo":
-            pg = -(clipped_ratio.detach() * adv * logp)
-            below, above = ratio < lower, ratio > upper
-            dual_active = torch.zeros_like(mask)
-        else:
-            pg = torch.maximum(-ratio * adv, -clipped_ratio * adv)
-            below, above = (adv < 0) & (ratio < lower), (adv > 0) & (ratio > upper)
-            if self.dual_clip is not None:
-                cap = -self.dual_clip * adv
-                dual_active = (adv < 0) & (pg > cap)
-                pg = torch.where(adv < 0, torch.minimum(pg, cap), pg)
-            else:
-                dual_active = torch.zeros_like(mask)
-
-        # Behaviour weight pi_prox / mu (a constant): multiplies the policy term only.
-        dropped = torch.zeros_like(mask)
-        if self.off_policy_correction == "none":
-            raw_weight = weight = fmask
-        else:
-            assert behavior_logprobs is not None
-            behav = torch.where(mask, behavior_logprobs.detach().float(), zero)
-            log_w = (old - behav).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-            if self.importance_level == "sequence":
-                seq_log_w = log_w.sum(dim=1) / lengths.clamp(min=1)
-                log_w = seq_log_w.unsqueeze(1).expand_as(log_w)
-            raw_weight = torch.exp(log_w)
-            weight = raw_weight
-            if self.is_weight_cap is not None:
-                if self.off_policy_correction == "decoupled":
-                    dropped = mask & (raw_weight > self.is_weight_cap)
-                    weight = torch.where(dropped, zero, raw_weight)
-                else:  # "tis"
-                    weight = raw_weight.clamp(max=self.is_weight_cap)
-            pg = pg * weight
-        pg = torch.where(mask, pg, zero)
+        token_log_ratio = clamped_log_ratio(logp, old)  # [N, T]
+        ratio = importance_ratio(token_log_ratio, lengths, self.importance_level)  # [N, T]
+        term = self._policy_term(ratio, adv, logp)
+        weight = self._behaviour_weight(old, behavior_logprobs, mask, lengths)
+        pg = term.loss if self.off_policy_correction == "none" else term.loss * weight.applied
+        pg = masked(pg, mask)  # [N, T]
 
         per_token = pg
-        kl = None
+        kl = ent = None
         if ref_logprobs is not None:
-            ref = torch.where(mask, ref_logprobs.detach().float(), zero)
-            kl = torch.where(mask, _kl_per_token(logp, ref, self.kl_estimator), zero)
+            ref = masked(ref_logprobs.detach().float(), mask)
+            kl = masked(kl_per_token(logp, ref, self.kl_estimator), mask)  # [N, T]
             if self.kl_coeff != 0.0:
                 per_token = per_token + self.kl_coeff * kl
-        ent = None
         if entropy is not None:
-            ent = torch.where(mask, entropy.float(), zero)
+            ent = masked(entropy.float(), mask)  # [N, T]
             if self.entropy_coeff != 0.0:
                 per_token = per_token - self.entropy_coeff * ent
 
-        if isinstance(normalizer, Tensor):
-            norm = normalizer.detach().to(device=logp.device, dtype=torch.float32).reshape(())
-        else:
-            norm = torch.tensor(float(normalizer), dtype=torch.float32, device=logp.device)
-        # Only an entirely empty global batch has normalizer 0; every local sum is then 0 too.
-        safe_norm = torch.where(norm > 0, norm, torch.ones_like(norm))
-
-        loss = self._aggregate(per_token, mask, lengths) / safe_norm
-
+        norm = safe_normalizer(normalizer, logp.device)
+        loss = aggregate(per_token, lengths, self.aggregation) / norm
         with torch.no_grad():
-            policy_loss = self._aggregate(pg, mask, lengths) / safe_norm
-            kl_loss = (
-                self.kl_coeff * self._aggregate(kl, mask, lengths) / safe_norm
-                if kl is not None and self.kl_coeff != 0.0
-                else zero
+            stats = self._stats(
+                loss, pg, kl, ent, mask, lengths, norm, ratio, token_log_ratio, term, weight
             )
-            entropy_loss = (
-                -self.entropy_coeff * self._aggregate(ent, mask, lengths) / safe_norm
-                if ent is not None and self.entropy_coeff != 0.0
-                else zero
-            )
-            masked_ratio = torch.where(mask, ratio, zero)
-            tok_ratio = torch.exp(token_log_ratio)
-            approx_kl = torch.where(mask, (tok_ratio - 1.0) - token_log_ratio, zero)
-            masked_raw_weight = torch.where(mask, raw_weight, zero)
-            stats = {
-                "loss": loss.detach(),
-                "policy_loss": policy_loss,
-                "kl_loss": kl_loss,
-                "entropy_loss": entropy_loss,
-                "normalizer_share": self.normalizer_contribution(mask) / safe_norm,
-                "tokens": fmask.sum(),
-                "sequences": torch.tensor(
-                    float(mask.shape[0]), dtype=torch.float32, device=logp.device
-                ),
-                "ratio_sum": masked_ratio.sum(),
-                "ratio_max": masked_ratio.max() if masked_ratio.numel() else zero,
-                "clip_low_sum": (below & mask).sum().to(torch.float32),
-                "clip_high_sum": (above & mask).sum().to(torch.float32),
-                "dual_clip_sum": (dual_active & mask).sum().to(torch.float32),
-                "approx_kl_sum": approx_kl.sum(),
-                "kl_sum": kl.sum() if kl is not None else zero,
-                "entropy_sum": ent.sum() if ent is not None else zero,
-                "is_weight_sum": torch.where(mask, weight, zero).sum(),
-                "is_weight_max": masked_raw_weight.max() if masked_raw_weight.numel() else zero,
-                "is_dropped_sum": dropped.sum().to(torch.float32),
-            }
-            stats = {k: v.detach().to(torch.float32).reshape(()) for k, v in stats.items()}
         return loss, stats
+
+    def _policy_term(self, ratio: Tensor, adv: Tensor, logp: Tensor) -> PolicyTerm:
+        """The ``[N, T]`` policy term of :attr:`clip_mode` from the ``[N, T]`` ratio."""
+        lower, upper = 1.0 - self.epsilon_low, 1.0 + self.epsilon_high
+        if self.clip_mode == "cispo":
+            return cispo_surrogate(ratio, adv, logp, lower, upper)
+        term = ppo_clipped_surrogate(ratio, adv, lower, upper)
+        return apply_dual_clip(term, adv, self.dual_clip)
+
+    def _behaviour_weight(
+        self, old: Tensor, behavior_logprobs: Tensor | None, mask: Tensor, lengths: Tensor
+    ) -> BehaviourWeight:
+        """The ``[N, T]`` weight of :attr:`off_policy_correction` (1 per response token for
+        ``"none"``, where it is not applied)."""
+        none_dropped = torch.zeros_like(mask)
+        if self.off_policy_correction == "none":
+            fmask = mask.to(torch.float32)
+            return BehaviourWeight(fmask, fmask, none_dropped)
+        assert behavior_logprobs is not None
+        behav = masked(behavior_logprobs.detach().float(), mask)
+        raw = behaviour_weight(old, behav, lengths, self.importance_level)
+        if self.is_weight_cap is None:
+            return BehaviourWeight(raw, raw, none_dropped)
+        if self.off_policy_correction == "decoupled":
+            return BehaviourWeight(raw, *drop_above_cap(raw, mask, self.is_weight_cap))
+        return BehaviourWeight(raw, truncate_at_cap(raw, self.is_weight_cap), none_dropped)
+
+    def _stats(
+        self,
+        loss: Tensor,
+        pg: Tensor,
+        kl: Tensor | None,
+        ent: Tensor | None,
+        mask: Tensor,
+        lengths: Tensor,
+        norm: Tensor,
+        ratio: Tensor,
+        token_log_ratio: Tensor,
+        term: PolicyTerm,
+        weight: BehaviourWeight,
+    ) -> dict[str, Tensor]:
+        """The stats of :meth:`forward` (see there), as float32 scalars; call under no_grad."""
+        zero = torch.zeros((), dtype=torch.float32, device=loss.device)
+        if kl is not None and self.kl_coeff != 0.0:
+            kl_loss = self.kl_coeff * aggregate(kl, lengths, self.aggregation) / norm
+        else:
+            kl_loss = zero
+        if ent is not None and self.entropy_coeff != 0.0:
+            entropy_loss = -self.entropy_coeff * aggregate(ent, lengths, self.aggregation) / norm
+        else:
+            entropy_loss = zero
+        masked_ratio = masked(ratio, mask)
+        masked_raw_weight = masked(weight.raw, mask)
+        stats = {
+            "loss": loss.detach(),
+            "policy_loss": aggregate(pg, lengths, self.aggregation) / norm,
+            "kl_loss": kl_loss,
+            "entropy_loss": entropy_loss,
+            "normalizer_share": self.normalizer_contribution(mask) / norm,
+            "tokens": mask.to(torch.float32).sum(),
+            "sequences": torch.tensor(
+                float(mask.shape[0]), dtype=torch.float32, device=loss.device
+            ),
+            "ratio_sum": masked_ratio.sum(),
+            "ratio_max": masked_ratio.max() if masked_ratio.numel() else zero,
+            "clip_low_sum": (term.clipped_low & mask).sum().to(torch.float32),
+            "clip_high_sum": (term.clipped_high & mask).sum().to(torch.float32),
+            "dual_clip_sum": (term.dual_clipped & mask).sum().to(torch.float32),
+            "approx_kl_sum": masked(approx_kl_to_old(token_log_ratio), mask).sum(),
+            "kl_sum": kl.sum() if kl is not None else zero,
+            "entropy_sum": ent.sum() if ent is not None else zero,
+            "is_weight_sum": masked(weight.applied, mask).sum(),
+            "is_weight_max": masked_raw_weight.max() if masked_raw_weight.numel() else zero,
+            "is_dropped_sum": weight.dropped.sum().to(torch.float32),
+        }
+        return {k: v.detach().to(torch.float32).reshape(()) for k, v in stats.items()}
 
 
 def summarize_loss_stats(

@@ -1,2 +1,90 @@
-"""Device-specific speed machinery, chosen once from device and dtype: on CPU, oneDNN-packed
-decode weights and the allocator setting that keeps freed memory."""
+"""Device-specific speed machinery behind one seam, chosen once from device and dtype.
+
+The rollout engine and the recipes are written for any device; what only pays (or only
+exists) on one device lives here, behind :class:`Backend`:
+
+* :meth:`Backend.configure_process`: process-wide settings made before any tensor is
+  allocated. CPU: glibc ``malloc`` keeps freed memory for reuse
+  (:mod:`torchtune_grpo.backends.allocator`).
+* :meth:`Backend.decode_weights`: what the decode steps of one rollout run on. CPU: linear
+  layers on oneDNN-reordered weights, plain decoder layers fused
+  (:mod:`torchtune_grpo.backends.cpu_decode`).
+
+:func:`backend_for` picks the backend. A GPU path (bf16 kernels, CUDA graphs for the decode
+step, FlashAttention through SDPA) plugs in as another :class:`Backend` subclass here; the
+engine and the recipes do not change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+__all__ = ["Backend", "CpuBackend", "backend_for"]
+
+
+class Backend:
+    """Nothing device-specific: what every device gets (the CUDA caching allocator already
+    keeps freed memory; decode runs the model's own modules)."""
+
+    #: Short name, for logs.
+    name = "generic"
+
+    def configure_process(self, keep_freed_memory: bool = True) -> bool:
+        """Process-wide settings, before the model and the step's tensors are allocated.
+
+        Args:
+            keep_freed_memory: the config's ``keep_freed_cpu_memory``.
+
+        Returns:
+            Whether a setting was applied.
+        """
+        return False
+
+    @contextlib.contextmanager
+    def decode_weights(self, model: nn.Module, enabled: bool = True) -> Iterator[int]:
+        """Around one rollout's decode steps: run ``model`` on faster weights where this
+        device has them; every module is restored on exit.
+
+        Args:
+            model: a torchtune decoder.
+            enabled: False changes nothing (the engine's ``packed_weights: false``).
+
+        Yields:
+            The number of linear layers that decode on such weights (0 here).
+        """
+        yield 0
+
+
+class CpuBackend(Backend):
+    """The CPU: glibc's allocator keeps freed memory; decode steps on oneDNN-packed weights."""
+
+    name = "cpu"
+
+    def configure_process(self, keep_freed_memory: bool = True) -> bool:
+        """:func:`~torchtune_grpo.backends.allocator.keep_freed_memory` when asked."""
+        if not keep_freed_memory:
+            return False
+        from torchtune_grpo.backends import allocator
+
+        return allocator.keep_freed_memory()
+
+    def decode_weights(self, model: nn.Module, enabled: bool = True
+                       ) -> contextlib.AbstractContextManager[int]:
+        """:func:`~torchtune_grpo.backends.cpu_decode.packed_linear_weights` (float32 CPU
+        weights only; FSDP2, LoRA and other dtypes keep ``F.linear``)."""
+        from torchtune_grpo.backends.cpu_decode import packed_linear_weights
+
+        return packed_linear_weights(model, enabled)
+
+
+def backend_for(device: torch.device | str) -> Backend:
+    """The backend of ``device``: :class:`CpuBackend` for the CPU, :class:`Backend` elsewhere.
+
+    The CPU backend's decode weights check each layer's dtype themselves (only float32 weights
+    are packed), so the choice needs the device alone.
+    """
+    return CpuBackend() if torch.device(device).type == "cpu" else Backend()

@@ -73,11 +73,10 @@ def _plot(args) -> int:
 
 
 def _validate(args) -> int:
-    from torchtune_grpo.training.config import (
-        ASYNC_KEYS,
-        EVAL_KEYS,
+    from torchtune_grpo.training.config import load_config
+    from torchtune_grpo.training.schema import ASYNC_KEYS, EVAL_KEYS
+    from torchtune_grpo.training.validation import (
         ConfigError,
-        load_config,
         validate_async_config,
         validate_config,
     )
@@ -97,14 +96,14 @@ def _validate(args) -> int:
 
 
 def _estimate_memory(args) -> int:
-    from torchtune_grpo.training.config import (
-        ASYNC_KEYS,
+    from torchtune_grpo.training.config import load_config
+    from torchtune_grpo.training.memory_estimate import estimate_memory, intended_world_size
+    from torchtune_grpo.training.schema import ASYNC_KEYS
+    from torchtune_grpo.training.validation import (
         ConfigError,
-        load_config,
         validate_async_config,
         validate_config,
     )
-    from torchtune_grpo.training.memory import estimate_memory, intended_world_size
 
     try:
         world_size = args.world_size or intended_world_size(args.config)
@@ -179,12 +178,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return difficulty_main(rest)
     if args.command == "prepare-quickstart":
-        from torchtune_grpo.quickstart.prepare import main as prepare_main
+        from torchtune_grpo.quickstart.cli import main as prepare_main
 
         prepare_main(rest)
         return 0
     if args.command == "prepare-model":
-        from torchtune_grpo.models.gguf import main as prepare_model_main
+        from torchtune_grpo.models.packaged import main as prepare_model_main
 
         return prepare_model_main(rest)
     if rest:

@@ -338,7 +338,7 @@ class PromptDataset(Dataset):
         #: rows left out by ``difficulty_file`` (pass rate outside ``difficulty_band``)
         self.dropped_by_difficulty = 0
         if difficulty_file is not None:
-            from torchtune_grpo.evaluation.difficulty import select_by_difficulty
+            from torchtune_grpo.datasets.difficulty import select_by_difficulty
 
             samples, self.dropped_by_difficulty = select_by_difficulty(
                 list(samples), difficulty_file, difficulty_band, name=name)

@@ -4,7 +4,7 @@
 two-digit (10-99) and a three-digit (100-999) operand, 81,000 problems whose products have
 four or five digits. The tiny quickstart model cannot compute such products in its head (it
 would have to learn long multiplication), but it can learn to **call the calculator tool**
-(:class:`~torchtune_grpo.rollout.tools.Calculator`) and copy the result into its answer::
+(:class:`~torchtune_grpo.rollout.tools.calculator.Calculator`) and copy the result into its answer::
 
     What is 37*412?<calculator>37*412</calculator><result>15244</result>Answer: 15244
 

@@ -32,128 +32,13 @@ import argparse
 import json
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "DEFAULT_BAND",
-    "read_difficulty",
-    "score_difficulty",
-    "select_by_difficulty",
-]
+from torchtune_grpo.datasets.difficulty import _FORMAT, read_difficulty
 
-#: Default ``difficulty_band``: keep prompts solved sometimes (``0 < pass_rate < 1``).
-DEFAULT_BAND = (0.0, 1.0)
-_FORMAT = "torchtune_grpo.evaluation.difficulty/1"
-
-
-def _check_band(band: Any, where: str) -> tuple[float, float]:
-    try:
-        low, high = (float(v) for v in band)
-    except (TypeError, ValueError):
-        raise ValueError(f"{where}: difficulty_band must be [low, high] with 0 <= low < high <= 1,"
-                         f" got {band!r}") from None
-    if not (0.0 <= low < high <= 1.0):
-        raise ValueError(f"{where}: difficulty_band must be [low, high] with 0 <= low < high <= 1,"
-                         f" got {list(band)!r}")
-    return low, high
-
-
-def read_difficulty(path: str | Path) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
-    """Read a difficulty file.
-
-    Args:
-        path: the JSONL file written by :func:`score_difficulty`.
-
-    Returns:
-        ``(settings, rows)``: the settings of its first line, and ``index -> row``. A last line
-        cut off mid-write (an interrupted run) is ignored.
-
-    Raises:
-        FileNotFoundError: ``path`` does not exist.
-        ValueError: the file is not a difficulty file, or a line other than the last is not
-            valid JSON or lacks a field (naming the line).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"difficulty_file {str(path)!r} does not exist; make it with tune-grpo difficulty "
-            "--config ... --out FILE")
-    lines = path.read_text().splitlines()
-    if not lines:
-        raise ValueError(f"difficulty_file {str(path)!r} is empty")
-    try:
-        settings = json.loads(lines[0])
-    except json.JSONDecodeError:
-        settings = None
-    if not isinstance(settings, dict) or settings.get("format") != _FORMAT:
-        raise ValueError(f"difficulty_file {str(path)!r} is not a difficulty file (its first "
-                         f"line is not the settings line of tune-grpo difficulty)")
-    rows: dict[int, dict[str, Any]] = {}
-    for number, line in enumerate(lines[1:], start=2):
-        try:
-            row = json.loads(line)
-            index = int(row["index"])
-            row["pass_rate"] = float(row["pass_rate"])
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            if number == len(lines):  # a line cut off by an interrupted run
-                break
-            raise ValueError(f"difficulty_file {str(path)!r} line {number}: not a valid row "
-                             f"({type(exc).__name__}: {exc})") from None
-        rows[index] = row
-    return settings, rows
-
-
-def select_by_difficulty(
-    samples: Sequence[tuple[str, str, int]],
-    difficulty_file: str | Path,
-    band: Sequence[float] = DEFAULT_BAND,
-    *,
-    name: str = "dataset",
-) -> tuple[list[tuple[str, str, int]], int]:
-    """Keep the samples whose pass rate in ``difficulty_file`` lies strictly inside ``band``.
-
-    Args:
-        samples: ``(question, answer, index)`` triples of a dataset.
-        difficulty_file: a file from :func:`score_difficulty` made for the same data.
-        band: ``(low, high)``: a sample is kept when ``low < pass_rate < high``; the default
-            ``(0, 1)`` keeps the prompts the model solves sometimes.
-        name: the dataset's name, for messages.
-
-    Returns:
-        ``(kept samples, number dropped)``.
-
-    Raises:
-        ValueError: on a bad band, a sample missing from the file (the file covers other data:
-            the message names the first missing row and how many are missing), a row whose
-            question differs from the sample's, or no sample kept.
-    """
-    low, high = _check_band(band, name)
-    _, rows = read_difficulty(difficulty_file)
-    missing = [index for _, _, index in samples if index not in rows]
-    if missing:
-        raise ValueError(
-            f"{name}: difficulty_file {str(difficulty_file)!r} has no pass rate for {len(missing)} "
-            f"of its {len(samples)} rows (first: row {missing[0]}); score the same split with "
-            "tune-grpo difficulty, or set the dataset's split to the rows that were scored")
-    kept = []
-    for question, answer, index in samples:
-        row = rows[index]
-        if row.get("question") is not None and row["question"] != question:
-            raise ValueError(
-                f"{name}: row {index} of difficulty_file {str(difficulty_file)!r} is another "
-                f"question ({row['question'][:60]!r}... vs {question[:60]!r}...); the file was "
-                "made from other data")
-        if low < row["pass_rate"] < high:
-            kept.append((question, answer, index))
-    if not kept:
-        raise ValueError(
-            f"{name}: no row of difficulty_file {str(difficulty_file)!r} has a pass rate "
-            f"strictly between {low} and {high}; widen difficulty_band or score with more "
-            "samples")
-    return kept, len(samples) - len(kept)
-
+__all__ = ["score_difficulty"]
 
 def _settings(cfg: Any, num_samples: int, temperature: float) -> dict[str, Any]:
     from omegaconf import OmegaConf
@@ -225,7 +110,7 @@ def score_difficulty(
 
     from torchtune_grpo.evaluation.evaluate import evaluate
     from torchtune_grpo.policy.model import DTYPES, build_model, token_rules
-    from torchtune_grpo.rewards.reward_set import build_reward_set
+    from torchtune_grpo.rewards.build import build_reward_set
     from torchtune_grpo.training.settings import EvalSettings
 
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 2:
@@ -311,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(
         prog="tune-grpo difficulty",
-        description="Write each prompt's pass rate under a model (see torchtune_grpo.evaluation.difficulty)")
+        description="Write each prompt's pass rate under a model "
+                    "(see torchtune_grpo.evaluation.difficulty)")
     parser.add_argument("--config", required=True, help="a training or eval config")
     parser.add_argument("--out", required=True, help="JSONL file to write or complete")
     parser.add_argument("--num-samples", "--num_samples", type=int, default=8,

@@ -12,7 +12,8 @@ from torchtune_grpo.models.builders import (
     lora_hf_model,
     read_hf_config,
 )
-from torchtune_grpo.models.gguf import find_packaged_gguf, gguf_to_hf, prepare_model
+from torchtune_grpo.models.gguf import gguf_to_hf
+from torchtune_grpo.models.packaged import find_packaged_gguf, prepare_model
 from torchtune_grpo.models.tokenizer import HFTokenizer, hf_tokenizer
 
 __all__ = [

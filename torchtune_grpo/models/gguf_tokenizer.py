@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from torchtune_grpo.models.gguf import _Gguf
+    from torchtune_grpo.models.gguf_reader import GgufFile
 
 __all__ = ["tokenizer_from_gguf"]
 
@@ -28,7 +28,7 @@ _CONTROL, _USER_DEFINED = 3, 4
 _PRE_TOKENIZERS = ("gpt2", "smollm")
 
 
-def tokenizer_from_gguf(src: _Gguf) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+def tokenizer_from_gguf(src: GgufFile) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     """The Hugging Face tokenizer files of a GGUF model, from its metadata.
 
     Args:

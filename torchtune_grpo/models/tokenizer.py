@@ -23,81 +23,36 @@ ids), ``special_tokens`` and :meth:`~HFTokenizer.ordinary_token_ids`.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
-import jinja2.ext
-from jinja2 import nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 from torchtune.data import Message
+
+from torchtune_grpo.models.chat_template import (
+    compile_chat_template,
+    find_chat_template,
+    mask_by_message,
+    message_boundaries,
+    missing_template_error,
+    render_chat_template,
+    template_uses_tools,
+)
 
 __all__ = ["HFTokenizer", "hf_tokenizer"]
 
 #: Files read from a model folder besides ``tokenizer.json`` (all optional).
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"
-CHAT_TEMPLATE_FILE = "chat_template.jinja"
 GENERATION_CONFIG = "generation_config.json"
 
 #: The special-token names read from the tokenizer config and passed to chat templates.
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
-
-
-# ---------------------------------------------------------------------------- jinja environment
-def _raise_exception(message: str) -> None:
-    """Template global ``raise_exception(msg)``: templates reject invalid conversations."""
-    raise ValueError(f"chat template error: {message}")
-
-
-def _strftime_now(fmt: str) -> str:
-    """Template global ``strftime_now(fmt)``: the current local time formatted with ``fmt``."""
-    return datetime.now().strftime(fmt)
-
-
-def _tojson(
-    value: Any,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    """Template filter ``tojson``: JSON that keeps non-ASCII characters (no HTML escaping)."""
-    return json.dumps(
-        value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-class _GenerationBlock(jinja2.ext.Extension):
-    """``{% generation %}...{% endgeneration %}`` renders its body unchanged.
-
-    Some templates mark the assistant's text with this block (``transformers`` uses it for
-    assistant masks); without the extension such a template would not even compile.
-    """
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> list[nodes.Node]:
-        """Parse the block and return its body as is."""
-        next(parser.stream)  # the `generation` name
-        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-
-def _environment() -> ImmutableSandboxedEnvironment:
-    """The sandboxed jinja environment chat templates are written for."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[jinja2.ext.loopcontrols, _GenerationBlock],
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
 
 
 # ---------------------------------------------------------------------------- folder reading
@@ -121,31 +76,6 @@ def _token_content(value: Any) -> str | None:
     if isinstance(value, Mapping) and isinstance(value.get("content"), str):
         return value["content"]
     return None
-
-
-def _template_from_config(value: Any, where: Path) -> tuple[str | None, list[str]]:
-    """The default chat template of ``tokenizer_config.json["chat_template"]``.
-
-    Returns:
-        ``(template or None, names of the named templates)``.
-    """
-    if value is None:
-        return None, []
-    if isinstance(value, str):
-        return value, []
-    if isinstance(value, list):
-        named = {
-            item["name"]: item["template"]
-            for item in value
-            if isinstance(item, Mapping)
-            and isinstance(item.get("name"), str)
-            and isinstance(item.get("template"), str)
-        }
-        return named.get("default"), sorted(named)
-    raise ValueError(
-        f"{where}: `chat_template` must be a string or a list of {{name, template}} objects, "
-        f"got {type(value).__name__}"
-    )
 
 
 def _resolve_paths(path: str | os.PathLike[str]) -> tuple[Path, Path]:
@@ -305,31 +235,14 @@ class HFTokenizer:
         else:
             self.add_bos_token = self._post_processor_adds_bos()
 
-        source: str | None = None
-        named: list[str] = []
-        if chat_template is not None:
-            template, source = self._template_argument(chat_template)
-        elif (folder / CHAT_TEMPLATE_FILE).is_file():
-            template = (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
-            source = str(folder / CHAT_TEMPLATE_FILE)
-        else:
-            template, named = _template_from_config(
-                config.get("chat_template"), folder / TOKENIZER_CONFIG
-            )
-            source = str(folder / TOKENIZER_CONFIG) if template is not None else None
+        template, source, named = find_chat_template(
+            folder, config.get("chat_template"), folder / TOKENIZER_CONFIG, chat_template
+        )
         self.tools: list[dict[str, Any]] | None = None
         self.chat_template: str | None = template
         self.chat_template_source: str | None = source
         self._named_templates = named
-        self._compiled: jinja2.Template | None = None
-        if template is not None:
-            try:
-                self._compiled = _environment().from_string(template)
-            except jinja2.TemplateSyntaxError as exc:
-                raise ValueError(
-                    f"the chat template from {source} does not compile: {exc.message} "
-                    f"(template line {exc.lineno})"
-                ) from exc
+        self._compiled: jinja2.Template | None = compile_chat_template(template, source)
 
     # ------------------------------------------------------------------ helpers
     def _id_of(self, token: str | None) -> int | None:
@@ -351,33 +264,10 @@ class HFTokenizer:
             and plain[:1] != [self.bos_id]
         )
 
-    @staticmethod
-    def _template_argument(value: str) -> tuple[str, str]:
-        """``(template, source)`` of the ``chat_template`` argument (text or file path)."""
-        if not isinstance(value, str):
-            raise ValueError(f"chat_template must be a string, got {type(value).__name__}")
-        if "{{" not in value and "{%" not in value:
-            candidate = Path(value).expanduser()
-            if candidate.is_file():
-                return candidate.read_text(encoding="utf-8"), str(candidate)
-        return value, "chat_template argument"
-
     def _require_template(self) -> jinja2.Template:
         """The compiled chat template, or a ``ValueError`` saying how to supply one."""
         if self._compiled is None:
-            named = (
-                f" Its tokenizer_config.json has only named templates {self._named_templates} "
-                "and no 'default'."
-                if self._named_templates
-                else ""
-            )
-            raise ValueError(
-                f"{self.path} has no chat template (no {CHAT_TEMPLATE_FILE}, no `chat_template` "
-                f"in {TOKENIZER_CONFIG}).{named} Pass one with "
-                "`hf_tokenizer(path, chat_template=...)` (the jinja text or a .jinja file path; "
-                "in YAML: `tokenizer.chat_template=...`), or use a non-chat prompt template "
-                "(`chat: false`)."
-            )
+            raise missing_template_error(self.path, TOKENIZER_CONFIG, self._named_templates)
         return self._compiled
 
     # ------------------------------------------------------------------ plain text
@@ -446,12 +336,7 @@ class HFTokenizer:
     @property
     def template_uses_tools(self) -> bool:
         """Whether the chat template reads the ``tools`` variable (False without a template)."""
-        if self.chat_template is None:
-            return False
-        from jinja2 import meta
-
-        env = _environment()
-        return "tools" in meta.find_undeclared_variables(env.parse(self.chat_template))
+        return template_uses_tools(self.chat_template)
 
     def apply_chat_template(
         self,
@@ -486,42 +371,7 @@ class HFTokenizer:
             if getattr(self, name) is not None
         }
         variables.update(kwargs)
-        return template.render(
-            messages=[dict(m) for m in messages],
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            **variables,
-        )
-
-    def _boundaries(self, dicts: list[dict[str, Any]], text: str) -> list[int]:
-        """Character offsets ``b_0 = 0 <= b_1 <= ... <= b_n = len(text)``; message ``i`` owns
-        ``text[b_i:b_{i+1}]`` (its header, content and closing tokens).
-
-        ``b_k`` is the length of the template rendered for the first ``k`` messages, when that
-        rendering is a prefix of ``text`` (true for templates that render each message
-        independently of later ones). Otherwise each message's content is searched in order
-        and ``b_k`` is the end of message ``k - 1``'s content (an approximation: closing tokens
-        go to the next message).
-        """
-        n = len(dicts)
-        bounds = [0]
-        try:
-            for k in range(1, n):
-                prefix = self.apply_chat_template(dicts[:k], add_generation_prompt=False,
-                                                  tools=self.tools)
-                if not text.startswith(prefix) or len(prefix) < bounds[-1]:
-                    raise ValueError("not a prefix")
-                bounds.append(len(prefix))
-            return [*bounds, len(text)]
-        except Exception:  # any template failure on a partial conversation: approximate
-            pass
-        bounds, cursor = [0], 0
-        for content in (str(d.get("content") or "") for d in dicts[:-1]):
-            found = text.find(content, cursor) if content else -1
-            if found >= 0:
-                cursor = found + len(content)
-            bounds.append(cursor)
-        return [*bounds, len(text)]
+        return render_chat_template(template, messages, tools, add_generation_prompt, variables)
 
     def tokenize_messages(
         self, messages: Sequence[Message], add_end_tokens: bool = True
@@ -530,8 +380,8 @@ class HFTokenizer:
 
         The text is the chat template rendered for the messages (``role`` and
         ``text_content``, passed verbatim, not stripped; ``tools`` set by :meth:`set_tools`),
-        encoded without the post-processor's
-        special tokens, as ``transformers``' ``apply_chat_template(..., tokenize=True)`` does:
+        encoded without the post-processor's special tokens, as ``transformers``'
+        ``apply_chat_template(..., tokenize=True)`` does:
 
         * **Open assistant turn.** When the last message is an assistant message with
           ``eot=False``, or ``add_end_tokens=False`` and the last message is an assistant
@@ -546,9 +396,9 @@ class HFTokenizer:
         The mask is True for the tokens of masked messages. A token belongs to the message
         whose part of the text holds the token's last character; message ``k`` starts where the
         template rendered for the first ``k`` messages ends (its header belongs to it, text the
-        template adds after the last message, like a generation prompt, to the last message).
-        For templates where that rendering is not a prefix of the full text, the boundary is the
-        end of message ``k - 1``'s content instead (closing tokens go to the next message).
+        template adds after the last message, like a generation prompt, to the last message;
+        see :func:`~torchtune_grpo.models.chat_template.message_boundaries` for templates where
+        that rendering is not a prefix of the full text).
 
         With ``max_seq_len`` set, a longer result is cut to ``max_seq_len`` tokens; like
         torchtune's tokenizers, the last kept token then becomes ``eos_id`` (mask True) unless
@@ -585,13 +435,11 @@ class HFTokenizer:
         if all(masked) or not any(masked):
             mask = [masked[0]] * len(tokens)
         else:
-            bounds = self._boundaries(dicts, text)
-            mask, owner = [], 0
-            for _, end in encoding.offsets:
-                last_char = max(end - 1, 0)  # ByteLevel may trim a token's offsets to (e, e)
-                while owner < len(messages) - 1 and last_char >= bounds[owner + 1]:
-                    owner += 1
-                mask.append(masked[owner])
+            render_prefix = functools.partial(
+                self.apply_chat_template, add_generation_prompt=False, tools=self.tools
+            )
+            bounds = message_boundaries(dicts, text, render_prefix)
+            mask = mask_by_message(encoding.offsets, bounds, masked)
 
         if self.max_seq_len is not None and len(tokens) > self.max_seq_len:
             tokens, mask = tokens[: self.max_seq_len], mask[: self.max_seq_len]

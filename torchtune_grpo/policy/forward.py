@@ -14,14 +14,13 @@ context managers below. Because the projection still runs inside the model's own
 
 :func:`packed_micro_batch_logprobs` goes one step further for training-time passes: the real
 tokens of a micro-batch's rows are laid end to end in one row, so the model's linears, norms
-and MLPs run on the real tokens only, and attention runs per row (:class:`PackedSegments`,
-understood by the attention calls :func:`install_packed_attention` wraps).
+and MLPs run on the real tokens only, and attention runs per row
+(:mod:`torchtune_grpo.policy.packing`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,6 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtune_grpo.policy.logprobs import chunked_token_logprobs
+from torchtune_grpo.policy.packing import (
+    PackedSegments,
+    install_packed_attention,
+    shared_prompt_layout,
+)
 from torchtune_grpo.algorithm.trajectory import attention_mask, position_ids, trim_to_extent
 
 _MODE_ATTR = "_grpo_output_mode"
@@ -67,104 +71,6 @@ class _PackedLogProbs:
     return_entropy: bool
     entropy_grad: bool = True
     keep_probs: int = 0
-
-
-@dataclass(frozen=True)
-class PackedSegments:
-    """The attention "mask" of a packed row: consecutive segments, each its own sequence.
-
-    Passed as ``mask`` to a torchtune decoder whose attention calls were wrapped by
-    :func:`install_packed_attention`: every segment attends causally within itself and never
-    to another segment (a block-diagonal causal mask, without building the ``[S, S]`` mask or
-    computing the masked-out blocks).
-
-    Attributes:
-        lengths: tokens per segment, in order; they sum to the packed row's length.
-    """
-
-    lengths: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class SharedPrefixSegments:
-    """The attention "mask" of a packed row whose sequences share their prompts.
-
-    The row is a run of blocks; a block is one prompt (the *prefix*) followed by the responses
-    of every sequence that has that prompt (the *suffixes*). The prefix attends causally within
-    itself; each suffix attends to the whole prefix and causally within itself, never to
-    another suffix or block. Every suffix token therefore sees exactly the tokens of its own
-    sequence, while the prompt's tokens are run once for the whole group instead of once per
-    sequence.
-
-    Attributes:
-        blocks: ``(prefix_length, (suffix_length, ...))`` per block, in order; all lengths
-            add up to the packed row's length.
-    """
-
-    blocks: tuple[tuple[int, tuple[int, ...]], ...]
-
-
-@functools.lru_cache(maxsize=256)
-def _suffix_mask(prefix: int, length: int) -> torch.Tensor:
-    """``[length, prefix + length]`` bool: all of the prefix, then causal over the suffix."""
-    return torch.ones(length, prefix + length, dtype=torch.bool).tril(diagonal=prefix)
-
-
-def _shared_prefix_attention(q, k, v, blocks, dropout_p=0.0):
-    """SDPA for a :class:`SharedPrefixSegments` row; ``q, k, v``: ``[1, heads, S, head_dim]``."""
-    sizes = [n for prefix, suffixes in blocks for n in (prefix, *suffixes)]
-    parts = list(zip(*(x.split(sizes, dim=2) for x in (q, k, v))))
-    outs, i = [], 0
-    for prefix, suffixes in blocks:
-        q_p, k_p, v_p = parts[i]
-        outs.append(F.scaled_dot_product_attention(q_p, k_p, v_p, dropout_p=dropout_p,
-                                                   is_causal=True))
-        for j, length in enumerate(suffixes, start=i + 1):
-            q_s, k_s, v_s = parts[j]
-            mask = _suffix_mask(prefix, length).to(q.device)
-            outs.append(F.scaled_dot_product_attention(
-                q_s, torch.cat([k_p, k_s], dim=2), torch.cat([v_p, v_s], dim=2),
-                attn_mask=mask, dropout_p=dropout_p))
-        i += 1 + len(suffixes)
-    return torch.cat(outs, dim=2)
-
-
-def _segment_attention(original, q, k, v, mask=None, dropout_p=0.0, is_causal=True):
-    """torchtune's ``_attention_call`` signature; per-segment causal SDPA for a
-    :class:`PackedSegments` mask, per-block SDPA for a :class:`SharedPrefixSegments` mask, the
-    wrapped call for anything else.
-
-    ``q, k, v``: ``[1, heads, S, head_dim]`` (k and v already expanded to the query heads).
-    """
-    if isinstance(mask, SharedPrefixSegments):
-        return _shared_prefix_attention(q, k, v, mask.blocks, dropout_p=dropout_p)
-    if not isinstance(mask, PackedSegments):
-        return original(q, k, v, mask=mask, dropout_p=dropout_p, is_causal=is_causal)
-    if len(mask.lengths) == 1:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-    # split, not slices: its backward is one concatenation, where each slice's backward would
-    # write a zero-filled gradient of the whole packed row
-    outs = [F.scaled_dot_product_attention(q_s, k_s, v_s, dropout_p=dropout_p, is_causal=True)
-            for q_s, k_s, v_s in zip(*(x.split(mask.lengths, dim=2) for x in (q, k, v)))]
-    return torch.cat(outs, dim=2)
-
-
-def install_packed_attention(model: nn.Module) -> None:
-    """Let every torchtune attention module of ``model`` take a :class:`PackedSegments` (or
-    :class:`SharedPrefixSegments`) mask.
-
-    Wraps each module's ``_attention_call`` (torchtune's SDPA/flex dispatcher, an instance
-    attribute); any other mask (boolean tensors, ``BlockMask``, None) goes to the original
-    call unchanged. Idempotent; safe before or after FSDP sharding, activation checkpointing or
-    LoRA.
-    """
-    for module in model.modules():
-        call = module.__dict__.get("_attention_call")
-        if call is None or getattr(call, "_grpo_packed", False):
-            continue
-        wrapped = functools.partial(_segment_attention, call)
-        wrapped._grpo_packed = True
-        module._attention_call = wrapped
 
 
 def _decoder(model: nn.Module) -> nn.Module:
@@ -443,7 +349,7 @@ def packed_micro_batch_logprobs(
     targets = tokens[:, prompt_len:][scored].unsqueeze(0)  # [1, M]
     positions = present.long().cumsum(1) - 1  # [n, P + T] each real token's position in its row
     if share_prompts:
-        keep, packed_index, segments = _shared_prompt_layout(tokens, prompt_mask,
+        keep, packed_index, segments = shared_prompt_layout(tokens, prompt_mask,
                                                              response_present)
         # the hidden state predicting response token t is that of the real token before it:
         # the previous response token, or the prompt's last token (present tokens of a row are
@@ -480,54 +386,3 @@ def packed_micro_batch_logprobs(
     if entropy is not None:
         entropy = entropy.new_zeros(n, num_response).masked_scatter(scored, entropy[0])
     return out, entropy
-
-
-def _shared_prompt_layout(
-    tokens: torch.Tensor, prompt_mask: torch.Tensor, response_present: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, SharedPrefixSegments]:
-    """Where each real token of a micro-batch goes in a prompt-sharing packed row.
-
-    Rows are grouped by their real prompt tokens (first appearance order). A group's block is
-    its prompt, taken from its first row, then each member's response tokens in row order.
-
-    Args:
-        tokens: ``[n, P + T]``.
-        prompt_mask: ``[n, P]`` real prompt tokens.
-        response_present: ``[n, T]`` real response (and tool) tokens.
-
-    Returns:
-        ``(keep [n, P + T] bool, packed_index [n, P + T] long, segments)``: ``keep`` marks the
-        tokens that are laid out (each group's first prompt, every response token);
-        ``packed_index`` gives every real token its position in the packed row (a shared
-        prompt token: its group's copy; -1 elsewhere); ``segments`` the block lengths.
-    """
-    n, prompt_len = prompt_mask.shape
-    keep = torch.zeros(n, tokens.shape[1], dtype=torch.bool, device=tokens.device)
-    packed_index = torch.full_like(tokens, -1, dtype=torch.long)
-    prompt_lengths = prompt_mask.sum(1).tolist()
-    response_lengths = response_present.sum(1).tolist()
-    groups: dict[tuple[int, ...], list[int]] = {}
-    prompts = tokens[:, :prompt_len].tolist()
-    for row in range(n):
-        real = prompts[row][prompt_len - prompt_lengths[row]:]
-        if response_lengths[row] == 0 and prompt_lengths[row] == 0:
-            continue
-        groups.setdefault(tuple(real), []).append(row)
-    blocks, offset = [], 0
-    for rows in groups.values():
-        first, plen = rows[0], prompt_lengths[rows[0]]
-        keep[first, prompt_len - plen: prompt_len] = True
-        prompt_slots = torch.arange(offset, offset + plen, device=tokens.device)
-        offset += plen
-        suffixes = []
-        for row in rows:
-            packed_index[row, prompt_len - plen: prompt_len] = prompt_slots
-            length = response_lengths[row]
-            if length:
-                keep[row, prompt_len: prompt_len + length] = True
-                packed_index[row, prompt_len: prompt_len + length] = torch.arange(
-                    offset, offset + length, device=tokens.device)
-                offset += length
-                suffixes.append(length)
-        blocks.append((plen, tuple(suffixes)))
-    return keep, packed_index, SharedPrefixSegments(tuple(blocks))

@@ -23,7 +23,7 @@ from torchtune.modules.peft import (
 )
 
 from torchtune_grpo.policy.forward import install_output_modes
-from torchtune_grpo.rollout.native import (
+from torchtune_grpo.rollout.sampling import (
     allowed_token_mask,
     logit_bias_from_mask,
     stop_token_ids,

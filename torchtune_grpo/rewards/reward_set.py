@@ -1,12 +1,12 @@
-"""The :class:`RewardSet`: reward components weighed, checked and built from a config.
+"""The :class:`RewardSet`: reward components weighed and checked, scoring a batch.
 
-:func:`build_reward_set` turns the ``rewards`` list of a config into a :class:`RewardSet`. Each
-entry names a reward component (see :mod:`torchtune_grpo.rewards.components` for the signature and
-the shipped ones) with ``_component_`` and holds the keys of :data:`REWARD_ENTRY_KEYS`, which
-belong to the set, not to the component: ``weight``, ``name``, ``success``,
-``success_threshold``, ``on_error`` and ``requires_success``. :func:`check_reward_entry` is the
-one place those keys are checked: by :func:`build_reward_set`, by :class:`RewardSet` for entries
-made in code, and by :func:`torchtune_grpo.training.config.validate_config` before any model is loaded.
+A reward set holds one :class:`RewardEntry` per configured component: the callable and the
+options of its ``rewards`` config entry, the keys of :data:`REWARD_ENTRY_KEYS` that belong to the
+set, not to the component: ``weight``, ``name``, ``success``, ``success_threshold``,
+``on_error`` and ``requires_success``. :func:`check_reward_entry` is the one place those keys are
+checked: by :func:`~torchtune_grpo.rewards.build.build_reward_set` (which builds a reward set
+from a config), by :class:`RewardSet` for entries made in code, and by
+:func:`torchtune_grpo.training.validation.validate_config` before any model is loaded.
 
 The :class:`RewardSet` applies the weights, validates every component's output and turns
 exceptions into messages that name the component and the sample.
@@ -14,26 +14,19 @@ exceptions into messages that name the component and the sample.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import math
 import numbers
-import os
-import re
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, ListConfig, OmegaConf
 
 __all__ = [
     "REWARD_ENTRY_KEYS",
     "RewardEntry",
     "RewardOutput",
     "RewardSet",
-    "build_reward_set",
     "check_reward_entry",
 ]
 
@@ -64,14 +57,15 @@ def check_reward_entry(
     """Check the reward-set keys (:data:`REWARD_ENTRY_KEYS`) of one ``rewards`` entry.
 
     - ``weight`` (default 1.0): a finite number multiplying the component in the total reward.
-    - ``name``: a non-empty string (default: chosen by :func:`build_reward_set`).
+    - ``name``: a non-empty string (default: chosen by
+      :func:`~torchtune_grpo.rewards.build.build_reward_set`).
     - ``success``: ``true`` or ``false``.
     - ``success_threshold``: a finite number.
     - ``on_error``: ``raise`` (default) or ``zero``.
     - ``requires_success``: ``true`` or ``false`` (default).
 
     Checks that involve several entries (one ``success: true``, distinct names) are made by
-    :func:`build_reward_set` and :class:`RewardSet`.
+    :func:`~torchtune_grpo.rewards.build.build_reward_set` and :class:`RewardSet`.
 
     Args:
         entry: the entry, a mapping (``_component_`` is not checked here).
@@ -202,8 +196,8 @@ def _slice_kwargs(kwargs: Mapping[str, Any], i: int, n: int) -> dict[str, Any]:
 class RewardSet:
     """Weighted reward components with one designated success component.
 
-    Build it from a config with :func:`build_reward_set`, or directly from
-    :class:`RewardEntry` objects.
+    Build it from a config with :func:`~torchtune_grpo.rewards.build.build_reward_set`, or
+    directly from :class:`RewardEntry` objects.
 
     Args:
         entries: the components, in order.
@@ -400,180 +394,3 @@ class RewardSet:
                 f"(completion {_quote(completions[offset + j])}); rewards must be finite"
             )
         return values
-
-
-# --------------------------------------------------------------------------------------------
-# Building from a config
-# --------------------------------------------------------------------------------------------
-
-
-def _snake_case(name: str) -> str:
-    """``NumericCorrectness`` -> ``numeric_correctness``; ``HTTPReward`` -> ``http_reward``."""
-    name = re.sub(r"([A-Z]+)([A-Z][a-z])", r"\1_\2", name)
-    name = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name)
-    return name.lower()
-
-
-def _is_reward_function(obj: Any) -> bool:
-    """A plain function whose first two parameters are ``completions`` and ``answers``."""
-    if not (inspect.isfunction(obj) or inspect.isbuiltin(obj)):
-        return False
-    try:
-        params = list(inspect.signature(obj).parameters)
-    except (TypeError, ValueError):
-        return False
-    return params[:2] == ["completions", "answers"]
-
-
-def _default_name(component: Any, path: str) -> str:
-    """The component's ``name`` attribute, else its snake_case class (or function) name."""
-    name = getattr(component, "name", None)
-    if isinstance(name, str) and name:
-        return name
-    if isinstance(component, functools.partial):
-        component = component.func
-    if inspect.isfunction(component):
-        return component.__name__
-    cls_name = type(component).__name__ if not inspect.isclass(component) else component.__name__
-    return _snake_case(cls_name) or path.rsplit(".", 1)[-1]
-
-
-def _build_component(path: str, arguments: dict[str, Any], index: int, where: str) -> RewardFn:
-    """Import ``path`` and build the component callable with ``arguments``."""
-    from torchtune import config as tt_config
-    from torchtune.config._utils import _get_component_from_path
-
-    try:
-        target = _get_component_from_path(path)
-    except Exception as exc:
-        raise ValueError(
-            f"rewards[{index}]: `_component_` {path!r} does not import: {exc}. Check the "
-            "dotted path and that its module is installed or on PYTHONPATH."
-        ) from exc
-    try:
-        if _is_reward_function(target):
-            component = functools.partial(target, **arguments) if arguments else target
-        else:
-            component = tt_config.instantiate(OmegaConf.create({"_component_": path, **arguments}))
-    except Exception as exc:
-        raise ValueError(
-            f"{where}: could not construct the component with arguments {arguments}: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
-    if not callable(component):
-        raise ValueError(
-            f"{where}: built a {type(component).__name__}, which is not callable; a reward "
-            "component must be called as component(completions, answers, **kwargs)"
-        )
-    return component
-
-
-def _success_index(success_flags: list[bool | None], thresholds_set: list[bool]) -> int:
-    """Index of the entry that defines success (see :func:`build_reward_set`)."""
-    marked = [i for i, flag in enumerate(success_flags) if flag is True]
-    if len(marked) > 1:
-        raise ValueError(
-            f"rewards[{marked[1]}]: `success: true` is also set on rewards[{marked[0]}]; at "
-            "most one entry may define success"
-        )
-    if marked:
-        success_index = marked[0]
-    else:
-        candidates = [i for i, flag in enumerate(success_flags) if flag is not False]
-        if not candidates:
-            raise ValueError(
-                "rewards: every entry sets `success: false`; set `success: true` on the entry "
-                "that defines success_rate"
-            )
-        success_index = candidates[0]
-    for i, has_threshold in enumerate(thresholds_set):
-        if has_threshold and i != success_index:
-            raise ValueError(
-                f"rewards[{i}]: `success_threshold` is set but this entry does not define "
-                f"success (rewards[{success_index}] does); move it or set `success: true` here"
-            )
-    return success_index
-
-
-def build_reward_set(cfg_list: ListConfig | Sequence[Mapping[str, Any]]) -> RewardSet:
-    """Build a :class:`RewardSet` from the ``rewards`` list of a config.
-
-    Each entry is a mapping with ``_component_`` (dotted path of a reward class, a factory, or a
-    plain function whose first two parameters are ``completions, answers``) plus keyword
-    arguments for it. The keys of :data:`REWARD_ENTRY_KEYS` are taken out of the entry before
-    instantiating it (checked by :func:`check_reward_entry`):
-
-    - ``weight`` (default 1.0): finite number multiplying the component in the total reward.
-    - ``name``: metric name (``reward/<name>``); default the component's ``name`` attribute,
-      else the snake_case class (or function) name.
-    - ``success`` (bool): this component defines ``success_rate`` (at most one entry). If no
-      entry sets ``success: true``, the first entry not marked ``success: false`` does.
-    - ``success_threshold`` (default ``1 - 1e-6``): value from which a sample counts as success;
-      only on the success entry.
-    - ``on_error``: ``raise`` (default) or ``zero`` (score samples whose scoring raises 0 and
-      count them in :attr:`RewardOutput.errors`).
-    - ``requires_success`` (default false): the term's positive values count in the total only
-      for completions that succeed (see :class:`RewardEntry`); not on the success entry.
-
-    Args:
-        cfg_list: an OmegaConf ``ListConfig`` or a list of dicts.
-
-    Returns:
-        The :class:`RewardSet`.
-
-    Raises:
-        ValueError: naming the entry (``rewards[i]``) and key, on an empty list, an entry that
-            is not a mapping or lacks ``_component_``, a ``_component_`` that does not import,
-            a component that cannot be constructed or is not callable, a bad ``weight``,
-            ``success``, ``success_threshold`` or ``on_error``, several ``success: true``
-            entries, or duplicate names.
-    """
-    if cfg_list is None or isinstance(cfg_list, str | bytes | Mapping | DictConfig):
-        raise ValueError(
-            "rewards: expected a list of entries, each with a `_component_` key, got "
-            f"{type(cfg_list).__name__}"
-        )
-    items = list(cfg_list)
-    if not items:
-        raise ValueError(
-            "rewards: the list is empty; add at least one entry such as "
-            "`- _component_: torchtune_grpo.rewards.components.NumericCorrectness`"
-        )
-    # torchtune.config.instantiate does the same, so that modules next to the config import.
-    if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
-
-    entries: list[RewardEntry] = []
-    success_flags: list[bool | None] = []
-    thresholds_set: list[bool] = []
-    for i, item in enumerate(items):
-        if isinstance(item, DictConfig):
-            node = OmegaConf.to_container(item, resolve=True)
-        elif isinstance(item, Mapping):
-            node = dict(item)
-        else:
-            raise ValueError(f"rewards[{i}]: expected a mapping with `_component_`, got {item!r}")
-        path = node.get("_component_")
-        if not isinstance(path, str) or not path:
-            raise ValueError(
-                f"rewards[{i}]: missing `_component_`; set it to the dotted path of a reward "
-                "component, e.g. torchtune_grpo.rewards.components.NumericCorrectness"
-            )
-        where = f"rewards[{i}] ({path})"
-        options, arguments = check_reward_entry(node, where)
-        component = _build_component(path, arguments, i, where)
-        threshold = options["success_threshold"]
-        entries.append(
-            RewardEntry(
-                name=options["name"] or _default_name(component, path),
-                fn=component,
-                weight=options["weight"],
-                success_threshold=DEFAULT_SUCCESS_THRESHOLD if threshold is None else threshold,
-                on_error=options["on_error"],
-                requires_success=options["requires_success"],
-            )
-        )
-        success_flags.append(options["success"])
-        thresholds_set.append(threshold is not None)
-    success_index = _success_index(success_flags, thresholds_set)
-    return RewardSet(entries, success_name=entries[success_index].name)

@@ -2,8 +2,9 @@
 
 :func:`score_rollout` turns the ``group_size`` completions of each prompt of a collated batch
 into text and applies the reward set, with each completion paired with its prompt's question
-and reference answer. The training recipe and :func:`torchtune_grpo.evaluation.evaluate.evaluate` both
-call it, so a completion is scored the same way in both.
+and reference answer. The training recipe and
+:func:`torchtune_grpo.evaluation.evaluate.evaluate` both call it, so a completion is scored the
+same way in both.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from typing import Any
 
 import torch
 
-from torchtune_grpo.rollout.native import decode_completions, stop_token_ids
 from torchtune_grpo.algorithm.trajectory import Trajectory
+from torchtune_grpo.rollout.sampling import decode_completions, stop_token_ids
 
 __all__ = ["concat_reward_outputs", "score_rollout"]
 
@@ -32,7 +33,7 @@ def score_rollout(
     """Decode ``traj``'s completions and score them.
 
     With tools (a multi-turn rollout), a completion's text is the model's and the tools'
-    tokens in order (:func:`~torchtune_grpo.rollout.multiturn.decode_with_tools`), so a reward
+    tokens in order (:func:`~torchtune_grpo.rollout.tool_trajectory.decode_with_tools`), so a reward
     reads the final answer the model wrote after the last tool result; the
     ``response_lengths`` given to the rewards count the policy's tokens only.
 
@@ -46,14 +47,14 @@ def score_rollout(
         allowed_tokens: ``[V]`` bool, ids the tokenizer can decode.
         max_generated_tokens: the generation budget (for length-aware rewards).
         with_tools: decode model and tool tokens together (``traj.tool_mask``); False: the
-            policy's tokens only (:func:`~torchtune_grpo.rollout.native.decode_completions`).
+            policy's tokens only (:func:`~torchtune_grpo.rollout.sampling.decode_completions`).
 
     Returns:
         ``(completions, reward_output)``: the ``N`` texts and the reward set's output
         (``total [N]``, per-component ``[N]``, ``success [N]``, error counts).
     """
     if with_tools:
-        from torchtune_grpo.rollout.multiturn import decode_with_tools
+        from torchtune_grpo.rollout.tool_trajectory import decode_with_tools
 
         completions = decode_with_tools(tokenizer, traj, stop_token_ids(tokenizer))
     else:

@@ -7,8 +7,7 @@ a rollout (:func:`attached`) and puts every module back afterwards:
 * :class:`SpanKVCache`: stands in for torchtune's ``KVCache`` and returns only the filled span;
 * :func:`grouped_query_attention`: torchtune's attention without copying the cached keys and
   values for every query head; :func:`attend_projected` is its part after the projections,
-  shared with the fused decode layers of :mod:`torchtune_grpo.backends.cpu_decode`, whose
-  decode steps use :func:`attend_decode_step`.
+  shared with the fused decode layers of :mod:`torchtune_grpo.backends.cpu_decode`.
 """
 
 from __future__ import annotations
@@ -290,52 +289,6 @@ def attend_projected(
         q, k, v, attn_mask=mask, is_causal=mask is None and s > 1
     )  # [b, kv_heads, g * s, hd]
     return out.view(b, kv_heads, g, s, head_dim).permute(0, 3, 1, 2, 4).reshape(b, s, -1)
-
-
-def attend_decode_step(attn: MultiHeadAttention, qkv: torch.Tensor, *, mask: torch.Tensor,
-                       input_pos: torch.Tensor | None) -> torch.Tensor | None:
-    """:func:`attend_projected` for one decode step, from the stacked projection, in few ops.
-
-    A decode step of a fused layer (:func:`~torchtune_grpo.backends.cpu_decode.fused_decode_layer`)
-    has its queries, keys and values side by side in one ``[b, 1, (heads + 2 kv_heads) *
-    head_dim]`` product. Here the query and key heads are rotated together (one complex product:
-    :func:`_rotate` on their ``heads + kv_heads`` heads), the new key and value are stored by the
-    cache's own :meth:`SpanKVCache.update`, and the attention reads the span with the
-    step's additive mask broadcast over the heads (``[b, 1, 1, S]``, made once per step for all
-    layers). The same arithmetic as :func:`attend_projected` (equal results in the tests) with
-    nine fewer tensor operations per layer and step.
-
-    Args:
-        attn (MultiHeadAttention): the module; its ``kv_cache`` a span-decoding
-            :class:`SpanKVCache`.
-        qkv (Tensor): ``[b, 1, (heads + 2 * kv_heads) * head_dim]`` query|key|value projection.
-        mask (Tensor): ``[b, 1, S]`` bool, True where the new position may attend (``S``: the
-            filled span including it).
-        input_pos (Tensor | None): ``[b, 1]`` position ids.
-
-    Returns:
-        Tensor | None: ``[b, 1, heads * head_dim]``, the input of the output projection; None
-        (nothing done) where this shortcut does not apply: another cache or phase, q/k norms,
-        or a position embedding :func:`_rotate` does not compute itself.
-    """
-    cache, rope = attn.kv_cache, attn.pos_embeddings
-    if (type(cache) is not SpanKVCache or cache.write_pos is not None or cache.prefilling
-            or attn.q_norm is not None or attn.k_norm is not None
-            or (rope is not None and (type(rope) not in _INTERLEAVED_ROPES or input_pos is None))):
-        return None
-    b = qkv.shape[0]
-    heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    qk = qkv[..., : (heads + kv_heads) * head_dim].view(b, 1, heads + kv_heads, head_dim)
-    if rope is not None:
-        qk = _rotate(rope, qk, input_pos)
-    keys, values = cache.update(  # [b, kv_heads, 1, head_dim] each; the filled span back
-        qk[:, 0, heads:].unsqueeze(2),
-        qkv[:, 0, (heads + kv_heads) * head_dim :].view(b, kv_heads, 1, head_dim))
-    q = qk[:, 0, :heads].reshape(b, kv_heads, heads // kv_heads, head_dim)
-    out = nn.functional.scaled_dot_product_attention(
-        q, keys, values,
-        attn_mask=cache.additive_mask(mask, q.dtype)[:, None])  # [b, kv_heads, g, head_dim]
-    return out.view(b, 1, heads * head_dim)
 
 
 def _grouped_forward(attn: MultiHeadAttention) -> Callable[..., torch.Tensor]:

@@ -10,11 +10,11 @@ protocol by wrapping another generator (the *inner* one, by default
    tag** (every allowed token whose text holds the tag's last character, e.g. ``>``).
 2. After each turn, the rows that ended on such a token are checked on their *decoded text*:
    a close tag (``</calculator>``) that the last token completed is a tool call. The tool runs
-   (:func:`~torchtune_grpo.rollout.tools.run_tool`: never raises), its result is formatted
-   (``<result>84</result>``), encoded without BOS/EOS (and without any stop token a tokenizer
-   may parse out of the result's text) and appended to the row as **tool tokens**
-   (``tool_mask``). A token that may finish a tag but did not (a ``>`` in other text)
-   is a false alarm: the row just continues.
+   (:func:`~torchtune_grpo.rollout.tools.dispatch.answer_call`: never raises), its result is
+   formatted (``<result>84</result>``), encoded without BOS/EOS (and without any stop token a
+   tokenizer may parse out of the result's text) and appended to the row as **tool tokens**
+   (``tool_mask``, :mod:`~torchtune_grpo.rollout.tool_trajectory`). A token that may finish a
+   tag but did not (a ``>`` in other text) is a false alarm: the row just continues.
 3. Every row that has neither stopped (a real stop token) nor used up its budget continues in
    the next turn: one more inner ``generate`` call whose prompt is the row's prompt plus
    everything so far (model and tool tokens), left-padded. The rows of a turn may be at
@@ -67,35 +67,25 @@ the result equals the inner engine's.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from torchtune_grpo.algorithm.trajectory import Trajectory
 from torchtune_grpo.rollout.protocol import GenerationContext, Generator
 from torchtune_grpo.rollout.seeding import mix_seeds
-from torchtune_grpo.rollout.tools import (
-    ERROR_PREFIX,
-    ChatTemplateToolSyntax,
-    Tool,
-    ToolCallSyntax,
-    build_tools,
-    call_tool_json,
-    is_error,
-    make_tool_syntax,
-    run_tool,
-    tool_schema,
-)
-from torchtune_grpo.algorithm.trajectory import Trajectory
+from torchtune_grpo.rollout.tool_trajectory import ToolRow, ToolStats, rows_to_trajectory
+from torchtune_grpo.rollout.tools.base import Tool, is_error
+from torchtune_grpo.rollout.tools.build import build_tools, make_tool_syntax
+from torchtune_grpo.rollout.tools.chat_template import ChatTemplateToolSyntax, tool_schema
+from torchtune_grpo.rollout.tools.dispatch import answer_call, close_tag_token_ids
+from torchtune_grpo.rollout.tools.syntax import ToolCallSyntax
 
 __all__ = [
-    "ToolStats",
     "ToolUseGenerator",
-    "decode_with_tools",
     "global_max",
     "runs_policy",
-    "tool_segments",
 ]
 
 
@@ -138,77 +128,13 @@ def global_max(value: int, all_done: Callable[[bool], bool] | None) -> int:
     return low
 
 
-@dataclass
-class ToolStats:
-    """Tool-use counts summed over rollouts (this rank), for the ``tools/...`` metrics.
-
-    Attributes:
-        completions (int): completions generated.
-        calls (int): tool calls made (results appended).
-        errors (int): results that report an error (``error: ...``).
-        result_tokens (int): tool-result tokens appended.
-    """
-
-    completions: int = 0
-    calls: int = 0
-    errors: int = 0
-    result_tokens: int = 0
-
-    def __add__(self, other: "ToolStats") -> "ToolStats":
-        """The counts of two sets of rollouts together."""
-        return ToolStats(self.completions + other.completions, self.calls + other.calls,
-                         self.errors + other.errors, self.result_tokens + other.result_tokens)
-
-    def as_tensor(self) -> torch.Tensor:
-        """``[4]`` float64 (completions, calls, errors, result_tokens): all-reduce with SUM."""
-        return torch.tensor([self.completions, self.calls, self.errors, self.result_tokens],
-                            dtype=torch.float64)
-
-    @staticmethod
-    def metrics(sums: torch.Tensor | "ToolStats") -> dict[str, float]:
-        """The logged metrics from (all-reduced) sums.
-
-        Args:
-            sums: a :class:`ToolStats` or its :meth:`as_tensor` (summed over ranks).
-
-        Returns:
-            ``tools/calls_per_completion``, ``tools/errors`` (per completion) and
-            ``tools/result_tokens`` (per completion).
-        """
-        if isinstance(sums, ToolStats):
-            sums = sums.as_tensor()
-        completions, calls, errors, tokens = (float(x) for x in sums.tolist())
-        per = 1.0 / completions if completions > 0 else 0.0
-        return {
-            "tools/calls_per_completion": calls * per,
-            "tools/errors": errors * per,
-            "tools/result_tokens": tokens * per,
-        }
-
-
-@dataclass
-class _Row:
-    """One completion being built (host-side lists; ``resp`` holds model and tool ids)."""
-
-    prompt: list[int]
-    seed: int | None
-    remaining: int
-    resp: list[int] = field(default_factory=list)
-    policy: list[bool] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    calls: int = 0
-    errors: int = 0
-    stopped: bool = False
-    pending: bool = True
-
-
 class ToolUseGenerator(Generator):
     """A rollout engine whose completions may call tools (see the module docstring).
 
     Args:
-        tools (Sequence): :class:`~torchtune_grpo.rollout.tools.Tool` objects, or the config's
-            list of ``{_component_: ...}`` entries (built with
-            :func:`~torchtune_grpo.rollout.tools.build_tools`).
+        tools (Sequence): :class:`~torchtune_grpo.rollout.tools.base.Tool` objects, or the
+            config's list of ``{_component_: ...}`` entries (built with
+            :func:`~torchtune_grpo.rollout.tools.build.build_tools`).
         tokenizer: the run's tokenizer (``encode(text, add_bos=False, add_eos=False)`` and
             ``decode(ids)``); may be given later with :meth:`set_tokenizer`.
         inner (Generator | Mapping | None): the engine that samples each turn, or its config
@@ -217,9 +143,10 @@ class ToolUseGenerator(Generator):
         syntax (ToolCallSyntax | ChatTemplateToolSyntax | Mapping | None): the call and
             result tags (default ``<name>...</name>`` and ``<result>...</result>``), or the
             config's ``tool_syntax`` mapping; ``{format: chat_template}`` selects the chat
-            template's own format (:class:`~torchtune_grpo.rollout.tools.ChatTemplateToolSyntax`:
-            JSON calls in ``<tool_call>...</tool_call>``, results rendered as tool messages by
-            the tokenizer's chat template, which also gets the tools' JSON schemas for the
+            template's own format
+            (:class:`~torchtune_grpo.rollout.tools.chat_template.ChatTemplateToolSyntax`: JSON
+            calls in ``<tool_call>...</tool_call>``, results rendered as tool messages by the
+            tokenizer's chat template, which also gets the tools' JSON schemas for the
             prompts).
         max_tool_calls (int): most tool results per completion (0: tools never run, the
             rollout equals the inner engine's up to false-alarm turns).
@@ -326,10 +253,9 @@ class ToolUseGenerator(Generator):
         """``[c]`` long: the allowed ids whose text holds the last character of a close tag.
 
         A close tag can only be completed by such a token, so a turn that stops on them (and
-        then checks the text) misses no call. In the chat-template format the set is narrower:
-        the ids whose text can end the close tag
-        (:meth:`~torchtune_grpo.rollout.tools.ChatTemplateToolSyntax.may_complete`), so the open
-        tag's ``>`` is no false alarm. Computed once per vocabulary size.
+        then checks the text) misses no call
+        (:func:`~torchtune_grpo.rollout.tools.dispatch.close_tag_token_ids`; narrower in the
+        chat-template format). Computed once per vocabulary size.
 
         Args:
             vocab_size: ``V``.
@@ -339,58 +265,17 @@ class ToolUseGenerator(Generator):
         cached = self._candidates.get(vocab_size)
         if cached is not None:
             return cached
-        finals = self.syntax.final_characters(list(self.tools))
-        if any(not c.isascii() for c in finals):
-            finals = finals | {"\ufffd"}  # a byte of a multi-byte character decodes as U+FFFD
-        # chat-template format: only ids whose text can end the close tag (not "<tool_call>")
-        may_complete = getattr(self.syntax, "may_complete", None)
-        ids = []
-        for i in range(vocab_size):
-            if allowed is not None and not bool(allowed[i]):
-                continue
-            try:
-                text = self.tokenizer.decode([i])
-            except Exception:  # noqa: BLE001 - an undecodable id cannot finish a tag
-                continue
-            if may_complete(text) if may_complete is not None else any(c in text
-                                                                       for c in finals):
-                ids.append(i)
-        out = torch.tensor(ids, dtype=torch.long)
+        out = close_tag_token_ids(self.syntax, list(self.tools), self.tokenizer, vocab_size,
+                                  allowed)
         self._candidates[vocab_size] = out
         return out
 
     def _decode(self, ids: Sequence[int]) -> str:
-        from torchtune_grpo.rollout.native import safe_decode
+        from torchtune_grpo.rollout.sampling import safe_decode
 
         return safe_decode(self.tokenizer, ids)
 
-    def _call_chat_tool(self, text: str) -> tuple[str, str]:
-        """``(result, appended text)`` of the chat-template-format call ``text`` ends with."""
-        call = self.syntax.last_call(text, list(self.tools))
-        if call is None:  # not reached: the caller saw a new close tag
-            return f"{ERROR_PREFIX} no tool call found", ""
-        if call.error is not None:
-            result = call.error
-        else:
-            result = call_tool_json(self.tools[call.name], call.arguments)
-        # the tool's text must not add special tokens (an end of turn, a header) of its own
-        content = result
-        for token in getattr(self.tokenizer, "special_tokens", None) or {}:
-            content = content.replace(token, "")
-        return result, self.syntax.result_text(self.tokenizer, call.name, call.arguments,
-                                               content, self.tool_schemas)
-
-    def _call_tool(self, text: str) -> str:
-        """The result text of the call that ``text`` ends with."""
-        call = self.syntax.last_call(text, list(self.tools))
-        if call is None:  # not reached: the caller saw a new close tag
-            return f"{ERROR_PREFIX} no tool call found"
-        if call.arguments is None:
-            return (f"{ERROR_PREFIX} {self.syntax.close_tag(call.name)} without "
-                    f"{self.syntax.open_tag(call.name)}")
-        return run_tool(self.tools[call.name], call.arguments)
-
-    def _after_turn(self, row: _Row, new_ids: list[int], new_logprobs: list[float],
+    def _after_turn(self, row: ToolRow, new_ids: list[int], new_logprobs: list[float],
                     stops: set[int], candidates: set[int]) -> None:
         """Append one turn's sampled tokens to ``row``, then run a tool call they completed."""
         new_ids = new_ids[: row.remaining]
@@ -413,13 +298,11 @@ class ToolUseGenerator(Generator):
             text_after = self._decode(row.resp)
             if (self.syntax.count_closes(text_after, names)
                     > self.syntax.count_closes(text_before, names)):
-                if self.chat_format:
-                    # the template's own tokens: end of turn, tool message, assistant header
-                    # (the end-of-turn id is usually a stop id: kept, it is context here)
-                    result, text = self._call_chat_tool(text_after)
-                else:
-                    result = self._call_tool(text_after)
-                    text = self.syntax.format_result(result)
+                # chat-template format: the text is the template's own tokens (end of turn,
+                # tool message, assistant header); the end-of-turn id is usually a stop id:
+                # kept, it is context here
+                result, text = answer_call(self.syntax, self.tools, self.tokenizer, text_after,
+                                           self.tool_schemas)
                 row.calls += 1
                 row.errors += int(is_error(result))
                 # a huge result is cut before it is encoded (it is cut to the room left anyway)
@@ -500,9 +383,9 @@ class ToolUseGenerator(Generator):
             seeds = mix_seeds(prompt_seeds.cpu().repeat_interleave(group_size), sample)
         real_prompts = [row[mask].tolist() for row, mask in
                         zip(prompt_tokens.cpu(), prompt_mask.cpu())]
-        rows = [_Row(prompt=real_prompts[i // group_size],
-                     seed=None if seeds is None else int(seeds[i]),
-                     remaining=max_generated_tokens) for i in range(n)]
+        rows = [ToolRow(prompt=real_prompts[i // group_size],
+                        seed=None if seeds is None else int(seeds[i]),
+                        remaining=max_generated_tokens) for i in range(n)]
         options = dict(pad_id=pad_id, temperature=temperature, top_k=top_k,
                        forward_batch_size=forward_batch_size, all_done=all_done,
                        cache_dtype=cache_dtype)
@@ -549,9 +432,12 @@ class ToolUseGenerator(Generator):
                 logit_bias=bias, prompt_seeds=turn_seeds, **options)
             self._collect(out, pending, rows, stops, candidate_set)
 
-        return self._trajectory(rows, prompt_tokens, prompt_mask, group_size, pad_id)
+        self.stats.completions += len(rows)
+        self.stats.calls += sum(r.calls for r in rows)
+        self.stats.errors += sum(r.errors for r in rows)
+        return rows_to_trajectory(rows, prompt_tokens, prompt_mask, group_size, pad_id)
 
-    def _collect(self, out: Trajectory, indices: list[int], rows: list[_Row],
+    def _collect(self, out: Trajectory, indices: list[int], rows: list[ToolRow],
                  stops: set[int], candidates: set[int]) -> None:
         """Hand row ``j`` of a turn's output to ``rows[indices[j]]`` (padding rows ignored)."""
         tokens = out.response_tokens.cpu()
@@ -561,36 +447,6 @@ class ToolUseGenerator(Generator):
             m = mask[j]
             self._after_turn(rows[i], tokens[j][m].tolist(), logprobs[j][m].tolist(), stops,
                              candidates)
-
-    def _trajectory(self, rows: list[_Row], prompt_tokens: torch.Tensor,
-                    prompt_mask: torch.Tensor, group_size: int, pad_id: int) -> Trajectory:
-        """The padded :class:`Trajectory` of the finished rows (on the prompts' device)."""
-        device = prompt_tokens.device
-        n = len(rows)
-        width = max([len(r.resp) for r in rows] + [1])
-        resp = torch.full((n, width), pad_id, dtype=torch.long)
-        policy = torch.zeros(n, width, dtype=torch.bool)
-        tool = torch.zeros(n, width, dtype=torch.bool)
-        logprobs = torch.zeros(n, width, dtype=torch.float32)
-        for i, r in enumerate(rows):
-            k = len(r.resp)
-            resp[i, :k] = torch.tensor(r.resp, dtype=torch.long)
-            policy[i, :k] = torch.tensor(r.policy, dtype=torch.bool)
-            tool[i, :k] = ~policy[i, :k]
-            logprobs[i, :k] = torch.tensor(r.logprobs, dtype=torch.float32)
-        self.stats.completions += n
-        self.stats.calls += sum(r.calls for r in rows)
-        self.stats.errors += sum(r.errors for r in rows)
-        return Trajectory(
-            tokens=torch.cat([prompt_tokens.repeat_interleave(group_size, 0), resp.to(device)],
-                             dim=1),
-            prompt_mask=prompt_mask.repeat_interleave(group_size, 0).clone(),
-            response_mask=policy.to(device),
-            logprobs=logprobs.to(device),
-            stopped=torch.tensor([r.stopped for r in rows], dtype=torch.bool, device=device),
-            pad_id=pad_id,
-            tool_mask=tool.to(device),
-        )
 
 
 def runs_policy(generator: Any) -> bool:
@@ -631,58 +487,3 @@ def _left_padded(seqs: list[list[int]], pad_id: int,
             tokens[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
             mask[i, width - len(s):] = True
     return tokens.to(device), mask.to(device)
-
-
-# ---------------------------------------------------------------------------- decoding
-def tool_segments(tokenizer: Any, traj: Trajectory,
-                  stop_tokens: Sequence[int] = ()) -> list[list[dict[str, str]]]:
-    """Each completion as alternating model / tool text, for transcripts (eval samples).
-
-    Args:
-        tokenizer: the run's tokenizer.
-        traj: a rollout of ``N`` rows (``response_mask`` and ``tool_mask`` ``[N, T]``).
-        stop_tokens: ids left out of the text (the stop token at the end).
-
-    Returns:
-        ``N`` lists of ``{"source": "model" | "tool", "text": ...}``, in order.
-    """
-    from torchtune_grpo.rollout.native import safe_decode
-
-    stops = {int(t) for t in stop_tokens}
-    out = []
-    for ids, policy, tool in zip(traj.response_tokens.tolist(), traj.response_mask.tolist(),
-                                 traj.tool_mask.tolist()):
-        segments: list[dict[str, str]] = []
-        run: list[int] = []
-        source = None
-        for t, p, k in zip(ids, policy, tool):
-            kind = "model" if p else "tool" if k else None
-            if kind is None or (kind == "model" and t in stops):
-                continue
-            if kind != source and run:
-                segments.append({"source": source, "text": safe_decode(tokenizer, run)})
-                run = []
-            source = kind
-            run.append(t)
-        if run:
-            segments.append({"source": source, "text": safe_decode(tokenizer, run)})
-        out.append(segments)
-    return out
-
-
-def decode_with_tools(tokenizer: Any, traj: Trajectory,
-                      stop_tokens: Sequence[int] = ()) -> list[str]:
-    """Each completion's whole text, model and tool tokens in order (stop tokens left out).
-
-    The text a reward should read in a tool run: the final answer usually follows the last
-    ``<result>...</result>``, and the tags show where the tool spoke.
-
-    Args:
-        tokenizer: the run's tokenizer.
-        traj: a rollout of ``N`` rows.
-        stop_tokens: ids left out of the text.
-
-    Returns:
-        ``N`` strings.
-    """
-    return ["".join(s["text"] for s in row) for row in tool_segments(tokenizer, traj, stop_tokens)]

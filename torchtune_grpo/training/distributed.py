@@ -2,7 +2,8 @@
 
 Without torchrun's environment (``RANK``/``WORLD_SIZE``) nothing is initialised and every
 reduction is the identity, so the single-device recipe and a one-process run of the
-distributed recipe execute the same code. gloo has no ``ReduceOp.AVG``: means are SUM / n.
+distributed recipe execute the same code. Collectives go through a :class:`Ranks`, which names
+the ranks they reach; the recipes pass theirs explicitly.
 :func:`gathered_for_inference` holds an FSDP2 model's full weights through a no-grad phase
 (rollout, reference log-probs, evaluation) instead of gathering them on every forward.
 """
@@ -46,86 +47,80 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> tuple[in
     return dist.get_world_size(), dist.get_rank()
 
 
-#: The ranks the collectives below reach: None = the whole world (the default); a
-#: ``ProcessGroup`` = that group (the trainer ranks of the asynchronous recipe); ``LOCAL`` = this
-#: process alone (a rollout rank: its engine answers to no other rank).
+#: :attr:`Ranks.group` of a process alone: its collectives are the identity.
 LOCAL = "local"
-_SCOPE: Any = None
 
 
-def set_scope(scope: Any) -> None:
-    """Make :func:`world_size`, :func:`rank`, :func:`all_reduce`, :func:`all_ranks_true`,
-    :func:`all_gather_object` and :func:`barrier` act on ``scope``: None (every rank of the
-    default process group), a ``ProcessGroup`` (its members; call only on members) or
-    :data:`LOCAL` (this process alone: reductions are the identity).
+class Ranks:
+    """The ranks that a recipe's collectives reach, passed explicitly to whoever reduces.
 
-    The synchronous recipes never call it. The asynchronous recipe sets its trainer ranks'
-    group on the trainers and :data:`LOCAL` on the rollout ranks, so the shared GRPO step runs
-    unchanged on each role.
+    The synchronous recipes and ``grpo_eval`` use :data:`WORLD` (every rank of the default
+    process group, or this process alone without torchrun). The asynchronous recipe gives its
+    trainer ranks ``Ranks(trainer_group)`` and its rollout ranks :data:`ALONE`, so the shared
+    GRPO step runs unchanged on each role. Without an initialised process group every method
+    acts on this process alone. gloo has no ``ReduceOp.AVG``: means are SUM / n.
+
+    Args:
+        group: None (the default process group), a ``ProcessGroup`` (its members; use it only
+            on members) or :data:`LOCAL` (this process alone).
     """
-    global _SCOPE
-    _SCOPE = scope
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+
+    def __repr__(self) -> str:
+        return f"Ranks({self.group!r})"
+
+    @property
+    def alone(self) -> bool:
+        """True when no other rank takes part (``LOCAL``, or no process group)."""
+        return self.group == LOCAL or not dist.is_initialized()
+
+    def size(self) -> int:
+        """Number of ranks (1 alone)."""
+        return 1 if self.alone else dist.get_world_size(self.group)
+
+    def rank(self) -> int:
+        """This process's rank among them (0 alone)."""
+        return 0 if self.alone else dist.get_rank(self.group)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """All-reduce ``tensor`` in place and return it. ``op``: ``sum``, ``max`` or ``min``."""
+        if self.size() > 1:
+            ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+            dist.all_reduce(tensor, op=ops[op], group=self.group)
+        return tensor
+
+    def all_ranks_true(self, flag: bool, device: torch.device) -> bool:
+        """True when ``flag`` is True on every rank (a collective: call it on all)."""
+        if self.size() <= 1:
+            return flag
+        t = torch.tensor([0 if flag else 1], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return int(t.item()) == 0
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """``obj`` of every rank, in rank order (``[obj]`` alone)."""
+        if self.size() <= 1:
+            return [obj]
+        gathered: list[Any] = [None] * self.size()
+        dist.all_gather_object(gathered, obj, group=self.group)
+        return gathered
+
+    def barrier(self) -> None:
+        """Barrier over the ranks when a process group exists."""
+        if not self.alone:
+            dist.barrier(group=self.group)
 
 
-def scope() -> Any:
-    """The current scope (see :func:`set_scope`)."""
-    return _SCOPE
-
-
-def _group_size() -> int:
-    if _SCOPE == LOCAL or not dist.is_initialized():
-        return 1
-    return dist.get_world_size(_SCOPE)
-
-
-def world_size() -> int:
-    """Number of ranks in the current scope (1 without a process group)."""
-    return _group_size()
-
-
-def rank() -> int:
-    """This rank within the current scope (0 without a process group)."""
-    if _SCOPE == LOCAL or not dist.is_initialized():
-        return 0
-    return dist.get_rank(_SCOPE)
-
-
-def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """All-reduce a tensor in place over the current scope and return it. ``op``: ``sum``,
-    ``max`` or ``min``."""
-    if _group_size() > 1:
-        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-        dist.all_reduce(tensor, op=ops[op], group=_SCOPE)
-    return tensor
-
-
-def all_ranks_true(flag: bool, device: torch.device) -> bool:
-    """True when ``flag`` is True on every rank of the scope (a collective: call it on all)."""
-    if _group_size() <= 1:
-        return flag
-    t = torch.tensor([0 if flag else 1], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=_SCOPE)
-    return int(t.item()) == 0
-
-
-def all_gather_object(obj: Any) -> list[Any]:
-    """``obj`` of every rank of the scope, in rank order (``[obj]`` alone)."""
-    if _group_size() <= 1:
-        return [obj]
-    gathered: list[Any] = [None] * _group_size()
-    dist.all_gather_object(gathered, obj, group=_SCOPE)
-    return gathered
-
-
-def barrier() -> None:
-    """Barrier over the scope when a process group exists."""
-    if _SCOPE != LOCAL and dist.is_initialized():
-        dist.barrier(group=_SCOPE)
+#: Every rank of the default process group (this process alone without torchrun).
+WORLD = Ranks(None)
+#: This process alone, whatever process groups exist (an asynchronous rollout rank).
+ALONE = Ranks(LOCAL)
 
 
 def destroy() -> None:
-    """Tear the process group down, if any (and reset the scope)."""
-    set_scope(None)
+    """Tear the default process group down, if any."""
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -202,3 +197,4 @@ def gathered_for_inference(*models: nn.Module | None, enabled: bool = True) -> I
             state._auto_reshard_after_forward = auto
             for group, mesh_info in groups:
                 group.post_forward_mesh_info = mesh_info
+

@@ -23,8 +23,8 @@ One GRPO step (``docs/design.md``), each part a named method of :class:`GRPOReci
 
 :meth:`GRPORecipe.train_step` is steps 2-6 as a list of those calls. Single process (no
 torchrun) runs the same code with no process group and no FSDP. Config defaults live in
-:data:`torchtune_grpo.training.config.RECIPE_KEYS`: the recipe reads ``cfg.key`` after
-:func:`~torchtune_grpo.training.config.with_defaults`.
+:data:`torchtune_grpo.training.schema.RECIPE_KEYS`: the recipe reads ``cfg.key`` after
+:func:`~torchtune_grpo.training.schema.with_defaults`.
 """
 
 from __future__ import annotations
@@ -45,12 +45,11 @@ from torchtune import config, training, utils
 from torchtune.modules.peft import disable_adapter
 
 from torchtune_grpo.training import distributed as D
-from torchtune_grpo.backends.allocator import keep_freed_memory
+from torchtune_grpo.backends import backend_for
 from torchtune_grpo.training.batching import (
     SampledGroups,
     StepBatches,
     dynamic_sample,
-    rollout_seeds,
     split_batch,
 )
 from torchtune_grpo.training.checkpointing import (
@@ -64,17 +63,16 @@ from torchtune_grpo.training.checkpointing import (
     save_step_checkpoint,
     weight_files,
 )
-from torchtune_grpo.training.config import (
-    RECIPE_KEYS,
-    ConfigError,
-    Key,
-    check_input_files,
-    per_rank_batch_size,
-    validate_config,
-    with_defaults,
+from torchtune_grpo.training.rollouts import (
+    RolloutRuntime,
+    check_context_length,
+    generation_context,
 )
+from torchtune_grpo.training.schema import RECIPE_KEYS, Key, per_rank_batch_size, with_defaults
+from torchtune_grpo.training.validation import ConfigError, check_input_files, validate_config
 from torchtune_grpo.datasets import collate_prompts
-from torchtune_grpo.evaluation.evaluate import EvalResult, evaluate
+from torchtune_grpo.evaluation.evaluate import evaluate
+from torchtune_grpo.evaluation.results import EvalResult
 from torchtune_grpo.training.health import RunHealth
 from torchtune_grpo.training.metrics import PhaseTimer, peak_memory_gb
 from torchtune_grpo.policy.model import DTYPES, build_model, has_adapters, meta_model, token_rules
@@ -84,11 +82,13 @@ from torchtune_grpo.rollout.native import NativeGenerator
 from torchtune_grpo.rollout.protocol import GenerationContext, Generator
 from torchtune_grpo.policy.logprobs import auto_chunk_size
 from torchtune_grpo.algorithm.loss import summarize_loss_stats
-from torchtune_grpo.rollout.multiturn import ToolStats, ToolUseGenerator, runs_policy
-from torchtune_grpo.rewards.reward_set import RewardOutput, build_reward_set
+from torchtune_grpo.rollout.multiturn import ToolUseGenerator
+from torchtune_grpo.rollout.tool_trajectory import ToolStats
+from torchtune_grpo.rewards.build import build_reward_set
+from torchtune_grpo.rewards.reward_set import RewardOutput
 from torchtune_grpo.rewards.scoring import concat_reward_outputs, score_rollout
 from torchtune_grpo.rollout.seeding import mix_seeds
-from torchtune_grpo.algorithm.trajectory import Trajectory, concat_trajectories, prompt_mask
+from torchtune_grpo.algorithm.trajectory import Trajectory, concat_trajectories
 from torchtune_grpo.training.settings import (
     AdvantageSettings,
     DynamicSamplingSettings,
@@ -128,17 +128,19 @@ class GRPORecipe:
         cfg: the merged config; validated before anything is built.
     """
 
-    #: config keys of this recipe beyond :data:`~torchtune_grpo.training.config.RECIPE_KEYS`
+    #: config keys of this recipe beyond :data:`~torchtune_grpo.training.schema.RECIPE_KEYS`
     EXTRA_KEYS: dict[str, Key] = {}
 
     def __init__(self, cfg: DictConfig) -> None:
         self.validate(cfg)
         self.cfg = cfg = with_defaults(cfg, {**RECIPE_KEYS, **self.EXTRA_KEYS})
         self.device = utils.get_device(cfg.device)
-        if self.device.type == "cpu" and cfg.keep_freed_cpu_memory:
-            keep_freed_memory()  # before the model and the step's tensors are allocated
+        # process-wide settings of the device (CPU: the allocator keeps freed memory), before
+        # the model and the step's tensors are allocated
+        backend_for(self.device).configure_process(keep_freed_memory=cfg.keep_freed_cpu_memory)
         self.dtype = DTYPES[cfg.dtype]
-        self.world_size, self.rank = self.init_process_group()
+        self.ranks = self.init_process_group()  # every collective of the step goes here
+        self.world_size, self.rank = self.ranks.size(), self.ranks.rank()
         self.dp_mesh = None  # FSDP2 shards over the whole world (the async trainers: theirs)
         self.is_rank_zero = self.rank == 0
         self.seed = training.set_seed(cfg.seed)
@@ -163,14 +165,16 @@ class GRPORecipe:
         self._adapter_state = None
 
     def validate(self, cfg: DictConfig) -> None:
-        """Check the config before anything is built (:func:`~torchtune_grpo.training.config.validate_config`
-        with the world size torchrun set)."""
+        """Check the config before anything is built
+        (:func:`~torchtune_grpo.training.validation.validate_config` with the world size torchrun
+        set)."""
         validate_config(cfg, world_size=_world_size_from_env(), extra_keys=self.EXTRA_KEYS)
 
-    def init_process_group(self) -> tuple[int, int]:
-        """``(world_size, rank)`` of the ranks that train together (the default process group
-        under torchrun, ``(1, 0)`` without)."""
-        return D.init_distributed(self.device, timeout_s=float(self.cfg.distributed_timeout_s))
+    def init_process_group(self) -> D.Ranks:
+        """The ranks that train together: the default process group under torchrun (this
+        process alone without)."""
+        D.init_distributed(self.device, timeout_s=float(self.cfg.distributed_timeout_s))
+        return D.WORLD
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -210,7 +214,7 @@ class GRPORecipe:
         self.max_seq_len = getattr(shape, "max_seq_len", None)
         self.is_lora = has_adapters(shape)
         del shape
-        self._check_context_length(self.max_seq_len)
+        check_context_length(self.dataset, self.cfg.max_generated_tokens, self.max_seq_len)
         self.batches = StepBatches(
             self.dataset, batch_size=self.batch_size, world_size=self.world_size,
             rank=self.rank, seed=self.seed, shuffle=cfg.shuffle,
@@ -225,7 +229,7 @@ class GRPORecipe:
             if deleted:
                 log.warning(f"overwrite_output_dir: deleted {len(deleted)} step folder(s) of "
                             f"an earlier run in {cfg.output_dir}")
-        D.barrier()
+        self.ranks.barrier()
         self._build_models()
         self._build_optimizer()
         if self.resume_dir is not None:
@@ -239,6 +243,10 @@ class GRPORecipe:
         self.stop_tokens, self.pad_id = self.rules.stop_tokens, self.rules.pad_id
         self.chunk_size = int(cfg.logprob_chunk_size or auto_chunk_size(self.logit_bias.numel()))
         self.keep_probs = int(cfg.logprob_keep_probs_mib) * 2**20 // 4  # float32 elements
+        self.rollouts = RolloutRuntime(
+            self.generator, cfg, rules=self.rules, ranks=self.ranks, seed=self.seed,
+            group_size=self.group_size, forward_batch_size=self.forward_batch_size,
+            device=self.device, cache_dtype=self.dtype)
         self.generator.setup(self._generation_context())
         self.generator.sync_weights(self.model)  # a resumed or LoRA policy is not the base
 
@@ -307,35 +315,14 @@ class GRPORecipe:
                 num_training_steps=cfg.num_steps * cfg.ppo_epochs)
 
     def _generation_context(self) -> GenerationContext:
-        cfg = self.cfg
-        lengths = getattr(self.dataset, "prompt_lengths", None)
-        # longest sequence a rollout can make; the model's limit when the dataset cannot say
-        max_len = (max(lengths) + cfg.max_generated_tokens if lengths
-                   else int(self.max_seq_len or 4096))
         lora = None
         if self.is_lora:
-            lora = {"rank": int(cfg.model.lora_rank), "alpha": float(cfg.model.lora_alpha)}
-        return GenerationContext(
-            model_dir=str(cfg.checkpointer.checkpoint_dir),
-            model_type=self.checkpointer._model_type.name,
-            hf_config=dict(getattr(self.checkpointer, "_config", None) or {}),
+            lora = {"rank": int(self.cfg.model.lora_rank),
+                    "alpha": float(self.cfg.model.lora_alpha)}
+        return generation_context(
+            self.cfg, self.checkpointer, self.dataset, max_seq_len=self.max_seq_len,
             device=self.device, dtype=self.dtype, world_size=self.world_size, rank=self.rank,
-            max_len=max_len, allowed_tokens=self.allowed_tokens, lora=lora,
-        )
-
-    def _check_context_length(self, max_seq_len: int | None) -> None:
-        """Longest prompt + ``max_generated_tokens`` must fit the model's ``max_seq_len``."""
-        lengths = getattr(self.dataset, "prompt_lengths", None)
-        if max_seq_len is None or not lengths:
-            return
-        new_tokens = self.cfg.max_generated_tokens
-        need = max(lengths) + new_tokens
-        if need > max_seq_len:
-            raise ValueError(
-                f"config key 'max_generated_tokens' ({new_tokens}) plus the longest prompt "
-                f"({max(lengths)} tokens) is {need}, above the model's max_seq_len of "
-                f"{max_seq_len}: lower max_generated_tokens or set dataset.max_prompt_tokens"
-            )
+            allowed_tokens=self.allowed_tokens, lora=lora)
 
     # ------------------------------------------------------------------ one step
     def train_step(self, batch: dict[str, Any]) -> dict[str, float]:
@@ -394,7 +381,7 @@ class GRPORecipe:
             lambda k: self.rollout_and_score(self.batches.extra_batch(self.step, k), timer, k),
             batch_size=self.batch_size, group_size=self.group_size,
             max_batches=self.dynamic_sampling.max_batches,
-            all_ranks_true=partial(D.all_ranks_true, device=self.device))
+            all_ranks_true=partial(self.ranks.all_ranks_true, device=self.device))
 
     def dynamic_sampling_metrics(self, sampled: SampledGroups,
                                  seconds: dict[str, float]) -> dict[str, float]:
@@ -403,7 +390,7 @@ class GRPORecipe:
         t = torch.tensor([float(sampled.signal_groups), float(self.batch_size),
                           float(sampled.generated_tokens)], dtype=torch.float64,
                          device=self.device)
-        D.all_reduce(t, "sum")
+        self.ranks.all_reduce(t, "sum")
         return {
             "dynamic_sampling/extra_rollouts": float(sampled.extra_rollouts),
             "dynamic_sampling/kept_fraction": float(t[0] / t[1]),
@@ -412,31 +399,12 @@ class GRPORecipe:
         }
 
     def rollout(self, batch: dict[str, Any], draw: int = 0) -> Trajectory:
-        """Step 2: ``group_size`` completions per prompt, padded to uniform shapes.
-
-        Each completion's random numbers derive from ``(seed, step, prompt index, sample
-        index)`` alone (and the extra ``draw`` of dynamic sampling, :func:`rollout_seeds`), so
-        the same global batch yields the same rollouts on any number of ranks and with any
-        ``forward_batch_size``, and a resumed run repeats them exactly.
-        """
-        cfg = self.cfg
-        tokens = batch["tokens"].to(self.device)
-        self.model.eval()
-        # the native engine (alone or under the tool loop) runs the policy once per decode
-        # step: gather its shards once
-        with self._gathered(self.model if runs_policy(self.generator) else None):
-            traj = self.generator.generate(
-                self.model, tokens, prompt_mask(tokens, batch["prompt_lengths"]),
-                group_size=self.group_size, forward_batch_size=self.forward_batch_size,
-                max_generated_tokens=cfg.max_generated_tokens, temperature=cfg.temperature,
-                top_k=cfg.top_k, stop_tokens=self.stop_tokens, pad_id=self.pad_id,
-                logit_bias=self.logit_bias,
-                prompt_seeds=rollout_seeds(self.seed, self.step, batch["indices"], draw),
-                all_done=partial(D.all_ranks_true, device=self.device), cache_dtype=self.dtype,
-            )
-        if self.tools_on:  # summed over the step's rollouts, logged by step_metrics
+        """Step 2: ``group_size`` completions per prompt, padded to uniform shapes
+        (:meth:`RolloutRuntime.rollout`: seeds from ``(seed, step, prompt, sample, draw)``
+        alone); with tools, the step's tool counts are summed for :meth:`step_metrics`."""
+        traj = self.rollouts.rollout(self.model, batch, step=self.step, draw=draw)
+        if self.tools_on:
             self._tool_stats = self._tool_stats + self.tool_generator.pop_stats()
-        self.model.train()
         return traj
 
     def _gathered(self, model: nn.Module | None) -> contextlib.AbstractContextManager:
@@ -564,7 +532,7 @@ class GRPORecipe:
         response_mask = traj.response_mask if loss_mask is None else loss_mask
         normalizer = self.loss_fn.normalizer_contribution(response_mask).to(
             self.device, torch.float32)
-        normalizer = D.all_reduce(normalizer.clone(), "sum")
+        normalizer = self.ranks.all_reduce(normalizer.clone(), "sum")
         stats, grad_norms = [], []
         gap = torch.zeros(3, dtype=torch.float64, device=self.device)  # max, sum, count
         measure_gap = self.behavior_is_current()
@@ -575,8 +543,8 @@ class GRPORecipe:
             self.device, torch.float32) / normalizer.clamp(min=1e-30)).reshape(())
         kept = (~skip).nonzero().flatten().cpu()
         # every rank runs the same number of micro-batches (FSDP's collectives), at least one
-        count = D.all_reduce(torch.tensor([float(-(-kept.numel() // self.forward_batch_size))],
-                                          device=self.device), "max")
+        local = float(-(-kept.numel() // self.forward_batch_size))
+        count = self.ranks.all_reduce(torch.tensor([local], device=self.device), "max")
         num_micro = max(1, int(count))
         for epoch in range(cfg.ppo_epochs):
             order = self.micro_batch_order(traj.num_sequences, epoch)
@@ -612,9 +580,9 @@ class GRPORecipe:
                                 mb_stats["normalizer_share"] + skipped_share}
                 stats.append(mb_stats)
             grad_norms.append(self._optimizer_step())
-        metrics = summarize_loss_stats(stats, all_reduce=D.all_reduce)
-        gap_max = D.all_reduce(gap[:1].clone(), "max")
-        gap_sum = D.all_reduce(gap[1:].clone(), "sum")
+        metrics = summarize_loss_stats(stats, all_reduce=self.ranks.all_reduce)
+        gap_max = self.ranks.all_reduce(gap[:1].clone(), "max")
+        gap_sum = self.ranks.all_reduce(gap[1:].clone(), "sum")
         metrics["generation/logprob_diff_max"] = float(gap_max[0])
         metrics["generation/logprob_diff_mean"] = float(gap_sum[0] / gap_sum[1].clamp(min=1))
         metrics["grad_norm"] = float(sum(grad_norms) / len(grad_norms))
@@ -666,7 +634,7 @@ class GRPORecipe:
     def _global_mean(self, values: torch.Tensor) -> float:
         t = torch.tensor([values.float().sum().item(), values.numel()], dtype=torch.float64,
                          device=self.device)
-        D.all_reduce(t, "sum")
+        self.ranks.all_reduce(t, "sum")
         return float(t[0] / t[1])
 
     def step_metrics(self, traj: Trajectory, rewards: RewardOutput, adv: AdvantageOutput,
@@ -687,17 +655,17 @@ class GRPORecipe:
         for name, values in rewards.components.items():
             metrics[f"reward/{name}"] = self._global_mean(values.float())
         for name, count in rewards.errors.items():
-            errors = D.all_reduce(torch.tensor([float(count)], device=self.device), "sum")
+            errors = self.ranks.all_reduce(torch.tensor([float(count)], device=self.device), "sum")
             metrics[f"reward/{name}/errors"] = float(errors)
         metrics["data/skipped_rows"] = float(getattr(self.dataset, "skipped_rows", 0))
         metrics.update(loss_metrics)
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         generated = torch.tensor([float(traj.response_mask.sum())], device=self.device)
-        D.all_reduce(generated, "sum")
+        self.ranks.all_reduce(generated, "sum")
         metrics["tokens_per_second/generation"] = (
             float(generated) / max(seconds["generation"], 1e-9))
         if self.tools_on:  # every rollout of the step, summed over ranks
-            sums = D.all_reduce(self._tool_stats.as_tensor().to(self.device), "sum")
+            sums = self.ranks.all_reduce(self._tool_stats.as_tensor().to(self.device), "sum")
             metrics.update(ToolStats.metrics(sums.cpu()))
             self._tool_stats = ToolStats()
         metrics.update({f"time/{phase}": value for phase, value in seconds.items()})
@@ -742,7 +710,7 @@ class GRPORecipe:
             for message in warnings if self.is_rank_zero else ():
                 log.warning(message)
         self.log_metrics(metrics)
-        preempted = not D.all_ranks_true(not self._stop_requested, self.device)
+        preempted = not self.ranks.all_ranks_true(not self._stop_requested, self.device)
         diverged = self.consecutive_skips >= cfg.max_consecutive_skipped_steps
         last = self.step == cfg.num_steps
         evaluated = None
@@ -826,7 +794,7 @@ class GRPORecipe:
             device=self.device, logit_bias=self.logit_bias, allowed_tokens=self.allowed_tokens,
             stop_tokens=self.stop_tokens, pad_id=self.pad_id, cache_dtype=self.dtype,
             gather_weights=self.cfg.rollout_gather_weights,
-            tool_generator=self.eval_tool_generator,
+            tool_generator=self.eval_tool_generator, ranks=self.ranks,
         )
         metrics = {f"eval/{k}": v for k, v in result.metrics.items()}
         metrics["eval/problems_per_second"] = len(result.samples) / max(result.seconds, 1e-9)
@@ -910,7 +878,7 @@ class GRPORecipe:
         # a step with non-finite weights is never saved: the last good one stays the newest
         # (rank 0 holds the gathered weights; every rank raises together)
         finite = not self.is_rank_zero or not non_finite_tensors(state)
-        if not D.all_ranks_true(finite, self.device):
+        if not self.ranks.all_ranks_true(finite, self.device):
             if self.is_rank_zero:
                 check_finite(state, f"step_{self.step} to {cfg.output_dir}", action="save")
             raise ValueError(f"refusing to save step_{self.step}: rank 0 found non-finite "
@@ -938,7 +906,7 @@ class GRPORecipe:
                 keep_last_n=cfg.keep_last_n_checkpoints,
             )
             log.info(f"saved {path}")
-        D.barrier()
+        self.ranks.barrier()
 
     def cleanup(self) -> None:
         """Close the generator, the metric logger and the process group (safe to call after

@@ -3,8 +3,8 @@
 A nested block of the config (``advantages:``, ``eval:``) is read into a small frozen
 dataclass by :func:`settings_from_config`, which rejects unknown keys with the closest known
 key suggested (``advantages.scael`` -> ``advantages.scale``) and checks the values in the
-dataclass's ``__post_init__``. :func:`torchtune_grpo.training.config.validate_config` runs the same
-function on the raw config before anything is built, so a typo in a nested block costs
+dataclass's ``__post_init__``. :func:`torchtune_grpo.training.validation.validate_config` runs
+the same function on the raw config before anything is built, so a typo in a nested block costs
 seconds; adding a key to a block means adding one field here.
 """
 
@@ -113,7 +113,7 @@ def sampling_problems(num_samples: int, temperature: float, k: list[int]) -> dic
     """What is wrong with evaluation sampling settings, by key (empty when they are fine).
 
     Shared by :class:`EvalSettings` (the training recipe's ``eval:`` block) and the
-    ``grpo_eval`` config check in :func:`torchtune_grpo.training.config.validate_config`.
+    ``grpo_eval`` config check in :func:`torchtune_grpo.training.validation.validate_config`.
     """
     problems = {}
     if num_samples < 1:

@@ -1,0 +1,198 @@
+"""The files an evaluation writes, and the result they are written from.
+
+Two files go into the checkpoint folder an evaluation describes:
+
+* ``eval_results.json`` (:data:`RESULTS_FILE`): dataset, split, number of problems, metrics,
+  sampling settings, model path, timestamp;
+* ``eval_samples.jsonl`` (:data:`SAMPLES_FILE`): one line per problem with its prompt,
+  completions, extracted answers, gold answer and per-sample correctness; with tools, also
+  each completion's ``transcripts``: its text as ``{"source": "model" | "tool", "text": ...}``
+  segments, so the tool results are marked.
+
+Finished work is never lost: while :func:`~torchtune_grpo.evaluation.evaluate.evaluate` runs,
+each rank appends every scored problem to its ``eval_samples.rank{r}.partial.jsonl``
+(:class:`PartialSamples`, flushed), so a crash later on (in a metric, in serialising the
+results, in writing them) leaves every completed sample on disk, and the error names those
+files (:func:`where_partial`). :meth:`EvalResult.write` replaces both result files atomically
+(temporary file, then rename) and only then removes the partial files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from torchtune_grpo.training.settings import EvalSettings
+
+RESULTS_FILE = "eval_results.json"
+SAMPLES_FILE = "eval_samples.jsonl"
+#: Per-rank file that :func:`~torchtune_grpo.evaluation.evaluate.evaluate` appends each scored
+#: problem to (``{rank}``: the rank).
+PARTIAL_SAMPLES_FILE = "eval_samples.rank{rank}.partial.jsonl"
+
+
+def partial_samples_path(directory: str | Path, rank: int) -> Path:
+    """Where rank ``rank`` appends its scored problems while evaluating into ``directory``."""
+    return Path(directory) / PARTIAL_SAMPLES_FILE.format(rank=rank)
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with what JSON cannot hold made plain: tensors/arrays as lists, mapping keys
+    as strings, any other object as its ``str``."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if hasattr(value, "tolist"):
+        return _plain(value.tolist())
+    return str(value)
+
+
+class PartialSamples:
+    """This rank's ``eval_samples.rank{r}.partial.jsonl``: one flushed line per scored problem.
+
+    Rows go through :func:`_plain` first (values JSON cannot hold become text), so a row that
+    breaks the final, strict ``eval_samples.jsonl`` still reaches this file.
+
+    Args:
+        path: the file, created afresh (its folder too); None: rows are not written.
+    """
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._file: IO[str] | None = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = path.open("w", encoding="utf-8")  # a rerun starts the file afresh
+
+    def append(self, row: dict[str, Any]) -> None:
+        """Write ``row`` as one JSON line and flush it (nothing without a path)."""
+        if self._file is not None:
+            self._file.write(json.dumps(_plain(row)) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        """Close the file (the rows written so far stay on disk)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def where_partial(paths: Sequence[Path]) -> str:
+    """The sentence an error ends with: where the completed samples are (or that none are)."""
+    if not paths:
+        return "no partial samples were kept (pass `partial_dir` to evaluate() to keep them)"
+    return "the completed samples are in " + ", ".join(str(p) for p in paths)
+
+
+@dataclass
+class EvalResult:
+    """Metrics (``pass@1``, ``pass@k``, ``maj@k``, ``reward/<name>``, ...) and per-problem rows.
+
+    Attributes:
+        metrics: metric name to value.
+        samples: one row per problem, in dataset order.
+        settings: the sampling settings used.
+        seconds: wall time of the evaluation.
+        partial_files: the per-rank ``eval_samples.rank{r}.partial.jsonl`` files holding the
+            same rows (empty when :func:`~torchtune_grpo.evaluation.evaluate.evaluate` ran
+            without ``partial_dir``);
+            :meth:`write` removes them once the final files are in place.
+    """
+
+    metrics: dict[str, float]
+    samples: list[dict[str, Any]]
+    settings: EvalSettings
+    seconds: float
+    partial_files: list[Path] = field(default_factory=list)
+
+    def summary(self, **info: Any) -> dict[str, Any]:
+        """The ``eval_results.json`` payload; ``info`` adds dataset, split, model path..."""
+        return {
+            **info,
+            "num_problems": len(self.samples),
+            "metrics": self.metrics,
+            "sampling": self.settings.__dict__,
+            "seconds": self.seconds,
+            "problems_per_second": len(self.samples) / max(self.seconds, 1e-9),
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+
+    def files(self, **info: Any) -> dict[str, str]:
+        """``{eval_results.json: ..., eval_samples.jsonl: ...}`` as text.
+
+        Raises:
+            ValueError: a row or the summary holds a value JSON cannot represent; the message
+                names the row and where the partial samples are.
+        """
+        lines = []
+        for row in self.samples:
+            try:
+                lines.append(json.dumps(row) + "\n")
+            except (TypeError, ValueError) as exc:
+                raise ValueError(
+                    f"eval: the row of problem index={row.get('index')} "
+                    f"(position {row.get('position')}) cannot be written as JSON ({exc}); check "
+                    f"what the dataset and the rewards return; {where_partial(self.partial_files)}"
+                ) from exc
+        try:
+            results = json.dumps(self.summary(**info), indent=2) + "\n"
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"eval: {RESULTS_FILE} cannot be written as JSON ({exc}); "
+                f"{where_partial(self.partial_files)}"
+            ) from exc
+        return {RESULTS_FILE: results, SAMPLES_FILE: "".join(lines)}
+
+    def write(self, directory: str | Path, **info: Any) -> list[Path]:
+        """Write ``eval_results.json`` and ``eval_samples.jsonl`` into ``directory``, atomically.
+
+        Both texts are built first, written to temporary files in ``directory`` and renamed over
+        the final names (samples first, so a present ``eval_results.json`` always has its
+        samples); only then are :attr:`partial_files` removed. On any failure the partial files
+        stay and the error says where they are.
+
+        Args:
+            directory: the folder to write into (created if needed).
+            **info: extra fields of ``eval_results.json`` (dataset, split, model path...).
+
+        Returns:
+            ``[eval_results.json, eval_samples.jsonl]`` paths.
+        """
+        directory = Path(directory)
+        texts = self.files(**info)
+        written: dict[str, Path] = {}
+        temps: list[Path] = []
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            for name in (SAMPLES_FILE, RESULTS_FILE):
+                tmp = directory / f".{name}.{os.getpid()}.tmp"
+                temps.append(tmp)
+                with tmp.open("w", encoding="utf-8") as f:
+                    f.write(texts[name])
+                    f.flush()
+                    os.fsync(f.fileno())
+            for name, tmp in zip((SAMPLES_FILE, RESULTS_FILE), temps):
+                os.replace(tmp, directory / name)
+                written[name] = directory / name
+        except OSError as exc:
+            for tmp in temps:
+                tmp.unlink(missing_ok=True)
+            raise OSError(
+                f"eval: writing {RESULTS_FILE} / {SAMPLES_FILE} into {directory} failed ({exc}); "
+                f"{where_partial(self.partial_files)}"
+            ) from exc
+        self.remove_partial_files()
+        return [written[RESULTS_FILE], written[SAMPLES_FILE]]
+
+    def remove_partial_files(self) -> None:
+        """Delete the per-rank partial sample files that this process can see."""
+        for path in self.partial_files:
+            path.unlink(missing_ok=True)
