@@ -47,7 +47,7 @@ def check_instantiates_offline(cfg, min_params: float) -> None:
     """
     from torchtune import config as tt_config
 
-    from torchtune_grpo.rewards.components import build_reward_set
+    from torchtune_grpo.rewards.build import build_reward_set
 
     with torch.device("meta"):
         model = tt_config.instantiate(cfg.model)

@@ -1,8 +1,10 @@
 """torchtune-grpo: GRPO reinforcement fine-tuning recipes and components for torchtune.
 
-The sub-packages follow one GRPO step (:meth:`torchtune_grpo.training.recipe.GRPORecipe.train_step`):
+The sub-packages follow one GRPO step
+(:meth:`torchtune_grpo.training.recipe.GRPORecipe.train_step`):
 
-* :mod:`~torchtune_grpo.datasets` and :mod:`~torchtune_grpo.models`: prompts, tokenizers, model builders
+* :mod:`~torchtune_grpo.datasets` and :mod:`~torchtune_grpo.models`: prompts, tokenizers,
+  model builders
 * :mod:`~torchtune_grpo.rollout`: sampling a group of completions per prompt
 * :mod:`~torchtune_grpo.rewards`: scoring them
 * :mod:`~torchtune_grpo.algorithm`: trajectories, group advantages, the loss

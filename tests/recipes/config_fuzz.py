@@ -251,7 +251,6 @@ def _watch_model_loading(state: dict, save) -> None:
     import torchtune.training as tt
 
     from torchtune_grpo.policy import model as modeling
-
     from torchtune_grpo.training import recipe
 
     def flag(fn):

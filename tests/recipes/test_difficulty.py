@@ -69,7 +69,7 @@ def test_difficulty_file_is_written_resumed_and_used(base_model, tmp_path, capsy
 
 def _file(tmp_path, rows, settings=None):
     path = tmp_path / "d.jsonl"
-    head = settings or {"format": "torchtune_grpo.evaluation.difficulty/1"}
+    head = settings or {"format": "torchtune_grpo.difficulty/1"}
     path.write_text("\n".join(json.dumps(r) for r in [head, *rows]) + "\n")
     return path
 

@@ -65,7 +65,7 @@ def test_eval_recipe_with_huggingface_base_tokenizer(base_model, tmp_path):
     from torchtune_grpo.evaluation.evaluate import evaluate
     from torchtune_grpo.policy.model import token_rules
     from torchtune_grpo.quickstart.prepare import load_quickstart_model
-    from torchtune_grpo.rewards.components import build_reward_set
+    from torchtune_grpo.rewards.build import build_reward_set
     from torchtune_grpo.training.config import resolve_config_path
     from torchtune_grpo.training.settings import EvalSettings
 

@@ -112,8 +112,8 @@ def test_tool_tokens_carry_no_logprob_and_no_loss(base_model, tmp_path):
     """In the recipe's update, every micro-batch's loss mask excludes the tool tokens, their
     log-probs and entropies are 0, and the loss normaliser counts policy tokens only; the
     logged lengths count policy tokens, ``tools/result_tokens`` the tool tokens."""
-    from torchtune_grpo.training.recipe import GRPORecipe
     from torchtune_grpo.rollout.tool_trajectory import decode_with_tools
+    from torchtune_grpo.training.recipe import GRPORecipe
 
     out = tmp_path / "run"
     # every rollout goes through the update (the counts below include tied groups)
@@ -188,8 +188,8 @@ def test_tool_tokens_carry_no_logprob_and_no_loss(base_model, tmp_path):
 def test_the_tool_loop_around_the_native_engine_runs_the_policy():
     """The recipe gathers an FSDP2 policy's weights once per rollout for engines that run the
     policy: the native one, alone or inside the tool loop (not, e.g., vLLM)."""
-    from torchtune_grpo.rollout.native import NativeGenerator
     from torchtune_grpo.rollout.multiturn import ToolUseGenerator, runs_policy
+    from torchtune_grpo.rollout.native import NativeGenerator
     from torchtune_grpo.rollout.tools.calculator import Calculator
     from torchtune_grpo.rollout.vllm_engine import VLLMGenerator
 

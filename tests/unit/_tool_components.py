@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from torchtune_grpo.rollout.protocol import Generator
 from torchtune_grpo.algorithm.trajectory import Trajectory
+from torchtune_grpo.rollout.protocol import Generator
 
 
 class WordCount:

@@ -20,15 +20,14 @@ import torch
 from omegaconf import OmegaConf
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from torchtune_grpo.training.config import load_config
-from torchtune_grpo.training.validation import ConfigError, validate_config
+from torchtune_grpo.algorithm.loss import GRPOLoss
+from torchtune_grpo.algorithm.trajectory import Trajectory
 from torchtune_grpo.datasets._prompt import PromptTemplate, tokenize_prompt
 from torchtune_grpo.models.tokenizer import HFTokenizer
 from torchtune_grpo.policy.forward import micro_batch_logprobs
-from torchtune_grpo.rollout.sampling import stop_token_ids
-from torchtune_grpo.rollout.protocol import Generator
-from torchtune_grpo.algorithm.loss import GRPOLoss
 from torchtune_grpo.rollout.multiturn import ToolUseGenerator
+from torchtune_grpo.rollout.protocol import Generator
+from torchtune_grpo.rollout.sampling import stop_token_ids
 from torchtune_grpo.rollout.tool_trajectory import decode_with_tools, tool_segments
 from torchtune_grpo.rollout.tools.base import is_error
 from torchtune_grpo.rollout.tools.build import make_tool_syntax
@@ -39,7 +38,8 @@ from torchtune_grpo.rollout.tools.chat_template import (
     tool_schema,
 )
 from torchtune_grpo.rollout.tools.syntax import ToolCallSyntax
-from torchtune_grpo.algorithm.trajectory import Trajectory
+from torchtune_grpo.training.config import load_config
+from torchtune_grpo.training.validation import ConfigError, validate_config
 
 # ---------------------------------------------------------------- a template written for tests
 #: ChatML-style turns; an assistant message's tool_calls are written as
@@ -536,8 +536,9 @@ def spy_dataset(tokenizer, **kwargs):
 
 def test_the_recipe_gives_the_tokenizer_the_schemas_before_the_dataset(folders, monkeypatch):
     from torchtune_grpo.training import recipe as recipe_module
+    from torchtune_grpo.training import recipe_setup
 
-    monkeypatch.setattr(recipe_module, "check_input_files", lambda cfg: None)  # no model files
+    monkeypatch.setattr(recipe_setup, "check_input_files", lambda cfg: None)  # no model files
     cfg = _config(folders["tools"], {"format": "chat_template"})
     cfg.device, cfg.dtype = "cpu", "fp32"
     cfg.dataset = OmegaConf.create({"_component_": f"{__name__}.spy_dataset"})

@@ -184,7 +184,11 @@ def test_nested_blocks_are_checked_like_the_top_level(overrides, message):
 
 def test_nested_blocks_read_into_settings_with_defaults_in_one_place():
     from torchtune_grpo.training.schema import RECIPE_KEYS, with_defaults
-    from torchtune_grpo.training.settings import AdvantageSettings, EvalSettings, settings_from_config
+    from torchtune_grpo.training.settings import (
+        AdvantageSettings,
+        EvalSettings,
+        settings_from_config,
+    )
 
     cfg = load_config("grpo/quickstart_cpu", ["advantages.scale=none"])
     validate_config(cfg)

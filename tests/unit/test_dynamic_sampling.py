@@ -18,6 +18,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from torchtune_grpo.algorithm.advantages import group_advantages, loss_token_mask
+from torchtune_grpo.algorithm.loss import GRPOLoss
+from torchtune_grpo.algorithm.trajectory import Trajectory
+from torchtune_grpo.rewards.reward_set import RewardOutput
+from torchtune_grpo.rollout.seeding import mix_seeds
 from torchtune_grpo.training.batching import (
     StepBatches,
     dynamic_sample,
@@ -25,11 +30,6 @@ from torchtune_grpo.training.batching import (
     rollout_seeds,
     select_groups,
 )
-from torchtune_grpo.algorithm.advantages import group_advantages, loss_token_mask
-from torchtune_grpo.algorithm.loss import GRPOLoss
-from torchtune_grpo.rewards.reward_set import RewardOutput
-from torchtune_grpo.rollout.seeding import mix_seeds
-from torchtune_grpo.algorithm.trajectory import Trajectory
 from torchtune_grpo.training.settings import DynamicSamplingSettings, settings_from_config
 
 #: :func:`parity_length_reward` as a ``rewards=`` override (``tune run`` or in-process).

@@ -18,7 +18,7 @@ from torchtune_grpo.evaluation.evaluate import decode_prompt, evaluate
 from torchtune_grpo.evaluation.metrics import majority_correct, pass_at_k
 from torchtune_grpo.evaluation.results import RESULTS_FILE, SAMPLES_FILE, partial_samples_path
 from torchtune_grpo.policy.model import token_rules
-from torchtune_grpo.rewards.components import build_reward_set
+from torchtune_grpo.rewards.build import build_reward_set
 from torchtune_grpo.training.settings import EvalSettings
 
 

@@ -16,7 +16,9 @@ import torchtune_grpo
 from torchtune_grpo.rollout.native import NativeGenerator
 from torchtune_grpo.rollout.protocol import Generator
 
-RECIPE = Path(torchtune_grpo.__file__).parent / "training" / "recipe.py"
+TRAINING = Path(torchtune_grpo.__file__).parent / "training"
+#: where the recipe calls its generator: the recipe, its parts and the rollout runtime
+RECIPE_FILES = sorted([*TRAINING.glob("recipe*.py"), TRAINING / "rollouts.py"])
 
 
 def protocol_methods() -> set[str]:
@@ -26,14 +28,15 @@ def protocol_methods() -> set[str]:
 
 
 def recipe_generator_calls() -> dict[str, tuple[int, set[str]]]:
-    """What ``recipe.py`` calls on its generator: ``self.generator.X(...)``, ``generator.X(...)``.
+    """What the recipe's modules call on their generator: ``self.generator.X(...)``, ``generator.X(...)``.
 
     Returns:
         ``{method: (positional argument count, keyword names)}`` (the union over its calls, the
         largest positional count).
     """
     calls: dict[str, tuple[int, set[str]]] = {}
-    for node in ast.walk(ast.parse(RECIPE.read_text())):
+    nodes = [n for f in RECIPE_FILES for n in ast.walk(ast.parse(f.read_text()))]
+    for node in nodes:
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
             continue
         owner = node.func.value

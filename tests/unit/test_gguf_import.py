@@ -534,9 +534,9 @@ def test_real_torchtune_model_logits_match_gguf(real, capsys):
     template) gives transformers-from-GGUF's next-token logits within 1e-4."""
     from torchtune import training
 
-    from torchtune_grpo.training.checkpointing import hf_checkpointer
     from torchtune_grpo.datasets import GSM8K_PHRASE_TEMPLATE, tokenize_prompt
     from torchtune_grpo.models import hf_model, hf_tokenizer
+    from torchtune_grpo.training.checkpointing import hf_checkpointer
 
     folder = str(real["folder"])
     model = hf_model(folder, max_seq_len=512)

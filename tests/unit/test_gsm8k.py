@@ -22,8 +22,8 @@ from torchtune_grpo.datasets import (
     split_gsm8k_solution,
     tokenize_prompt,
 )
-from torchtune_grpo.rewards.components import FormatReward, NumericCorrectness
 from torchtune_grpo.quickstart.tiny import tiny_tokenizer
+from torchtune_grpo.rewards.components import FormatReward, NumericCorrectness
 
 REAL_GSM8K_TEST = Path(__file__).resolve().parents[2].parent / "shared/data/gsm8k/test.jsonl"
 

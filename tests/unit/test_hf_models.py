@@ -16,8 +16,8 @@ transformers = pytest.importorskip("transformers")
 
 from torchtune import training  # noqa: E402
 
-from torchtune_grpo.training.checkpointing import hf_checkpointer  # noqa: E402
 from torchtune_grpo.models import hf_architecture, hf_model, hf_model_type, lora_hf_model  # noqa: E402
+from torchtune_grpo.training.checkpointing import hf_checkpointer  # noqa: E402
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, max_position_embeddings=128, rms_norm_eps=1e-5)

@@ -17,12 +17,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from torchtune_grpo.training.distributed import WORLD
-from torchtune_grpo.policy.logprobs import chunked_token_logprobs
 from torchtune_grpo.algorithm.loss import (
     GRPOLoss,
     summarize_loss_stats,
 )
+from torchtune_grpo.policy.logprobs import chunked_token_logprobs
+from torchtune_grpo.training.distributed import WORLD
 
 exp = math.exp
 
@@ -555,7 +555,7 @@ def _distributed_worker(rank: int, world_size: int, port: int, out_dir: str) -> 
             results[f"{aggregation}/{importance_level}/{clip_mode}"] = {
                 "grads": _grads(model),
                 "ref_grads": ref_grads,
-                "summary": summarize_loss_stats(stats, all_reduce=all_reduce),
+                "summary": summarize_loss_stats(stats, all_reduce=WORLD.all_reduce),
                 "ref_summary": summarize_loss_stats(ref_stats),
             }
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

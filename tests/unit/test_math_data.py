@@ -10,9 +10,6 @@ import torch
 from torchtune import config as tt_config
 
 from tests.conftest import check_instantiates_offline, shared_data
-from torchtune_grpo.training.config import load_config
-from torchtune_grpo.training.schema import EVAL_KEYS
-from torchtune_grpo.training.validation import validate_config
 from torchtune_grpo.datasets import (
     MATH_TEMPLATE,
     PromptTemplate,
@@ -22,8 +19,11 @@ from torchtune_grpo.datasets import (
     math_gold_answer,
     tokenize_prompt,
 )
-from torchtune_grpo.rewards.answers import extract_boxed
 from torchtune_grpo.quickstart.tiny import tiny_tokenizer
+from torchtune_grpo.rewards.answers import extract_boxed
+from torchtune_grpo.training.config import load_config
+from torchtune_grpo.training.schema import EVAL_KEYS
+from torchtune_grpo.training.validation import validate_config
 
 MATH_ROWS = [
     {"problem": "What is $1+1$?", "solution": "Clearly $1+1=\\boxed{2}$."},
@@ -207,7 +207,7 @@ def test_math_train_configs_validate_and_instantiate(name):
 
 def test_eval_math500_config():
     pytest.importorskip("math_verify")
-    from torchtune_grpo.rewards.components import build_reward_set
+    from torchtune_grpo.rewards.build import build_reward_set
 
     cfg = load_config("grpo/eval_math500", ["checkpoint_dir=/x"])
     validate_config(cfg, schema=EVAL_KEYS)

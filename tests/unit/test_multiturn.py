@@ -15,25 +15,25 @@ import pytest
 import torch
 from _tool_components import ScriptedGenerator
 
-from torchtune_grpo.policy.forward import micro_batch_logprobs
-from torchtune_grpo.rollout.native import NativeGenerator
-from torchtune_grpo.rollout.sampling import (
-    allowed_token_mask,
-    logit_bias_from_mask,
-    stop_token_ids,
-)
 from torchtune_grpo.algorithm.loss import GRPOLoss
-from torchtune_grpo.rollout.multiturn import ToolUseGenerator, global_max
-from torchtune_grpo.rollout.seeding import mix_seeds
-from torchtune_grpo.rollout.tool_trajectory import ToolStats, decode_with_tools, tool_segments
-from torchtune_grpo.rollout.tools.calculator import Calculator
 from torchtune_grpo.algorithm.trajectory import (
     Trajectory,
     concat_trajectories,
     pad_trajectory,
     trim_to_extent,
 )
+from torchtune_grpo.policy.forward import micro_batch_logprobs
 from torchtune_grpo.quickstart.tiny import tiny_llama
+from torchtune_grpo.rollout.multiturn import ToolUseGenerator, global_max
+from torchtune_grpo.rollout.native import NativeGenerator
+from torchtune_grpo.rollout.sampling import (
+    allowed_token_mask,
+    logit_bias_from_mask,
+    stop_token_ids,
+)
+from torchtune_grpo.rollout.seeding import mix_seeds
+from torchtune_grpo.rollout.tool_trajectory import ToolStats, decode_with_tools, tool_segments
+from torchtune_grpo.rollout.tools.calculator import Calculator
 
 SCRIPTS = {
     "A:": "x<calculator>2*3</calculator>y.",  # one call
@@ -565,9 +565,9 @@ def _fsdp_worker(rank: int, port: int, state_path: str, tok_dir: str, out_dir: s
 
     from omegaconf import OmegaConf
 
-    from torchtune_grpo.training import distributed as D
     from torchtune_grpo.policy.model import build_model
     from torchtune_grpo.quickstart.tiny import tiny_tokenizer
+    from torchtune_grpo.training import distributed as D
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE="2", LOCAL_RANK=str(rank))
@@ -575,7 +575,8 @@ def _fsdp_worker(rank: int, port: int, state_path: str, tok_dir: str, out_dir: s
     D.init_distributed(torch.device("cpu"))
     try:
         tokenizer = tiny_tokenizer(tok_dir)
-        model = build_model(OmegaConf.create({"_component_": "torchtune_grpo.quickstart.tiny.tiny_llama"}),
+        tiny = {"_component_": "torchtune_grpo.quickstart.tiny.tiny_llama"}
+        model = build_model(OmegaConf.create(tiny),
                             torch.load(state_path), device=torch.device("cpu"),
                             dtype=torch.float32, world_size=2, trainable=False)
         counter = _CountingNative()

@@ -441,7 +441,8 @@ def test_kwargs_are_passed_through():
             r"rewards\[1\]: `success_threshold`",
         ),
         ([{"_component_": CORRECT, "tag": "x"}], r"rewards\[0\].*could not construct.*tag"),
-        ([{"_component_": "torchtune_grpo.rewards.components.DEFAULT_SUCCESS_THRESHOLD"}], "callable"),
+        ([{"_component_": "torchtune_grpo.rewards.reward_set.DEFAULT_SUCCESS_THRESHOLD"}],
+         "callable"),
     ],
 )
 def test_build_errors(entries, match):

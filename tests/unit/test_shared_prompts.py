@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchtune_grpo.policy.packing import SharedPrefixSegments
+from torchtune_grpo.algorithm.loss import GRPOLoss
+from torchtune_grpo.algorithm.trajectory import prompt_mask
 from torchtune_grpo.policy.forward import (
     micro_batch_logprobs,
     packed_micro_batch_logprobs,
 )
-from torchtune_grpo.algorithm.loss import GRPOLoss
-from torchtune_grpo.algorithm.trajectory import prompt_mask
+from torchtune_grpo.policy.packing import SharedPrefixSegments
 from torchtune_grpo.quickstart.tiny import tiny_llama
 
 PAD, P, T = 0, 16, 20

@@ -8,11 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchtune_grpo.policy.packing import PackedSegments
-from torchtune_grpo.policy.forward import (
-    micro_batch_logprobs,
-    packed_micro_batch_logprobs,
-)
 from torchtune_grpo.algorithm.loss import GRPOLoss
 from torchtune_grpo.algorithm.trajectory import (
     attention_mask,
@@ -20,6 +15,11 @@ from torchtune_grpo.algorithm.trajectory import (
     prompt_mask,
     trim_to_extent,
 )
+from torchtune_grpo.policy.forward import (
+    micro_batch_logprobs,
+    packed_micro_batch_logprobs,
+)
+from torchtune_grpo.policy.packing import PackedSegments
 from torchtune_grpo.quickstart.tiny import tiny_llama
 
 PAD = 0

@@ -13,9 +13,9 @@ import pytest
 import torch
 from torchtune.models.convert_weights import tune_to_hf
 
+from torchtune_grpo.quickstart.tiny import TINY_MODEL_DIMS, tiny_llama
 from torchtune_grpo.rollout import vllm_engine as vg
 from torchtune_grpo.rollout.native import NativeGenerator
-from torchtune_grpo.quickstart.tiny import TINY_MODEL_DIMS, tiny_llama
 
 HF_CONFIG = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64}
 

@@ -3,7 +3,8 @@
 Reads the DiskLogger files of ``OUTPUT_DIR/logs`` and draws reward, success rate, held-out
 ``eval/pass@1``, response length, KL and entropy against the step, one panel each, into a PNG
 (default ``OUTPUT_DIR/metrics.png``). Panels whose metric was never logged say so. Steps where a
-run-health condition held (``health/<condition>`` = 1, see :mod:`torchtune_grpo.training.health`) are
+run-health condition held (``health/<condition>`` = 1, see
+:mod:`torchtune_grpo.training.health`) are
 shaded in every panel, one colour per condition, named in the legend. The length panel's y axis
 starts at 0, so that a small change does not look like a collapse.
 """

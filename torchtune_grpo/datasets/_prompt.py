@@ -293,8 +293,8 @@ class PromptDataset(Dataset):
         skipped_rows: rows the caller already dropped (added to :attr:`skipped_rows`).
         name: the dataset's name, used in error messages.
         difficulty_file: a file of per-row pass rates from ``tune-grpo difficulty``
-            (:mod:`torchtune_grpo.evaluation.difficulty`); only rows whose pass rate lies strictly inside
-            ``difficulty_band`` are kept. ``None``: every row.
+            (:mod:`torchtune_grpo.datasets.difficulty`); only rows whose pass rate lies
+            strictly inside ``difficulty_band`` are kept. ``None``: every row.
         difficulty_band: ``[low, high]``, ``0 <= low < high <= 1``; default ``(0, 1)``: the
             rows the scoring model solved sometimes.
 

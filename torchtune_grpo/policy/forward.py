@@ -29,13 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtune_grpo.algorithm.trajectory import attention_mask, position_ids, trim_to_extent
 from torchtune_grpo.policy.logprobs import chunked_token_logprobs
 from torchtune_grpo.policy.packing import (
     PackedSegments,
     install_packed_attention,
     shared_prompt_layout,
 )
-from torchtune_grpo.algorithm.trajectory import attention_mask, position_ids, trim_to_extent
 
 _MODE_ATTR = "_grpo_output_mode"
 

@@ -14,9 +14,7 @@ these keyword arguments, and every component must accept (and may ignore) unknow
 - ``max_generated_tokens: int``: the generation budget.
 
 Components are built from the ``rewards`` list of a config by
-:func:`~torchtune_grpo.rewards.build.build_reward_set`, which also lives here under its old
-name ``torchtune_grpo.rewards.components.build_reward_set`` (as do ``RewardSet``, ``RewardEntry``,
-``RewardOutput`` and ``DEFAULT_SUCCESS_THRESHOLD``). The weights, names and the success
+:func:`~torchtune_grpo.rewards.build.build_reward_set`. The weights, names and the success
 definition live in the config entry, not in the component: the
 :class:`~torchtune_grpo.rewards.reward_set.RewardSet` applies them.
 
@@ -39,15 +37,6 @@ from torchtune_grpo.rewards.answers import (
     numbers_match,
     parse_number,
 )
-
-# The reward set used to live in this module; configs and user code still import it from here.
-from torchtune_grpo.rewards.build import build_reward_set as build_reward_set
-from torchtune_grpo.rewards.reward_set import (
-    DEFAULT_SUCCESS_THRESHOLD as DEFAULT_SUCCESS_THRESHOLD,
-)
-from torchtune_grpo.rewards.reward_set import RewardEntry as RewardEntry
-from torchtune_grpo.rewards.reward_set import RewardOutput as RewardOutput
-from torchtune_grpo.rewards.reward_set import RewardSet as RewardSet
 
 __all__ = [
     "AnswerPhraseFormat",

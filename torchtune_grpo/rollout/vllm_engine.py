@@ -41,9 +41,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchtune_grpo.algorithm.trajectory import Trajectory
 from torchtune_grpo.rollout.protocol import GenerationContext, Generator
 from torchtune_grpo.rollout.seeding import mix_seeds
-from torchtune_grpo.algorithm.trajectory import Trajectory
 
 __all__ = ["VLLMGenerator", "hf_weight_items", "torchtune_to_hf_converter"]
 

@@ -15,22 +15,11 @@ One torchrun world of ``N`` processes, two roles:
   that rank would use.
 
 **Staleness.** The batch of step ``t`` is sampled by policy version ``max(0, t - k)``
-(``max_staleness: k``; version ``v`` = the weights after ``v`` updates). A rollout rank waits
-for that version before generating, so it runs at most ``k`` batches ahead; which policy
-sampled which batch never depends on timing, so a run is reproducible, ``k = 0`` is the
-synchronous algorithm (the same weights, bit for bit), and a resumed run regenerates the
-batches that were in flight with the versions they had (the checkpoint keeps the ``k`` last
-versions).
-
-**Transport** (:mod:`torchtune_grpo.training.async_transport`): ``torch.distributed`` only,
-rollouts point-to-point, weights by broadcast.
-
-**Proof that weights landed.** ``generation/logprob_diff_*`` compares the engine's log-probs
-with the trainer's log-probs of the same tokens under the *behaviour* version: the trainer
-keeps its shards of the last ``k`` versions and, when the batch is stale, runs its first
-micro-batch through them (one extra no-grad forward).
+(``max_staleness: k``), whatever the timing: a run is reproducible and ``k = 0`` is the
+synchronous algorithm bit for bit. Transport: :mod:`torchtune_grpo.training.async_transport`;
+the log-prob gap that proves each weight sync landed, resume and the measurements:
+``docs/async.md``.
 """
-
 
 from __future__ import annotations
 
@@ -62,10 +51,10 @@ from torchtune_grpo.training.async_transport import (
     WeightReceiver,
     WeightSender,
     behavior_version,
+    full_tensor,
     init_world,
     last_sent_version,
 )
-from torchtune_grpo.training.async_transport import _full as _full_tensor
 from torchtune_grpo.training.batching import StepBatches, split_batch
 from torchtune_grpo.training.recipe import GRPORecipe, _world_size_from_env
 from torchtune_grpo.training.rollouts import (
@@ -101,10 +90,9 @@ def _validate_async(cfg: DictConfig) -> None:
 class RemoteRollouts(Generator):
     """The trainer ranks' generator: each rollout arrives from a rollout rank.
 
-    :meth:`begin_step` names the step whose batch comes next; :meth:`generate` receives the
-    next rollout of this trainer rank's shard, checks that it is the one expected (step, chunk,
-    policy version, prompts) and returns it; :meth:`sync_weights` (after each update) keeps the
-    new version in ``versions`` and sends it to the rollout ranks when one of them will need it.
+    :meth:`begin_step` names the step; :meth:`generate` receives the next rollout of this
+    rank's shard and checks it is the one expected (step, chunk, policy version, prompts);
+    :meth:`sync_weights` keeps each new version and sends it when a rollout rank needs it.
 
     Args:
         world: the process groups and roles.
@@ -294,7 +282,7 @@ class AsyncTrainer(GRPORecipe):
         # world, which the rollout ranks never join: gather over the trainer ranks only
         out = {}
         for name, value in self.model.state_dict().items():
-            full = _full_tensor(value)
+            full = full_tensor(value)
             if self.is_rank_zero:
                 out[name] = full.cpu().clone()
         return out

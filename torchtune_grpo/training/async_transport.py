@@ -31,6 +31,7 @@ __all__ = [
     "WeightReceiver",
     "WeightSender",
     "behavior_version",
+    "full_tensor",
     "init_world",
     "last_sent_version",
 ]
@@ -139,7 +140,7 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if hasattr(param, "to_local") else param
 
 
-def _full(param: torch.Tensor, local: torch.Tensor | None = None) -> torch.Tensor:
+def full_tensor(param: torch.Tensor, local: torch.Tensor | None = None) -> torch.Tensor:
     """The whole of ``param`` (a collective over its mesh when sharded); with ``local``, the
     whole of the tensor sharded like ``param`` whose shard here is ``local``."""
     if not hasattr(param, "full_tensor"):
@@ -209,7 +210,7 @@ class VersionStore:
         ``keep`` (trainer rank 0), empty elsewhere."""
         out = {}
         for (name, p), local in zip(model.named_parameters(), self.versions[version]):
-            full = _full(p, local)
+            full = full_tensor(p, local)
             if keep:
                 out[name] = full.cpu().clone()
         return out
@@ -251,7 +252,7 @@ class WeightSender:
 
     def send(self, model: nn.Module, version: int) -> int:
         """Gather ``model``'s parameters (every trainer rank calls this) and broadcast them."""
-        full = [_full(p) for p in model.parameters()]
+        full = [full_tensor(p) for p in model.parameters()]
         return self.send_full(version, full)
 
     def stop(self) -> None:

@@ -242,8 +242,8 @@ def dynamic_sample(first: tuple[Any, Any],
         :class:`SampledGroups`.
     """
     from torchtune_grpo.algorithm.advantages import group_advantages
-    from torchtune_grpo.rewards.scoring import concat_reward_outputs
     from torchtune_grpo.algorithm.trajectory import concat_trajectories
+    from torchtune_grpo.rewards.scoring import concat_reward_outputs
 
     def tied(rewards: Any) -> torch.Tensor:
         return group_advantages(rewards.total, group_size).zero_std_groups.cpu()

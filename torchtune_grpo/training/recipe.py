@@ -39,63 +39,37 @@ from functools import partial
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
-from torchtune import config, training, utils
-from torchtune.modules.peft import disable_adapter
+from torchtune import training, utils
 
-from torchtune_grpo.training import distributed as D
+from torchtune_grpo.algorithm.advantages import AdvantageOutput, group_advantages, loss_token_mask
+from torchtune_grpo.algorithm.trajectory import Trajectory, concat_trajectories
 from torchtune_grpo.backends import backend_for
+from torchtune_grpo.evaluation.evaluate import evaluate
+from torchtune_grpo.evaluation.results import EvalResult
+from torchtune_grpo.policy.model import DTYPES
+from torchtune_grpo.rewards.reward_set import RewardOutput
+from torchtune_grpo.rewards.scoring import concat_reward_outputs, score_rollout
+from torchtune_grpo.rollout.tool_trajectory import ToolStats
+from torchtune_grpo.training import distributed as D
 from torchtune_grpo.training.batching import (
     SampledGroups,
-    StepBatches,
     dynamic_sample,
     split_batch,
 )
-from torchtune_grpo.training.checkpointing import (
-    check_finite,
-    check_writable,
-    claim_output_dir,
-    load_recipe_state,
-    lora_checkpoint,
-    non_finite_tensors,
-    resolve_resume,
-    save_step_checkpoint,
-    weight_files,
-)
-from torchtune_grpo.training.rollouts import (
-    RolloutRuntime,
-    check_context_length,
-    generation_context,
-)
-from torchtune_grpo.training.schema import RECIPE_KEYS, Key, per_rank_batch_size, with_defaults
-from torchtune_grpo.training.validation import ConfigError, check_input_files, validate_config
-from torchtune_grpo.datasets import collate_prompts
-from torchtune_grpo.evaluation.evaluate import evaluate
-from torchtune_grpo.evaluation.results import EvalResult
-from torchtune_grpo.training.health import RunHealth
 from torchtune_grpo.training.metrics import PhaseTimer, peak_memory_gb
-from torchtune_grpo.policy.model import DTYPES, build_model, has_adapters, meta_model, token_rules
-from torchtune_grpo.algorithm.advantages import AdvantageOutput, group_advantages, loss_token_mask
-from torchtune_grpo.policy.forward import micro_batch_logprobs
-from torchtune_grpo.rollout.native import NativeGenerator
-from torchtune_grpo.rollout.protocol import GenerationContext, Generator
-from torchtune_grpo.policy.logprobs import auto_chunk_size
-from torchtune_grpo.algorithm.loss import summarize_loss_stats
-from torchtune_grpo.rollout.multiturn import ToolUseGenerator
-from torchtune_grpo.rollout.tool_trajectory import ToolStats
-from torchtune_grpo.rewards.build import build_reward_set
-from torchtune_grpo.rewards.reward_set import RewardOutput
-from torchtune_grpo.rewards.scoring import concat_reward_outputs, score_rollout
-from torchtune_grpo.rollout.seeding import mix_seeds
-from torchtune_grpo.algorithm.trajectory import Trajectory, concat_trajectories
+from torchtune_grpo.training.recipe_checkpoint import RecipeCheckpoints
+from torchtune_grpo.training.recipe_setup import RecipeSetup
+from torchtune_grpo.training.recipe_update import RecipeUpdate
+from torchtune_grpo.training.schema import RECIPE_KEYS, Key, per_rank_batch_size, with_defaults
 from torchtune_grpo.training.settings import (
     AdvantageSettings,
     DynamicSamplingSettings,
     EvalSettings,
-    HealthSettings,
     settings_from_config,
 )
+from torchtune_grpo.training.validation import validate_config
 
 log = utils.get_logger("INFO")
 
@@ -121,7 +95,7 @@ def run_recipe(cfg: DictConfig) -> None:
         recipe.cleanup()
 
 
-class GRPORecipe:
+class GRPORecipe(RecipeSetup, RecipeUpdate, RecipeCheckpoints):
     """GRPO full fine-tuning on one or many ranks (see the module docstring for the step).
 
     Args:
@@ -175,154 +149,6 @@ class GRPORecipe:
         process alone without)."""
         D.init_distributed(self.device, timeout_s=float(self.cfg.distributed_timeout_s))
         return D.WORLD
-
-    # ------------------------------------------------------------------ setup
-    def setup(self) -> None:
-        """Build data, rewards and loss first (cheap, validating), then the models."""
-        cfg = self.cfg
-        check_input_files(cfg)  # the base model is read even when resuming
-        if self.is_rank_zero:
-            check_writable(cfg.output_dir)
-        self.tokenizer = config.instantiate(cfg.tokenizer)
-        self.rewards = build_reward_set(cfg.rewards)
-        self.health = None if cfg.run_health is None else RunHealth(
-            settings_from_config(HealthSettings, cfg.run_health, "run_health"),
-            success_component=self.rewards.success_name)
-        self.loss_fn = config.instantiate(cfg.loss)
-        self.generator: Generator = self.build_generator()
-        self.tools_on = bool(cfg.tools)
-        # multi-turn: the engine samples each turn, tools run in between; the recipe reads the
-        # tool counts from it (pop_stats) outside the Generator protocol
-        self.tool_generator: ToolUseGenerator | None = None
-        if self.tools_on:
-            self.tool_generator = self.generator = ToolUseGenerator(
-                cfg.tools, tokenizer=self.tokenizer, inner=self.generator,
-                syntax=cfg.tool_syntax, max_tool_calls=int(cfg.max_tool_calls))
-        # evaluation runs the same tools on the native engine (its own counts)
-        self.eval_tool_generator = None if not self.tools_on else ToolUseGenerator(
-            list(self.tool_generator.tools.values()), tokenizer=self.tokenizer,
-            syntax=self.tool_generator.syntax, max_tool_calls=int(cfg.max_tool_calls))
-        self._tool_stats = ToolStats()
-        # after the tool engine: the chat-template tool format gives the tokenizer the tools'
-        # schemas, which the prompts are rendered with
-        self.dataset = config.instantiate(cfg.dataset, tokenizer=self.tokenizer)
-        try:  # dims and adapters before any weight is loaded
-            shape = meta_model(cfg.model)
-        except (ValueError, TypeError, AssertionError) as e:  # the builder rejects its arguments
-            raise ConfigError(f"config key 'model' ({cfg.model.get('_component_')}): "
-                              f"{e}") from e
-        self.max_seq_len = getattr(shape, "max_seq_len", None)
-        self.is_lora = has_adapters(shape)
-        del shape
-        check_context_length(self.dataset, self.cfg.max_generated_tokens, self.max_seq_len)
-        self.batches = StepBatches(
-            self.dataset, batch_size=self.batch_size, world_size=self.world_size,
-            rank=self.rank, seed=self.seed, shuffle=cfg.shuffle,
-            collate=partial(collate_prompts, pad_id=int(getattr(self.tokenizer, "pad_id", 0))),
-        )
-        # built only when an evaluation is scheduled (eval_dataset=null: none at all)
-        self.eval_dataset = (config.instantiate(cfg.eval_dataset, tokenizer=self.tokenizer)
-                             if cfg.eval_dataset is not None and self.evaluates() else None)
-        self.resume_dir = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir)
-        if self.resume_dir is None and self.is_rank_zero:  # before any model is built
-            deleted = claim_output_dir(cfg.output_dir, overwrite=cfg.overwrite_output_dir)
-            if deleted:
-                log.warning(f"overwrite_output_dir: deleted {len(deleted)} step folder(s) of "
-                            f"an earlier run in {cfg.output_dir}")
-        self.ranks.barrier()
-        self._build_models()
-        self._build_optimizer()
-        if self.resume_dir is not None:
-            self._load_recipe_state(load_recipe_state(self.resume_dir))
-        if self.is_rank_zero and cfg.metric_logger is not None:
-            self.metric_logger = config.instantiate(cfg.metric_logger)
-            self.metric_logger.log_config(cfg)
-
-        self.rules = token_rules(self.tokenizer, self.model, self.device)
-        self.allowed_tokens, self.logit_bias = self.rules.allowed, self.rules.logit_bias
-        self.stop_tokens, self.pad_id = self.rules.stop_tokens, self.rules.pad_id
-        self.chunk_size = int(cfg.logprob_chunk_size or auto_chunk_size(self.logit_bias.numel()))
-        self.keep_probs = int(cfg.logprob_keep_probs_mib) * 2**20 // 4  # float32 elements
-        self.rollouts = RolloutRuntime(
-            self.generator, cfg, rules=self.rules, ranks=self.ranks, seed=self.seed,
-            group_size=self.group_size, forward_batch_size=self.forward_batch_size,
-            device=self.device, cache_dtype=self.dtype)
-        self.generator.setup(self._generation_context())
-        self.generator.sync_weights(self.model)  # a resumed or LoRA policy is not the base
-
-    def evaluates(self) -> bool:
-        """Whether this run evaluates at all (``eval_every_n_steps`` or ``eval_at_start``);
-        the eval dataset is built only then. A subclass that evaluates on its own schedule
-        returns True."""
-        return bool(self.cfg.eval_every_n_steps) or bool(self.cfg.eval_at_start)
-
-    def build_generator(self) -> Generator:
-        """The rollout engine: ``generator:`` instantiated, or the native engine (null)."""
-        cfg = self.cfg
-        return config.instantiate(cfg.generator) if cfg.generator is not None else NativeGenerator()
-
-    def _build_models(self) -> None:
-        """The policy (from the base model or the step folder to resume) and, for a KL term
-        without LoRA, the frozen reference (always the base model)."""
-        cfg = self.cfg
-        base_checkpointer = config.instantiate(cfg.checkpointer)
-        needs_reference = self.loss_fn.needs_reference
-        adapter_state = None
-        if self.resume_dir is None or self.is_lora:
-            # a LoRA step folder holds merged weights: rebuild base + saved adapters instead
-            self.checkpointer = base_checkpointer
-            state_dict = base_state = self.checkpointer.load_checkpoint()[training.MODEL_KEY]
-            check_finite(state_dict, f"the weights in {cfg.checkpointer.get('checkpoint_dir')}",
-                         action="load")
-            if self.resume_dir is not None:
-                adapter_state = load_recipe_state(self.resume_dir)["adapter"]
-        else:
-            self.checkpointer = config.instantiate(
-                cfg.checkpointer, checkpoint_dir=str(self.resume_dir),
-                checkpoint_files=weight_files(self.resume_dir),
-            )
-            state_dict = self.checkpointer.load_checkpoint()[training.MODEL_KEY]
-            check_finite(state_dict, f"the weights in {self.resume_dir}", action="load")
-            base_state = (base_checkpointer.load_checkpoint()[training.MODEL_KEY]
-                          if needs_reference else None)
-        self.model = self._build_model(state_dict, trainable=True, adapter_state=adapter_state)
-        if cfg.compile:
-            training.compile_model(self.model, verbose=self.is_rank_zero)
-        self.activation_offloading = training.get_act_offloading_ctx_manager(
-            self.model, cfg.enable_activation_offloading)
-        self.ref_model = (self._build_model(base_state, trainable=False)
-                          if needs_reference and not self.is_lora else None)
-
-    def _build_model(self, state_dict: dict[str, torch.Tensor], *, trainable: bool,
-                     adapter_state: dict[str, torch.Tensor] | None = None) -> nn.Module:
-        cfg = self.cfg
-        return build_model(
-            cfg.model, state_dict, device=self.device, dtype=self.dtype,
-            world_size=self.world_size, trainable=trainable, adapter_state_dict=adapter_state,
-            activation_checkpointing=cfg.enable_activation_checkpointing,
-            fsdp_cpu_offload=cfg.fsdp_cpu_offload,
-            reshard_after_forward=cfg.fsdp_reshard_after_forward, dp_mesh=self.dp_mesh,
-        )
-
-    def _build_optimizer(self) -> None:
-        cfg = self.cfg
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = config.instantiate(cfg.optimizer, trainable)
-        self.lr_scheduler = None
-        if cfg.lr_scheduler is not None:
-            self.lr_scheduler = config.instantiate(
-                cfg.lr_scheduler, optimizer=self.optimizer,
-                num_training_steps=cfg.num_steps * cfg.ppo_epochs)
-
-    def _generation_context(self) -> GenerationContext:
-        lora = None
-        if self.is_lora:
-            lora = {"rank": int(self.cfg.model.lora_rank),
-                    "alpha": float(self.cfg.model.lora_alpha)}
-        return generation_context(
-            self.cfg, self.checkpointer, self.dataset, max_seq_len=self.max_seq_len,
-            device=self.device, dtype=self.dtype, world_size=self.world_size, rank=self.rank,
-            allowed_tokens=self.allowed_tokens, lora=lora)
 
     # ------------------------------------------------------------------ one step
     def train_step(self, batch: dict[str, Any]) -> dict[str, float]:
@@ -437,198 +263,11 @@ class GRPORecipe:
             exclude_zero_std_groups=self.cfg.exclude_zero_std_groups,
         )
 
-    @torch.no_grad()
-    def reference_logprobs(self, traj: Trajectory) -> torch.Tensor:
-        """Step 5: ``[N, T]`` log-probs of the responses under the frozen reference model.
-
-        With LoRA the reference is the policy itself with its adapters disabled: no second
-        copy of the weights exists.
-        """
-        model = self.model if self.is_lora else self.ref_model
-        context = disable_adapter(self.model) if self.is_lora else contextlib.nullcontext()
-        with context, self._gathered(model):
-            return self._response_logprobs(model, traj)
-
-    @property
-    def needs_proximal(self) -> bool:
-        """Whether the loss takes its ratio against the trainer's current weights and weights
-        each token by proximal / behaviour (``loss.off_policy_correction``: decoupled, tis)."""
-        return bool(getattr(self.loss_fn, "needs_proximal_logprobs", False))
-
-    @torch.no_grad()
-    def old_logprobs(self, traj: Trajectory) -> torch.Tensor | None:
-        """Step 5: ``[N, T]`` log-probs of the rollout under the current policy (no graph),
-        when the generator's own cannot serve as the sampling policy's (see its
-        ``needs_policy_logprobs``, e.g. vLLM with ``top_k``) or when the loss needs the
-        proximal policy's (:attr:`needs_proximal`); None: use ``traj.logprobs``."""
-        if not (self.needs_proximal
-                or self.generator.needs_policy_logprobs(top_k=self.cfg.top_k)):
-            return None
-        with self._gathered(self.model):
-            return self._response_logprobs(self.model, traj) * traj.response_mask
-
-    def _response_logprobs(self, model: nn.Module, traj: Trajectory) -> torch.Tensor:
-        """``[N, T]`` log-probs of ``traj``'s responses under ``model``, micro-batch by
-        micro-batch (call under ``torch.no_grad``), each on its own extent (0 past it)."""
-        size = self.forward_batch_size
-        return torch.cat([self._micro_batch_logprobs(model, traj, slice(i, i + size))[0]
-                          for i in range(0, traj.num_sequences, size)])
-
-    def _micro_batch_logprobs(self, model: nn.Module, traj: Trajectory,
-                             rows: slice | torch.Tensor,
-                             **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(logprobs [n, T], entropy [n, T] or None)`` of ``traj``'s ``rows``, the model run
-        on their real tokens only (``packed_forward``: packed into one row; otherwise on the
-        columns that are not padding in all of them, ``trim_to_extent``); tool tokens
-        (``traj.tool_mask``) are attended but get log-prob 0."""
-        return micro_batch_logprobs(
-            model, traj.tokens[rows], traj.prompt_mask[rows], traj.response_mask[rows],
-            tool_mask=traj.tool_mask[rows], temperature=self.cfg.temperature,
-            logit_bias=self.logit_bias, chunk_size=self.chunk_size, keep_probs=self.keep_probs,
-            pack=self.packed, share_prompts=self.packed and self.cfg.share_prompt_forward,
-            **kwargs)
-
-    @property
-    def packed(self) -> bool:
-        """Whether training-time forward passes run on packed rows (``packed_forward``)."""
-        return bool(self.cfg.packed_forward and not self.cfg.compile)
-
-    def micro_batch_order(self, num_sequences: int, epoch: int) -> torch.Tensor:
-        """``[N]`` the update's row order in ``epoch``: a pure function of (seed, step, epoch,
-        rank). With prompt sharing (``share_prompt_forward``) whole groups are shuffled and
-        their rows kept together, so that a micro-batch holds few distinct prompts."""
-        gen = torch.Generator().manual_seed(
-            int(mix_seeds(self.seed, self.step, epoch, self.rank, 0x5F0F)))
-        group = self.group_size
-        if self.packed and self.cfg.share_prompt_forward and num_sequences % group == 0:
-            groups = torch.randperm(num_sequences // group, generator=gen)
-            return (groups[:, None] * group + torch.arange(group)[None, :]).flatten()
-        return torch.randperm(num_sequences, generator=gen)
-
-    def update(self, traj: Trajectory, advantages: torch.Tensor,
-               ref_logprobs: torch.Tensor | None,
-               loss_mask: torch.Tensor | None = None,
-               old_logprobs: torch.Tensor | None = None) -> dict[str, float]:
-        """Step 6: ``ppo_epochs`` optimizer steps on this rollout; returns loss metrics.
-
-        Args:
-            traj: the rollout.
-            advantages: ``[N]``.
-            ref_logprobs: ``[N, T]`` reference log-probs, or None without a KL term.
-            loss_mask: ``[N, T]`` tokens that count (default: every response token).
-            old_logprobs: ``[N, T]`` log-probs of the sampling policy (default: the generator's,
-                ``traj.logprobs``); with an off-policy correction (:attr:`needs_proximal`)
-                the proximal policy's, and ``traj.logprobs`` are the behaviour log-probs.
-
-        Besides the loss metrics, ``generation/logprob_diff_max`` and ``_mean`` compare the
-        generator's log-probs with the policy's own in the first epoch (before any optimizer
-        step: the same weights), over response tokens: ~1e-6 for the native engine in fp32,
-        larger for another engine or precision, and large when its weights were not synced.
-        Where the rollout came from an older policy (:meth:`behavior_is_current` False, the
-        asynchronous recipe) that recipe measures the gap against the older weights instead.
-        """
-        cfg = self.cfg
-        old = traj.logprobs if old_logprobs is None else old_logprobs
-        response_mask = traj.response_mask if loss_mask is None else loss_mask
-        normalizer = self.loss_fn.normalizer_contribution(response_mask).to(
-            self.device, torch.float32)
-        normalizer = self.ranks.all_reduce(normalizer.clone(), "sum")
-        stats, grad_norms = [], []
-        gap = torch.zeros(3, dtype=torch.float64, device=self.device)  # max, sum, count
-        measure_gap = self.behavior_is_current()
-        skip = self.skipped_sequences(advantages)
-        # the skipped rollouts' share of the normaliser, counted with each epoch's first
-        # micro-batch so that the loss metrics still average whole epochs
-        skipped_share = (self.loss_fn.normalizer_contribution(response_mask[skip]).to(
-            self.device, torch.float32) / normalizer.clamp(min=1e-30)).reshape(())
-        kept = (~skip).nonzero().flatten().cpu()
-        # every rank runs the same number of micro-batches (FSDP's collectives), at least one
-        local = float(-(-kept.numel() // self.forward_batch_size))
-        count = self.ranks.all_reduce(torch.tensor([local], device=self.device), "max")
-        num_micro = max(1, int(count))
-        for epoch in range(cfg.ppo_epochs):
-            order = self.micro_batch_order(traj.num_sequences, epoch)
-            if skip.any():
-                order = order[~skip.cpu()[order]]  # the same order, less the skipped rows
-            for i in range(0, num_micro * self.forward_batch_size, self.forward_batch_size):
-                idx = order[i : i + self.forward_batch_size].to(self.device)
-                counts = True
-                if idx.numel() == 0:  # lockstep filler: one row that adds nothing
-                    idx, counts = torch.zeros(1, dtype=torch.long, device=self.device), False
-                with self.activation_offloading:
-                    logprobs, entropy = self._micro_batch_logprobs(
-                        self.model, traj, idx, return_entropy=True,
-                        entropy_grad=self.loss_fn.needs_entropy)
-                if epoch == 0 and measure_gap and counts:
-                    diff = (logprobs.detach() - traj.logprobs[idx]).abs()[traj.response_mask[idx]]
-                    if diff.numel():
-                        gap[0] = torch.maximum(gap[0], diff.max().double())
-                        gap[1] += diff.double().sum()
-                        gap[2] += diff.numel()
-                mb_mask = response_mask[idx] if counts else torch.zeros_like(response_mask[idx])
-                loss, mb_stats = self.loss_fn(
-                    logprobs, old[idx], advantages[idx], mb_mask,
-                    normalizer=normalizer,
-                    ref_logprobs=None if ref_logprobs is None else ref_logprobs[idx],
-                    entropy=entropy,
-                    **({"behavior_logprobs": traj.logprobs[idx]} if self.needs_proximal else {}),
-                )
-                # FSDP averages gradients over ranks; the loss is already a global mean.
-                (loss * self.world_size).backward()
-                if i == 0 and skip.any():
-                    mb_stats = {**mb_stats, "normalizer_share":
-                                mb_stats["normalizer_share"] + skipped_share}
-                stats.append(mb_stats)
-            grad_norms.append(self._optimizer_step())
-        metrics = summarize_loss_stats(stats, all_reduce=self.ranks.all_reduce)
-        gap_max = self.ranks.all_reduce(gap[:1].clone(), "max")
-        gap_sum = self.ranks.all_reduce(gap[1:].clone(), "sum")
-        metrics["generation/logprob_diff_max"] = float(gap_max[0])
-        metrics["generation/logprob_diff_mean"] = float(gap_sum[0] / gap_sum[1].clamp(min=1))
-        metrics["grad_norm"] = float(sum(grad_norms) / len(grad_norms))
-        metrics["skipped_steps"] = float(self.skipped_steps)
-        return metrics
-
-    def skipped_sequences(self, advantages: torch.Tensor) -> torch.Tensor:
-        """``[N]`` bool: rollouts the update leaves out because they cannot move the weights.
-
-        With ``skip_zero_advantage_sequences`` (the default), a sequence whose advantage is
-        exactly 0 (every member of a group whose rewards all tie) adds exactly 0 to the
-        gradient of every shipped loss unless it has a KL or entropy term, so its forward and
-        backward passes are skipped; it still counts in the loss normaliser, so the gradient is
-        the same as without skipping (up to float summation order). Nothing is skipped when
-        the loss needs reference log-probs or the entropy.
-        """
-        if (not self.cfg.skip_zero_advantage_sequences or self.loss_fn.needs_reference
-                or self.loss_fn.needs_entropy):
-            return torch.zeros_like(advantages, dtype=torch.bool)
-        return advantages == 0
-
     def behavior_is_current(self) -> bool:
         """Whether this step's rollout was sampled with the weights the update starts from
         (always, here): then the first epoch's forward also measures the generator/policy
         log-prob gap."""
         return True
-
-    def _optimizer_step(self) -> float:
-        """Clip, step (skipped when the gradient is not finite), zero, schedule; returns the
-        gradient norm before clipping."""
-        max_norm = float(self.cfg.clip_grad_norm or float("inf"))
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm)
-        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
-            self.consecutive_skips = 0
-        else:
-            self.skipped_steps += 1
-            self.consecutive_skips += 1
-            log.warning(f"step {self.step + 1}: non-finite loss or gradient, update skipped "
-                        f"({self.consecutive_skips} in a row)")
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        return grad_norm
 
     # ------------------------------------------------------------------ metrics
     def _global_mean(self, values: torch.Tensor) -> float:
@@ -804,109 +443,6 @@ class GRPORecipe:
             log.info(f"step {self.step}: " + ", ".join(
                 f"{k}={v:.4f}" for k, v in metrics.items()))
         return result
-
-    # ------------------------------------------------------------------ checkpoint
-    def _full_model_state_dict(self) -> dict[str, torch.Tensor]:
-        if self.world_size > 1:
-            return training.gather_cpu_state_dict(self.model, self.is_rank_zero, self.device)
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
-
-    def _full_optimizer_state_dict(self) -> dict[str, Any]:
-        if self.world_size > 1:  # gathered on rank 0 (a collective: every rank calls it)
-            return training.get_full_optimizer_state_dict(
-                self.model, self.optimizer, self.is_rank_zero, device=self.device)
-        return self.optimizer.state_dict()
-
-    def recipe_state(self, optimizer_state: dict[str, Any]) -> dict[str, Any]:
-        """What the next step reads, for ``recipe_state.pt``.
-
-        Sampling, prompt order and micro-batch order are pure functions of ``(seed, step)``,
-        so no random-generator state needs saving: the step, the optimizer and the scheduler
-        are the whole state.
-        """
-        return {
-            "step": self.step,
-            "seed": self.seed,
-            "global_batch_size": self.batch_size * self.world_size,
-            "world_size": self.world_size,
-            "optimizer": optimizer_state,
-            "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
-            "skipped_steps": self.skipped_steps,
-            "adapter": self._adapter_state,
-            "config": OmegaConf.to_container(self.cfg, resolve=True),
-        }
-
-    def extra_recipe_state(self) -> dict[str, Any]:
-        """Entries a recipe adds to ``recipe_state.pt`` (called on every rank before rank 0
-        writes; may be a collective); none here."""
-        return {}
-
-    def _load_recipe_state(self, state: dict[str, Any]) -> None:
-        if state["seed"] != self.seed:
-            raise ValueError(
-                f"resume_from_checkpoint: {self.resume_dir} was trained with seed "
-                f"{state['seed']}, the config says {self.seed}; an exact resume needs the same seed"
-            )
-        if state["global_batch_size"] != self.batch_size * self.world_size:
-            log.warning(
-                f"resuming with a global batch of {self.batch_size * self.world_size} prompts "
-                f"instead of {state['global_batch_size']}: later steps see other prompts"
-            )
-        if self.world_size > 1:
-            training.load_from_full_optimizer_state_dict(
-                self.model, self.optimizer, state["optimizer"], self.device)
-        else:
-            self.optimizer.load_state_dict(state["optimizer"])
-        if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.step = int(state["step"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
-        if self.is_rank_zero:
-            log.info(f"resumed from {self.resume_dir} at step {self.step}")
-
-    def save_checkpoint(self, evaluated: EvalResult | None = None) -> None:
-        """Write ``output_dir/step_{step}`` (rank 0 writes, every rank takes part).
-
-        Args:
-            evaluated: evaluation results of this step, stored inside the folder.
-        """
-        cfg = self.cfg
-        state = self._full_model_state_dict()
-        optimizer_state = self._full_optimizer_state_dict()
-        extra_state = self.extra_recipe_state()
-        self._adapter_state = None
-        # a step with non-finite weights is never saved: the last good one stays the newest
-        # (rank 0 holds the gathered weights; every rank raises together)
-        finite = not self.is_rank_zero or not non_finite_tensors(state)
-        if not self.ranks.all_ranks_true(finite, self.device):
-            if self.is_rank_zero:
-                check_finite(state, f"step_{self.step} to {cfg.output_dir}", action="save")
-            raise ValueError(f"refusing to save step_{self.step}: rank 0 found non-finite "
-                             "weights")
-        if self.is_rank_zero:
-            checkpoint = {training.MODEL_KEY: state}
-            if self.is_lora:
-                checkpoint = lora_checkpoint(state, cfg.model,
-                                             adapter_only=cfg.save_adapter_weights_only)
-                self._adapter_state = checkpoint[training.ADAPTER_KEY]
-            extra = None
-            if evaluated is not None:
-                extra = evaluated.files(
-                    dataset=str(cfg.eval_dataset.get("_component_")),
-                    split=str(cfg.eval_dataset.get("split", "")),
-                    model_path=str(cfg.output_dir) + f"/step_{self.step}",
-                    step=self.step,
-                )
-            path = save_step_checkpoint(
-                output_dir=cfg.output_dir, step=self.step, checkpointer=self.checkpointer,
-                checkpoint=checkpoint,
-                adapter_only=self.is_lora and cfg.save_adapter_weights_only,
-                recipe_state={**self.recipe_state(optimizer_state), **extra_state},
-                extra_files=extra,
-                keep_last_n=cfg.keep_last_n_checkpoints,
-            )
-            log.info(f"saved {path}")
-        self.ranks.barrier()
 
     def cleanup(self) -> None:
         """Close the generator, the metric logger and the process group (safe to call after

@@ -70,7 +70,8 @@ class DynamicSamplingSettings:
 
 @dataclass(frozen=True)
 class HealthSettings:
-    """The ``run_health:`` block: when the recipe warns about a run (:mod:`torchtune_grpo.training.health`).
+    """The ``run_health:`` block: when the recipe warns about a run
+    (:mod:`torchtune_grpo.training.health`).
 
     Attributes:
         window: steps averaged for every comparison (the first ``window`` steps are the
