@@ -7,10 +7,8 @@ serves every block above its mmap threshold (128 KiB, raised dynamically up to 3
 fresh ``mmap`` and gives it back to the kernel on ``free``, and trims the top of its heap when
 more than the trim threshold lies free there. Either way the next block of that size starts
 as untouched pages, and the kernel page-faults and zeroes them one 4 KiB page at a time as
-the tensor is first written. Profiled on SmolLM2-135M's update (2 threads), an elementwise
-product of two ``[2006, 1536]`` tensors took 7.0 ms a call with glibc's default and 2.4 ms with
-the memory kept, ``silu_backward`` at that shape 11.5 and 2.8 ms; the whole update took 1.27x
-as long with the default (``benchmarks/allocator.py``, ``docs/performance.md``).
+the tensor is first written (what that costs on the real model's update, measured with
+``python -m benchmarks.allocator``: ``docs/performance.md``).
 
 :func:`keep_freed_memory` turns that off for the process: no block is served by ``mmap``
 (``M_MMAP_MAX = 0``) and the heap is trimmed only when more than :data:`TRIM_THRESHOLD` bytes

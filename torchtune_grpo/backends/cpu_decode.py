@@ -227,8 +227,8 @@ def packed_linear_weights(model: nn.Module, enabled: bool = True) -> Iterator[in
 
     CPU decoding multiplies ``[rows, D]`` activations (``rows`` = the decode batch, a few to a
     few dozen) by every weight once per step. For such skinny products ``F.linear`` (MKL) runs
-    far below the CPU's matmul rate (measured 2.5x slower than this path for a 49,152 x 576
-    output projection at 8 rows, 1.2-1.5x for the body's projections). oneDNN's
+    far below the CPU's matmul rate (the A/B: ``python -m benchmarks.decode_kernels``,
+    ``docs/performance.md``). oneDNN's
     ``_linear_pointwise`` on a weight reordered once (``_reorder_linear_weight``) is faster, so
     for the duration of a rollout every plain ``nn.Linear`` (and torchtune's ``TiedLinear``
     output projection) whose weight is a float32 CPU tensor gets an instance ``forward`` that
