@@ -172,8 +172,7 @@ def install_baseline() -> None:
             cols, rows = torch.arange(total), torch.arange(p)
             mask = ((cols[None] <= rows[:, None])[None] & valid[:, None]) | (
                 cols[None] == rows[:, None])[None]
-            with fwd.last_position_logits(model):
-                logits = model(prompt_tokens, mask=mask, input_pos=pos[:, :p])
+            logits = fwd.last_logits(model, prompt_tokens, mask=mask, input_pos=pos[:, :p])
             toks, lps, ms = [], [], []
             stopped = torch.zeros(n, dtype=torch.bool)
             for t in range(max_generated_tokens):

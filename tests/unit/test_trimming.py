@@ -313,3 +313,26 @@ def test_padding_benchmark_runs_and_checks_equality(tmp_path) -> None:
     assert 0 < result["loss_rel_diff"] <= 1e-5
     assert 0 < result["grad_max_rel_diff"] <= padding.GRAD_TOLERANCE
     assert result["real_token_fraction"] < 0.7
+
+
+def test_policy_forwards_leave_no_mode_on_the_model() -> None:
+    """``last_logits`` and ``micro_batch_logprobs`` say what they return; before, between and
+    after them (and after one that raised) ``model(...)`` returns torchtune's full logits."""
+    from torchtune_grpo.policy.forward import last_logits
+
+    torch.manual_seed(0)
+    model = tiny_llama(vocab_size=300, max_seq_len=64).eval()
+    tokens, p_mask, r_mask = _batch([3, 7, 5], [2, 9, 4])
+    padding = torch.cat([p_mask, r_mask], dim=1)
+    kwargs = dict(mask=attention_mask(padding), input_pos=position_ids(padding))
+    with torch.no_grad():
+        full = model(tokens, **kwargs)  # [n, P + T, V]
+        last = last_logits(model, tokens, **kwargs)
+        logprobs, _ = micro_batch_logprobs(model, tokens, p_mask, r_mask)
+        with pytest.raises(RuntimeError):
+            last_logits(model, tokens[:, :5], **kwargs)  # the mask does not fit the tokens
+        again = model(tokens, **kwargs)
+    assert full.shape == (3, P + T, 300) and last.shape == (3, 1, 300)
+    assert logprobs.shape == (3, T)
+    torch.testing.assert_close(last[:, 0], full[:, -1].float())
+    torch.testing.assert_close(again, full, rtol=0, atol=0)

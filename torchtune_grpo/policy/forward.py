@@ -7,10 +7,13 @@ output projection over every position. GRPO needs far less than that:
 * training needs the log-probability of each **response** token only, never the
   ``[N, P + T, V]`` float32 logits of prompt and response positions.
 
-:func:`install_output_modes` replaces ``unembed`` on one model instance (the state dict, the
-parameter names and FSDP wrapping are untouched) with a version that reads a mode set by the
-context managers below. Because the projection still runs inside the model's own
-``forward``, FSDP2 has the (tied) output weights gathered when it runs.
+:func:`last_logits`, :func:`response_logprobs`, :func:`micro_batch_logprobs` and
+:func:`packed_micro_batch_logprobs` are the only forwards of the policy that GRPO runs, each an
+explicit call that says what it returns. Each one runs the model's own ``forward`` (so FSDP2
+has the (tied) output weights gathered when the projection runs) with ``unembed`` replaced on
+that model instance (:func:`install_output_modes`; the state dict, the parameter names and
+FSDP wrapping are untouched) by a version that answers the request of the call in progress;
+outside these calls ``model(...)`` returns torchtune's ordinary logits.
 
 :func:`packed_micro_batch_logprobs` goes one step further for training-time passes: the real
 tokens of a micro-batch's rows are laid end to end in one row, so the model's linears, norms
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +46,9 @@ _MODE_ATTR = "_grpo_output_mode"
 @dataclass
 class _LastPosition:
     """Return logits of the last position only: ``[b, 1, V]`` float32."""
+
+
+_LAST_POSITION = _LastPosition()
 
 
 @dataclass
@@ -73,7 +79,7 @@ class _PackedLogProbs:
     keep_probs: int = 0
 
 
-def _decoder(model: nn.Module) -> nn.Module:
+def decoder_of(model: nn.Module) -> nn.Module:
     """The :class:`TransformerDecoder` inside ``model`` (the model itself for plain decoders)."""
     if hasattr(model, "unembed") and hasattr(model, "norm"):
         return model
@@ -110,18 +116,18 @@ def _unembed(self: nn.Module, h: torch.Tensor):
 
 
 def install_output_modes(model: nn.Module) -> None:
-    """Let ``model`` answer :func:`last_position_logits` and :func:`response_logprobs`.
+    """Let ``model`` answer :func:`last_logits` and :func:`response_logprobs`.
 
     Idempotent; safe before or after FSDP sharding, activation checkpointing or LoRA.
     """
-    decoder = _decoder(model)
+    decoder = decoder_of(model)
     if "unembed" not in decoder.__dict__:
         decoder.unembed = types.MethodType(_unembed, decoder)
 
 
 @contextlib.contextmanager
 def _mode(model: nn.Module, mode) -> Iterator[None]:
-    decoder = _decoder(model)
+    decoder = decoder_of(model)
     install_output_modes(decoder)
     previous = decoder.__dict__.get(_MODE_ATTR)
     decoder.__dict__[_MODE_ATTR] = mode
@@ -131,9 +137,29 @@ def _mode(model: nn.Module, mode) -> Iterator[None]:
         decoder.__dict__[_MODE_ATTR] = previous
 
 
-def last_position_logits(model: nn.Module):
-    """Context in which ``model(tokens, ...)`` returns logits ``[b, 1, V]`` of the last position."""
-    return _mode(model, _LastPosition())
+def last_logits(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    *,
+    mask: torch.Tensor | None,
+    input_pos: torch.Tensor,
+    forward: Callable[..., torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Logits of the last position of ``tokens`` under ``model``: ``[b, 1, V]`` float32.
+
+    The output projection runs on the last position only (prefill of a rollout, or one decode
+    step with a KV cache), inside the model's own forward.
+
+    Args:
+        model: a torchtune decoder (possibly FSDP-sharded, LoRA, with KV caches attached).
+        tokens: ``[b, s]`` token ids.
+        mask: the attention mask the decoder takes (``[b, s, L]`` boolean, or None).
+        input_pos: ``[b, s]`` position ids.
+        forward: the callable that runs ``model`` (default ``model`` itself; a compiled
+            version of it for a compiled decode step).
+    """
+    with _mode(model, _LAST_POSITION):  # one request object: a compiled step keeps its guards
+        return (model if forward is None else forward)(tokens, mask=mask, input_pos=input_pos)
 
 
 def response_logprobs(
@@ -271,7 +297,7 @@ def _max_seq_len_at_least(model: nn.Module, length: int) -> Iterator[None]:
     sequences, each within that limit and with positions restarting at 0 (so the RoPE cache is
     never indexed past it), but together longer.
     """
-    decoder = _decoder(model)
+    decoder = decoder_of(model)
     previous = getattr(decoder, "max_seq_len", None)
     if previous is None or previous >= length:
         yield

@@ -36,7 +36,7 @@ from torchtune_grpo.algorithm.trajectory import (
     position_ids,
 )
 from torchtune_grpo.backends import backend_for
-from torchtune_grpo.policy.forward import last_position_logits
+from torchtune_grpo.policy.forward import last_logits
 from torchtune_grpo.rollout.kv_cache import KVCacheStorage, SpanKVCache, attached
 from torchtune_grpo.rollout.protocol import GenerationContext, Generator
 from torchtune_grpo.rollout.sampling import sample_next_token
@@ -223,61 +223,60 @@ def generate_micro_batch(
         for cache in caches:
             cache.start_prefill(inverse if shared else None)
         rows = first if shared else slice(None)
-        with last_position_logits(model):
-            logits = model(prompt_tokens[rows], mask=attention_mask(prompt_mask[rows]),
-                           input_pos=positions[rows, :prompt_len])
-            if shared:
-                logits = logits.index_select(0, inverse)
+        logits = last_logits(model, prompt_tokens[rows], mask=attention_mask(prompt_mask[rows]),
+                             input_pos=positions[rows, :prompt_len])
+        if shared:
+            logits = logits.index_select(0, inverse)
 
-            out_tokens = torch.full((n, max_generated_tokens), pad_id, dtype=torch.long,
-                                    device=device)
-            out_logprobs = torch.zeros(n, max_generated_tokens, dtype=torch.float32,
-                                       device=device)
-            out_mask = torch.zeros(n, max_generated_tokens, dtype=torch.bool, device=device)
-            stopped = torch.zeros(n, dtype=torch.bool, device=device)
-            shrink = shrink_finished and not compile_decode
-            # The decode batch: row i is the micro-batch's row live[i]. Rows left out of it
-            # have stopped, and their outputs keep the defaults above (pad, 0, False).
-            live = torch.arange(n, device=device)  # [m]
-            batch_seeds = seeds  # [m] or None
-            batch_valid, batch_positions = valid, positions  # [m, total_len]
-            steps = 0
-            for t in range(max_generated_tokens):
-                token, logprob = sample_next_token(
-                    logits[:, -1],
-                    temperature=temperature,
-                    top_k=top_k,
-                    logit_bias=logit_bias,
-                    seeds=batch_seeds,
-                    counter=t,
-                    inplace=True,  # the model's output, used for nothing else
-                )  # [m], [m]
-                done = stopped[live]  # [m]: stopped before this step
-                token = token.masked_fill_(done, pad_id)
-                out_tokens[live, t] = token
-                out_logprobs[live, t] = logprob.masked_fill_(done, 0.0)
-                out_mask[live, t] = ~done
-                done = done | torch.isin(token, stop_tokens)
-                stopped[live] = done
-                steps = t + 1
-                if steps == max_generated_tokens or all_done(bool(stopped.all())):
-                    break
-                keep = _rows_to_keep(done) if shrink else None
-                if keep is not None:
-                    _compact_cache_rows(caches, keep)
-                    live, token = live[keep], token[keep]
-                    batch_valid, batch_positions = batch_valid[keep], batch_positions[keep]
-                    if batch_seeds is not None:
-                        batch_seeds = batch_seeds[keep.to(batch_seeds.device)]
-                cur = prompt_len + t
-                if compile_decode:
-                    write_pos.fill_(cur)
-                    seen[:, cur] = True
-                    step_mask = seen.unsqueeze(1)
-                else:
-                    step_mask = batch_valid[:, None, : cur + 1]
-                logits = step_fn(token.unsqueeze(1), mask=step_mask,
-                                 input_pos=batch_positions[:, cur : cur + 1])
+        out_tokens = torch.full((n, max_generated_tokens), pad_id, dtype=torch.long,
+                                device=device)
+        out_logprobs = torch.zeros(n, max_generated_tokens, dtype=torch.float32,
+                                   device=device)
+        out_mask = torch.zeros(n, max_generated_tokens, dtype=torch.bool, device=device)
+        stopped = torch.zeros(n, dtype=torch.bool, device=device)
+        shrink = shrink_finished and not compile_decode
+        # The decode batch: row i is the micro-batch's row live[i]. Rows left out of it
+        # have stopped, and their outputs keep the defaults above (pad, 0, False).
+        live = torch.arange(n, device=device)  # [m]
+        batch_seeds = seeds  # [m] or None
+        batch_valid, batch_positions = valid, positions  # [m, total_len]
+        steps = 0
+        for t in range(max_generated_tokens):
+            token, logprob = sample_next_token(
+                logits[:, -1],
+                temperature=temperature,
+                top_k=top_k,
+                logit_bias=logit_bias,
+                seeds=batch_seeds,
+                counter=t,
+                inplace=True,  # the model's output, used for nothing else
+            )  # [m], [m]
+            done = stopped[live]  # [m]: stopped before this step
+            token = token.masked_fill_(done, pad_id)
+            out_tokens[live, t] = token
+            out_logprobs[live, t] = logprob.masked_fill_(done, 0.0)
+            out_mask[live, t] = ~done
+            done = done | torch.isin(token, stop_tokens)
+            stopped[live] = done
+            steps = t + 1
+            if steps == max_generated_tokens or all_done(bool(stopped.all())):
+                break
+            keep = _rows_to_keep(done) if shrink else None
+            if keep is not None:
+                _compact_cache_rows(caches, keep)
+                live, token = live[keep], token[keep]
+                batch_valid, batch_positions = batch_valid[keep], batch_positions[keep]
+                if batch_seeds is not None:
+                    batch_seeds = batch_seeds[keep.to(batch_seeds.device)]
+            cur = prompt_len + t
+            if compile_decode:
+                write_pos.fill_(cur)
+                seen[:, cur] = True
+                step_mask = seen.unsqueeze(1)
+            else:
+                step_mask = batch_valid[:, None, : cur + 1]
+            logits = last_logits(model, token.unsqueeze(1), mask=step_mask,
+                                 input_pos=batch_positions[:, cur : cur + 1], forward=step_fn)
 
     return Trajectory(
         tokens=torch.cat([prompt_tokens, out_tokens[:, :steps]], dim=1),
