@@ -52,7 +52,7 @@ def worker(shape: str, keep: bool, updates: int, new_tokens: int, threads: int,
         t0 = time.perf_counter()
         traj = recipe.rollout(batch)
         rollout_s = time.perf_counter() - t0
-        adv = recipe.advantages(recipe.score(traj, batch))
+        adv = recipe.advantages(recipe.score(traj, batch), traj)
         ref = recipe.reference_logprobs(traj) if recipe.loss_fn.needs_reference else None
         args = (traj, adv.advantages.to(recipe.device), ref, recipe.loss_mask(traj, adv))
         times = []

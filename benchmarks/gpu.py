@@ -319,7 +319,7 @@ def bench_grpo_step(cfg, w: Workload, budget: Budget, device: str) -> tuple[dict
         with phases("generation"):
             traj = recipe.rollout(batch)
         with phases("scoring"):
-            adv = recipe.advantages(recipe.score(traj, batch))
+            adv = recipe.advantages(recipe.score(traj, batch), traj)
         with phases("reference"):
             ref = recipe.reference_logprobs(traj)
         with phases("update"):

@@ -364,7 +364,7 @@ def worker(workdir: Path, model_dir: Path, steps: int, new_tokens: int,
         with phases("generation"):
             traj = recipe.rollout(batch)
         with phases("scoring"):
-            adv = recipe.advantages(recipe.score(traj, batch))
+            adv = recipe.advantages(recipe.score(traj, batch), traj)
         with phases("reference"):
             ref = recipe.reference_logprobs(traj) if recipe.loss_fn.needs_reference else None
             old = recipe.old_logprobs(traj)  # None: the rollout's own log-probs serve

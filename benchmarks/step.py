@@ -228,7 +228,7 @@ def worker(variant: str, workdir: Path, device: str, steps: int, new_tokens: int
         with phases("generation"):
             traj = recipe.rollout(batch)
         with phases("scoring"):
-            adv = recipe.advantages(recipe.score(traj, batch))
+            adv = recipe.advantages(recipe.score(traj, batch), traj)
         with phases("reference"):
             ref = recipe.reference_logprobs(traj)
         with phases("update"):

@@ -53,7 +53,7 @@ def run(config: str, overrides: list[str], repeats: int, threads: int) -> dict:
     recipe.setup()
     try:
         traj, rewards = recipe.rollout_and_score(recipe.batches.batch(0), PhaseTimer())
-        adv = recipe.advantages(rewards)
+        adv = recipe.advantages(rewards, traj)
         zero = float((adv.advantages == 0).float().mean())
         tied = float(adv.zero_std_groups.float().mean())
         if not 0 < tied < 1:

@@ -1,37 +1,65 @@
-"""Group-relative advantages for GRPO.
+"""Group-relative advantages: GRPO's group z-score, Dr. GRPO, RLOO and REINFORCE++.
 
 Every prompt is sampled ``group_size`` (``G``) times; the ``N = prompts * G`` completions are laid
 out contiguously, so rows ``g*G .. g*G + G - 1`` form the group of prompt ``g``. A completion's
-advantage is its reward relative to the other completions of its group:
+advantage is its reward relative to the other completions of its group (``mean_g``: the group's
+mean reward), one number per completion, the same for all its tokens:
 
-* ``scale="group"`` (GRPO, DeepSeekMath): ``(r - mean_g) / (std_g + eps)``
-* ``scale="batch"``: ``(r - mean_g) / (std_batch + eps)``, one scale for the whole batch (group
-  mean, batch std), so that groups with a small spread are not blown up; TRL calls this
-  ``scale_rewards="batch"``.
-* ``scale="none"`` (Dr. GRPO): ``r - mean_g``, no division at all.
+* ``estimator="grpo"`` (the default), by ``scale``:
 
-Standard deviations are the *unbiased* sample standard deviation (Bessel's correction, divisor
-``G - 1``), which is what ``torch.std`` returns by default and what the GRPO paper's reference
-implementations (e.g. TRL) use. With ``G = 1`` the sample standard deviation is undefined; every
-advantage is then zero anyway (each group is its own mean) and the group is flagged zero-std.
+  * ``"group"`` (GRPO, DeepSeekMath): ``(r - mean_g) / (std_g + eps)``
+  * ``"batch"``: ``(r - mean_g) / (std_batch + eps)``, one scale for the whole global batch
+    (every rank's rewards), so that groups with a small spread are not blown up; TRL calls this
+    ``scale_rewards="batch"``.
+  * ``"none"`` (Dr. GRPO, Liu et al. 2025): ``r - mean_g``, no division at all.
+
+* ``estimator="rloo"`` (REINFORCE Leave-One-Out; Kool et al. 2019, Ahmadian et al. 2024): the
+  baseline of a completion is the mean reward of the *other* ``G - 1`` completions of its group,
+  ``r_i - (sum_g - r_i) / (G - 1) = G / (G - 1) * (r_i - mean_g)``: unbiased, because no
+  completion's baseline depends on its own reward. No division by a standard deviation.
+* ``estimator="reinforce_pp"`` (REINFORCE++ with the group baseline, Hu et al. 2025,
+  "REINFORCE++: An Efficient RLHF Algorithm with Robustness to Both Prompt and Reward Models"):
+  ``c = r - mean_g``, then normalised over the **global batch of response tokens**:
+  ``(c - mean_tok(c)) / (std_tok(c) + eps)``, where each completion's ``c`` counts once per
+  response token (``token_counts``) and the mean and (population) standard deviation are taken
+  over every rank's tokens. A long completion weighs more in the statistics, as in the paper,
+  whose advantages are per token.
+
+Standard deviations of ``"group"`` and ``"batch"`` are the *unbiased* sample standard deviation
+(Bessel's correction, divisor ``G - 1`` or ``N_global - 1``), which is what ``torch.std`` returns
+by default and what the GRPO paper's reference implementations (e.g. TRL) use. With ``G = 1`` the
+group statistics are undefined: ``grpo`` gives 0 everywhere (each group is its own mean),
+``rloo`` and ``reinforce_pp`` refuse it.
+
+The batch-wide statistics (``scale="batch"``, ``reinforce_pp``) are sums over every rank, reduced
+through ``reduce_sum`` in float64: the advantages do not depend on how many ranks share the batch
+(up to float64 rounding), and they are computed once per step, before micro-batching, so
+micro-batches and gradient accumulation never change them.
 
 A group whose rewards are all equal carries no learning signal; it is flagged in
-``zero_std_groups`` and its advantages are exactly ``0.0`` (not a rounding residue of
-``r - mean``), whatever ``scale`` is.
+``zero_std_groups``. For ``grpo`` and ``rloo`` its advantages are exactly ``0.0`` (not a rounding
+residue of ``r - mean``). ``reinforce_pp`` gives such a group ``-mean_tok(c) / std_tok(c)``, the
+same shift as every other completion gets (0 when the token-weighted mean of ``c`` is 0, as it is
+when all completions have one length).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["ADVANTAGE_SCALES", "DEFAULT_EPS", "DEFAULT_SCALE", "AdvantageOutput",
-           "group_advantages"]
+__all__ = ["ADVANTAGE_ESTIMATORS", "ADVANTAGE_SCALES", "DEFAULT_EPS", "DEFAULT_ESTIMATOR",
+           "DEFAULT_SCALE", "AdvantageOutput", "group_advantages"]
 
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
 ADVANTAGE_SCALES = ("group", "batch", "none")
-#: Default ``scale`` (also of the config's ``advantages.scale``).
+#: Default ``estimator`` (also of the config's ``advantages.estimator``).
+DEFAULT_ESTIMATOR = "grpo"
+#: ``scale`` of the ``grpo`` estimator when none is given (the config's ``advantages.scale:
+#: null``).
 DEFAULT_SCALE = "group"
 #: Default ``eps`` (also of the config's ``advantages.eps``).
 DEFAULT_EPS = 1e-6
@@ -43,7 +71,7 @@ class AdvantageOutput(NamedTuple):
     Attributes:
         advantages (Tensor): ``[N]`` float32, one advantage per completion.
         zero_std_groups (Tensor): ``[N // G]`` bool, True for groups whose rewards are all equal
-            (their advantages are exactly zero).
+            (their advantages are exactly zero, except under ``reinforce_pp``).
     """
 
     advantages: Tensor
@@ -66,31 +94,61 @@ def _unbiased_std(x: Tensor, dim: int | None = None) -> Tensor:
     return x.std() if dim is None else x.std(dim=dim)
 
 
+def _global_moments(values: Tensor, weights: Tensor,
+                    reduce_sum: Callable[[Tensor], Tensor] | None) -> tuple[float, float, float]:
+    """``(sum w, sum w*x, sum w*x^2)`` over every rank, in float64.
+
+    Args:
+        values: ``[N]`` this rank's values.
+        weights: ``[N]`` their weights (1 each, or token counts).
+        reduce_sum: sums a float64 tensor over the ranks (None: this rank alone).
+    """
+    x, w = values.double(), weights.double()
+    sums = torch.stack([w.sum(), (w * x).sum(), (w * x * x).sum()])
+    if reduce_sum is not None:
+        sums = reduce_sum(sums)
+    s0, s1, s2 = (float(v) for v in sums.tolist())
+    return s0, s1, s2
+
+
 def group_advantages(
     rewards: Tensor,
     group_size: int,
     *,
-    scale: str = DEFAULT_SCALE,
+    estimator: str = DEFAULT_ESTIMATOR,
+    scale: str | None = None,
     eps: float = DEFAULT_EPS,
+    token_counts: Tensor | None = None,
+    reduce_sum: Callable[[Tensor], Tensor] | None = None,
 ) -> AdvantageOutput:
     """Group-relative advantages of ``N`` completions in contiguous groups of ``group_size``.
 
-    Pure function: the input is not modified and no state is kept.
+    Pure function: the input is not modified and no state is kept (``reduce_sum`` is the only
+    communication, and only for the batch-wide statistics).
 
     Args:
         rewards (Tensor): ``[N]`` rewards (any real dtype), ``N = prompts * group_size``, groups
             contiguous.
         group_size (int): ``G``, the number of completions per prompt; must divide ``N``.
-        scale (str): ``"group"`` divides by the group's unbiased std (GRPO), ``"batch"`` by the
-            unbiased std of all ``N`` rewards, ``"none"`` does not divide (Dr. GRPO).
+        estimator (str): ``"grpo"``, ``"rloo"`` or ``"reinforce_pp"`` (module docstring).
+        scale (str | None): for ``grpo`` only: ``"group"`` divides by the group's unbiased std
+            (GRPO; the default when None), ``"batch"`` by the unbiased std of the global batch's
+            rewards, ``"none"`` does not divide (Dr. GRPO).
         eps (float): added to the standard deviation before dividing; ``>= 0``.
+        token_counts (Tensor | None): ``[N]`` response tokens of each completion, the weights of
+            ``reinforce_pp``'s token-level statistics (None: 1 each).
+        reduce_sum (callable | None): sums a float64 tensor over the ranks that share the batch
+            (e.g. ``Ranks.all_reduce``); None: this process holds the whole batch. Only
+            ``scale="batch"`` and ``reinforce_pp`` call it, once, on every rank.
 
     Returns:
         AdvantageOutput: ``advantages [N]`` float32 and ``zero_std_groups [N // G]`` bool.
 
     Raises:
         ValueError: if ``rewards`` is not 1-D or not finite, ``group_size`` is not a positive
-            integer dividing ``N``, ``scale`` is unknown or ``eps`` is negative.
+            integer dividing ``N`` (at least 2 for ``rloo`` and ``reinforce_pp``), ``estimator``
+            or ``scale`` is unknown, ``scale`` is given to another estimator than ``grpo``,
+            ``token_counts`` does not have ``N`` non-negative entries, or ``eps`` is negative.
     """
     if not isinstance(rewards, Tensor) or rewards.dim() != 1:
         shape = tuple(rewards.shape) if isinstance(rewards, Tensor) else type(rewards).__name__
@@ -105,10 +163,22 @@ def group_advantages(
             f"group_size={group_size} must divide the number of rewards N={n}; pass all "
             "group_size completions of every prompt together"
         )
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"estimator must be one of {ADVANTAGE_ESTIMATORS}, got {estimator!r}")
+    if scale is not None and estimator != "grpo":
+        raise ValueError(f"scale={scale!r} applies to the grpo estimator only; {estimator} has "
+                         "its own normalisation (leave scale unset)")
+    scale = DEFAULT_SCALE if scale is None else scale
     if scale not in ADVANTAGE_SCALES:
         raise ValueError(f"scale must be one of {ADVANTAGE_SCALES}, got {scale!r}")
+    if estimator != "grpo" and group_size < 2:
+        raise ValueError(f"estimator {estimator} needs group_size >= 2 (a baseline from the "
+                         f"other completions of the group), got {group_size}")
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps!r}")
+    if token_counts is not None and (token_counts.shape != (n,) or bool((token_counts < 0).any())):
+        raise ValueError(f"token_counts must be [N={n}] non-negative counts, got shape "
+                         f"{tuple(token_counts.shape)}")
 
     r = rewards.detach().to(torch.float32)
     if not bool(torch.isfinite(r).all()):
@@ -118,11 +188,23 @@ def group_advantages(
     zero_std = groups.amax(dim=1) == groups.amin(dim=1)
     centered = groups - mean
 
-    if scale == "group":
+    if estimator == "rloo":
+        adv = centered * (group_size / (group_size - 1))
+    elif estimator == "reinforce_pp":
+        weights = (torch.ones(n, device=r.device) if token_counts is None
+                   else token_counts.detach().to(r.device))
+        s0, s1, s2 = _global_moments(centered.reshape(n), weights, reduce_sum)
+        mu = s1 / s0 if s0 > 0 else 0.0
+        std = max(s2 / s0 - mu * mu, 0.0) ** 0.5 if s0 > 0 else 0.0
+        adv = ((centered.double() - mu) / (std + eps)).float()
+        return AdvantageOutput(advantages=adv.reshape(n), zero_std_groups=zero_std)
+    elif scale == "group":
         std = _unbiased_std(groups, dim=1).unsqueeze(1)
         adv = centered / (std + eps)
     elif scale == "batch":
-        adv = centered / (_unbiased_std(r) + eps)
+        s0, s1, s2 = _global_moments(r, torch.ones(n, device=r.device), reduce_sum)
+        var = (s2 - s1 * s1 / s0) / (s0 - 1) if s0 > 1 else 0.0
+        adv = centered / (max(var, 0.0) ** 0.5 + eps)
     else:
         adv = centered
 

@@ -166,7 +166,7 @@ class GRPORecipe(RecipeSetup, RecipeUpdate, RecipeCheckpoints):
             sampled = self.dynamic_sample(traj, rewards, timer)
             traj, rewards = sampled.traj, sampled.rewards
         with timer("scoring"):
-            adv = self.advantages(rewards)
+            adv = self.advantages(rewards, traj)
         self.generator.before_update()  # e.g. vLLM frees its KV cache for the update
         with timer("reference"):
             ref = self.reference_logprobs(traj) if self.loss_fn.needs_reference else None
@@ -248,11 +248,16 @@ class GRPORecipe(RecipeSetup, RecipeUpdate, RecipeCheckpoints):
                              max_generated_tokens=self.cfg.max_generated_tokens,
                              with_tools=self.tools_on)[1]
 
-    def advantages(self, rewards: RewardOutput) -> AdvantageOutput:
-        """Step 4: group-relative advantages ``[N]`` of the rewards (``advantages:`` block)."""
+    def advantages(self, rewards: RewardOutput, traj: Trajectory) -> AdvantageOutput:
+        """Step 4: group-relative advantages ``[N]`` of the rewards (``advantages:`` block);
+        ``traj``'s generated tokens per completion weigh ``reinforce_pp``'s statistics."""
         settings = self.advantage_settings
+        tokens = traj.response_mask if traj.tool_mask is None else (
+            traj.response_mask & ~traj.tool_mask)
         return group_advantages(rewards.total.to(self.device), self.group_size,
-                                scale=settings.scale, eps=settings.eps)
+                                estimator=settings.estimator, scale=settings.scale,
+                                eps=settings.eps, token_counts=tokens.sum(1),
+                                reduce_sum=self.ranks.all_reduce)
 
     def loss_mask(self, traj: Trajectory, adv: AdvantageOutput) -> torch.Tensor:
         """``[N, T]`` response tokens that enter the loss and its normaliser

@@ -16,7 +16,12 @@ from typing import Any, TypeVar
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from torchtune_grpo.algorithm.advantages import ADVANTAGE_SCALES, DEFAULT_EPS, DEFAULT_SCALE
+from torchtune_grpo.algorithm.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    ADVANTAGE_SCALES,
+    DEFAULT_EPS,
+    DEFAULT_ESTIMATOR,
+)
 
 __all__ = ["AdvantageSettings", "DynamicSamplingSettings", "EvalSettings", "HealthSettings",
            "hint_name", "sampling_problems", "settings_from_config", "value_fits"]
@@ -29,18 +34,29 @@ class AdvantageSettings:
     """The ``advantages:`` block: how rewards become group-relative advantages.
 
     Attributes:
-        scale: ``group`` divides by each group's std (GRPO), ``batch`` by the std of the whole
-            batch, ``none`` does not divide (Dr. GRPO); see
+        estimator: ``grpo`` (the group mean as baseline, divided by ``scale``), ``rloo`` (the
+            mean of the other completions of the group) or ``reinforce_pp`` (the group mean,
+            then normalised over the global batch of response tokens); see
             :func:`torchtune_grpo.algorithm.advantages.group_advantages`.
+        scale: ``grpo`` only: ``group`` divides by each group's std (GRPO; the default when
+            unset), ``batch`` by the std of the whole global batch, ``none`` does not divide
+            (Dr. GRPO). Setting it with another estimator is an error.
         eps: added to the standard deviation before dividing (``>= 0``).
     """
 
-    scale: str = DEFAULT_SCALE
+    estimator: str = DEFAULT_ESTIMATOR
+    scale: str | None = None
     eps: float = DEFAULT_EPS
 
     def __post_init__(self) -> None:
-        if self.scale not in ADVANTAGE_SCALES:
+        if self.estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"estimator must be one of {list(ADVANTAGE_ESTIMATORS)}, got "
+                             f"{self.estimator!r}")
+        if self.scale is not None and self.scale not in ADVANTAGE_SCALES:
             raise ValueError(f"scale must be one of {list(ADVANTAGE_SCALES)}, got {self.scale!r}")
+        if self.scale is not None and self.estimator != "grpo":
+            raise ValueError(f"scale={self.scale!r} applies to estimator grpo only; "
+                             f"{self.estimator} has its own normalisation (remove scale)")
         if not float(self.eps) >= 0:
             raise ValueError(f"eps must be >= 0, got {self.eps!r}")
 
