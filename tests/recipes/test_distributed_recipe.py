@@ -117,3 +117,21 @@ def test_first_step_equal_across_ranks_and_micro_batches(base_model, tmp_path):
         assert other["response_length/mean"] == one["response_length/mean"]
         for key in ("loss", "grad_norm", "entropy"):
             assert other[key] == pytest.approx(one[key], rel=1e-5), key
+
+
+def test_reinforce_pp_first_step_equal_across_ranks(base_model, tmp_path):
+    """REINFORCE++ whitens advantages over the global batch: two ranks (each with two
+    micro-batches) must take the one-process step, not normalise their halves apart."""
+    est = "advantages.estimator=reinforce_pp"
+    runs = [_first_step(base_model, tmp_path, "one", 1, est),
+            _first_step(base_model, tmp_path, "two", 2, est, "forward_batch_size=2"),
+            _first_step(base_model, tmp_path, "grpo", 1)]
+    assert_not_degenerate(*runs[:2], weights=(base_model, runs[0] / "step_1"))
+    (one,), (two,), (grpo,) = (metrics(out) for out in runs)
+    assert one["grad_norm"] > 0
+    # the override took effect: same rollout, another advantage, another gradient
+    assert grpo["reward/mean"] == one["reward/mean"]
+    assert grpo["grad_norm"] != pytest.approx(one["grad_norm"], rel=1e-3)
+    assert two["reward/mean"] == one["reward/mean"]
+    for key in ("loss", "grad_norm", "entropy"):
+        assert two[key] == pytest.approx(one[key], rel=1e-5), key

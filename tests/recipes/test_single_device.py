@@ -24,10 +24,17 @@ def _weights(recipe):
     return {k: v.detach().clone() for k, v in recipe.model.state_dict().items()}
 
 
-@pytest.mark.parametrize("aggregation", ["sequence_mean", "token_mean", "constant"])
-def test_gradient_accumulation_gives_the_same_update(base_model, tmp_path, aggregation):
+@pytest.mark.parametrize(
+    "aggregation, estimator",
+    [("sequence_mean", "grpo"), ("token_mean", "grpo"), ("constant", "grpo"),
+     # REINFORCE++ normalises over the whole batch: its statistics must not be per micro-batch
+     ("token_mean", "reinforce_pp")],
+)
+def test_gradient_accumulation_gives_the_same_update(base_model, tmp_path, aggregation,
+                                                     estimator):
     common = ["num_steps=1", "batch_size=4", "group_size=4", "temperature=1.5",
               f"loss.aggregation={aggregation}", "loss.max_generated_tokens=5",
+              f"advantages.estimator={estimator}",
               # SGD: the update is proportional to the gradient (Adam's first step is ~sign(g),
               # which amplifies rounding noise in near-zero gradients)
               "optimizer._component_=torch.optim.SGD", "optimizer.lr=0.5",

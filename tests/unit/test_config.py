@@ -164,10 +164,13 @@ def test_bf16_updates_are_not_lost():
     "overrides, message",
     [
         (["advantages.scael=none"],
-         "unknown config key 'advantages.scael' (known: scale, eps). Did you mean "
+         "unknown config key 'advantages.scael' (known: estimator, scale, eps). Did you mean "
          "'advantages.scale'?"),
         (["advantages.scale=groups"], "config key 'advantages': scale must be one of"),
         (["advantages.eps=-1"], "eps must be >= 0"),
+        (["advantages.estimator=ppo"], "estimator must be one of ['grpo', 'rloo', 'reinforce_pp']"),
+        (["advantages.estimator=rloo", "advantages.scale=group"],
+         "scale='group' applies to estimator grpo only"),
         (["eval.tempreature=0.7"], "Did you mean 'eval.temperature'?"),
         (["eval.num_samples=4"], "num_samples > 1 needs 'temperature' > 0"),
         (["eval.seed=3"], "unknown config key 'eval.seed'"),

@@ -94,21 +94,40 @@ def _unbiased_std(x: Tensor, dim: int | None = None) -> Tensor:
     return x.std() if dim is None else x.std(dim=dim)
 
 
-def _global_moments(values: Tensor, weights: Tensor,
-                    reduce_sum: Callable[[Tensor], Tensor] | None) -> tuple[float, float, float]:
-    """``(sum w, sum w*x, sum w*x^2)`` over every rank, in float64.
+def _global_mean_std(values: Tensor, weights: Tensor,
+                     reduce_sum: Callable[[Tensor], Tensor] | None,
+                     *, unbiased: bool) -> tuple[float, float]:
+    """Weighted mean and standard deviation of ``values`` over every rank, in float64.
+
+    Two passes (the mean, then the squared deviations from it), each one ``reduce_sum`` of a
+    float64 tensor, so that no ``E[x^2] - E[x]^2`` cancellation enters.
 
     Args:
         values: ``[N]`` this rank's values.
-        weights: ``[N]`` their weights (1 each, or token counts).
-        reduce_sum: sums a float64 tensor over the ranks (None: this rank alone).
+        weights: ``[N]`` their non-negative weights (1 each, or token counts).
+        reduce_sum: sums a float64 tensor over the ranks in place and returns it (None: this
+            process holds every value).
+        unbiased: divide the squared deviations by ``sum(w) - 1`` (Bessel; for unit weights)
+            instead of ``sum(w)``.
+
+    Returns:
+        ``(mean, std)``; ``(0, 0)`` when the weights sum to 0, std 0 when ``unbiased`` and the
+        weights sum to 1 or less.
     """
     x, w = values.double(), weights.double()
-    sums = torch.stack([w.sum(), (w * x).sum(), (w * x * x).sum()])
+    sums = torch.stack([w.sum(), (w * x).sum()])
     if reduce_sum is not None:
         sums = reduce_sum(sums)
-    s0, s1, s2 = (float(v) for v in sums.tolist())
-    return s0, s1, s2
+    total, weighted = (float(v) for v in sums.tolist())
+    if total <= 0:
+        return 0.0, 0.0
+    mean = weighted / total
+    squares = (w * (x - mean) ** 2).sum().reshape(1)
+    if reduce_sum is not None:
+        squares = reduce_sum(squares)
+    divisor = total - 1 if unbiased else total
+    var = float(squares.item()) / divisor if divisor > 0 else 0.0
+    return mean, var ** 0.5
 
 
 def group_advantages(
@@ -193,18 +212,16 @@ def group_advantages(
     elif estimator == "reinforce_pp":
         weights = (torch.ones(n, device=r.device) if token_counts is None
                    else token_counts.detach().to(r.device))
-        s0, s1, s2 = _global_moments(centered.reshape(n), weights, reduce_sum)
-        mu = s1 / s0 if s0 > 0 else 0.0
-        std = max(s2 / s0 - mu * mu, 0.0) ** 0.5 if s0 > 0 else 0.0
-        adv = ((centered.double() - mu) / (std + eps)).float()
+        mu, std = _global_mean_std(centered.reshape(n), weights, reduce_sum, unbiased=False)
+        # std 0 (every token's c equal): nothing to scale, and c - mu is 0 already
+        adv = ((centered.double() - mu) / ((std + eps) or 1.0)).float()
         return AdvantageOutput(advantages=adv.reshape(n), zero_std_groups=zero_std)
     elif scale == "group":
         std = _unbiased_std(groups, dim=1).unsqueeze(1)
         adv = centered / (std + eps)
     elif scale == "batch":
-        s0, s1, s2 = _global_moments(r, torch.ones(n, device=r.device), reduce_sum)
-        var = (s2 - s1 * s1 / s0) / (s0 - 1) if s0 > 1 else 0.0
-        adv = centered / (max(var, 0.0) ** 0.5 + eps)
+        _, std = _global_mean_std(r, torch.ones(n, device=r.device), reduce_sum, unbiased=True)
+        adv = centered / (std + eps)
     else:
         adv = centered
 

@@ -230,12 +230,6 @@ def _batch_errors(cfg: DictConfig, world_size: int) -> list[str]:
             f"config key 'gradient_accumulation_steps' ({accum}) must divide the per-rank "
             f"batch of {per_rank_batch_size(cfg, world_size)} prompts"
         )
-    estimator = (cfg.get("advantages") or {}).get("estimator", "grpo")
-    if estimator in ("rloo", "reinforce_pp") and int(cfg.group_size) < 2:
-        errors.append(
-            f"config key 'advantages.estimator' ({estimator}) needs 'group_size' >= 2 (its "
-            f"baseline comes from the other completions of the group), got {cfg.group_size}"
-        )
     rows = per_rank_batch_size(cfg, world_size) * int(cfg.group_size)
     fbs = cfg.forward_batch_size
     if fbs is not None and rows % fbs:
