@@ -65,3 +65,45 @@ def test_compare_evaluations_is_paired(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "missing" in err and "Traceback" not in err
     assert math.isfinite(out["ci95_a"][0])
+
+
+def test_strict_correct_reads_the_answer_sentence():
+    from torchtune_grpo.evaluation.stats import strict_correct
+
+    phrase = "The answer is"
+    assert strict_correct("3 + 4 = 7.\nThe answer is 7.", "7", phrase)
+    assert strict_correct("so the answer is $1,000. That is a lot: 999 + 1.", "1000", phrase)
+    assert strict_correct("The answer is 5. No wait. The answer is 7", "7", phrase)  # the last
+    # the right number, but not stated as the answer: lenient scoring counts it, strict not
+    assert not strict_correct("3 + 4 = 7", "7", phrase)
+    assert not strict_correct("The answer is 8. 3 + 4 = 7", "7", phrase)
+    assert not strict_correct("The answer is seven.", "7", phrase)
+
+
+def test_compare_evaluations_strict_phrase(tmp_path, capsys):
+    """Strict scoring re-grades the stored completions against ``gold``: a reply whose last
+    number is right (stored correct) but whose answer sentence is missing counts as wrong."""
+    def write(path, completions):
+        path.mkdir()
+        with (path / "eval_samples.jsonl").open("w") as f:
+            for i, text in enumerate(completions):
+                f.write(json.dumps({"index": i, "question": f"q{i}", "gold": "7",
+                                    "correct": [text.rstrip(".").endswith("7")],
+                                    "completions": [text]}) + "\n")
+        return path
+
+    a = write(tmp_path / "a", ["4 + 3 = 7"] * 4 + ["The answer is 7."] * 2 + ["8"] * 4)
+    b = write(tmp_path / "b", ["The answer is 7."] * 8 + ["8"] * 2)
+    phrase = "The answer is"
+    stored = compare_evaluations(a, b)
+    strict = compare_evaluations(a, b, strict_phrase=phrase)
+    assert stored["accuracy_a"] == 0.6 and stored["accuracy_b"] == 0.8
+    assert strict["accuracy_a"] == 0.2 and strict["accuracy_b"] == 0.8
+    assert strict["only_a"] == 0 and strict["only_b"] == 6
+    assert cli(["compare-evals", str(a), str(b), "--strict-phrase", phrase]) == 0
+    out = capsys.readouterr().out
+    assert "scored as evaluated" in out and "strict: the number after the last" in out
+    assert out.count("McNemar exact p") == 2
+    assert cli(["compare-evals", str(a), str(b), "--strict-phrase", phrase, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["strict"]["accuracy_a"] == 0.2 and data["stored"]["accuracy_a"] == 0.6

@@ -85,6 +85,21 @@ def test_the_success_component_is_never_called_hacking():
     assert not any("hacking" in w for w in said)
 
 
+def test_a_gated_component_is_never_called_hacking():
+    """A ``requires_success`` term pays only with a right answer: the rung (c) GSM8K run saw
+    its logged, ungated value (replies ending on the answer sentence) rise 0.17 -> 0.35 while
+    success stayed flat, and nothing paid a wrong answer for it. The same stream with an
+    ungated term of that name is still flagged."""
+    rows = [_row(success=0.05, length=140 - i, format=0.17 + 0.01 * i) for i in range(30)]
+    gated = RunHealth(HealthSettings(window=5), success_component="correctness",
+                      gated_components=["format"])
+    _, said = _feed(gated, rows)
+    assert not any("hacking" in w for w in said)
+    ungated = RunHealth(HealthSettings(window=5), success_component="correctness")
+    _, said = _feed(ungated, rows)
+    assert any("reward/format rose" in w for w in said)
+
+
 @pytest.mark.parametrize("block, key", [
     ({"window": 0}, "window"), ({"no_signal_fraction": 1.5}, "no_signal_fraction"),
     ({"length_collapse_ratio": 1.0}, "length_collapse_ratio"),

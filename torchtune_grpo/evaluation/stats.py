@@ -11,7 +11,12 @@ means. This module holds the two pieces every report here uses:
   ``eval_samples.jsonl`` files of the same problems and reports both accuracies, their
   difference with a 95% interval, and the p-value. From the command line::
 
-      tune-grpo compare-evals BASE_DIR STEP_DIR [--samples N]
+      tune-grpo compare-evals BASE_DIR STEP_DIR [--strict-phrase "The answer is"] [--json]
+
+``--strict-phrase`` adds a second, strict scoring of the same completions (:func:`strict_correct`):
+right only when the number after the last occurrence of the phrase is the gold answer, so a
+right number that the reply does not state as its answer does not count. The stored scoring
+(the evaluation's own, e.g. the last number of the reply) is the lenient one.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["compare_evaluations", "mcnemar_exact", "wilson_interval"]
+__all__ = ["compare_evaluations", "mcnemar_exact", "strict_correct", "wilson_interval"]
 
 #: The normal quantile of a two-sided 95% interval.
 Z95 = 1.959963984540054
@@ -84,12 +89,41 @@ def _read_samples(path: Path) -> dict[int, dict[str, Any]]:
     return rows
 
 
-def compare_evaluations(a: str | Path, b: str | Path) -> dict[str, Any]:
+def strict_correct(completion: str, gold: str, phrase: str) -> bool:
+    """Whether ``completion`` states the right answer in its answer sentence.
+
+    Args:
+        completion: the model's reply.
+        gold: the reference answer (a number, as GSM8K's ``#### 18``).
+        phrase: the sentence that introduces the answer, e.g. ``"The answer is"``
+            (case-insensitive; its last occurrence counts).
+
+    Returns:
+        True when the reply contains ``phrase`` and the number that follows it on the same
+        line equals ``gold`` (:func:`~torchtune_grpo.rewards.answers.numbers_match`); False
+        otherwise, also when either has no number.
+    """
+    from torchtune_grpo.rewards.answers import extract_after_phrase, numbers_match, parse_number
+
+    after = extract_after_phrase(completion, phrase)
+    if after is None:
+        return False
+    # the first number after the phrase: "The answer is 18. That is 9 * 2." states 18
+    got = parse_number(after.split(". ")[0])
+    want = parse_number(str(gold))
+    return got is not None and want is not None and numbers_match(got, want)
+
+
+def compare_evaluations(a: str | Path, b: str | Path,
+                        strict_phrase: str | None = None) -> dict[str, Any]:
     """Compare two evaluations of the same problems (greedy or first-sample correctness).
 
     Args:
         a: the first ``eval_samples.jsonl`` (or the folder holding it), e.g. the base model.
         b: the second, e.g. a trained step.
+        strict_phrase: None: the evaluations' own correctness (their ``correct`` field);
+            a phrase: :func:`strict_correct` of each first completion against ``gold``
+            instead.
 
     Returns:
         ``problems``, ``accuracy_a``, ``accuracy_b`` (of each one's first sample), their
@@ -110,8 +144,14 @@ def compare_evaluations(a: str | Path, b: str | Path) -> dict[str, Any]:
         if row.get("question") != rows_b[index].get("question"):
             raise ValueError(f"row {index} is another question in {a} and {b}")
     n = len(rows_a)
-    right_a = [bool(rows_a[i]["correct"][0]) for i in sorted(rows_a)]
-    right_b = [bool(rows_b[i]["correct"][0]) for i in sorted(rows_a)]
+
+    def right(row: dict[str, Any]) -> bool:
+        if strict_phrase is None:
+            return bool(row["correct"][0])
+        return strict_correct(row["completions"][0], row["gold"], strict_phrase)
+
+    right_a = [right(rows_a[i]) for i in sorted(rows_a)]
+    right_b = [right(rows_b[i]) for i in sorted(rows_a)]
     only_a = sum(x and not y for x, y in zip(right_a, right_b))
     only_b = sum(y and not x for x, y in zip(right_a, right_b))
     acc_a, acc_b = sum(right_a) / n, sum(right_b) / n
@@ -141,23 +181,36 @@ def main(argv: list[str] | None = None) -> int:
         description="Compare two evaluations of the same problems (McNemar's exact test)")
     parser.add_argument("a", help="eval_samples.jsonl or its folder (e.g. the base model)")
     parser.add_argument("b", help="eval_samples.jsonl or its folder (e.g. a trained step)")
+    parser.add_argument("--strict-phrase", default=None, metavar="PHRASE",
+                        help='also compare strictly: right only when the number after the '
+                        'last PHRASE (e.g. "The answer is") is the gold answer')
     parser.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
     try:
         result = compare_evaluations(args.a, args.b)
+        strict = (None if args.strict_phrase is None
+                  else compare_evaluations(args.a, args.b, strict_phrase=args.strict_phrase))
     except (FileNotFoundError, ValueError) as e:  # a missing folder, problems that differ
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(result, indent=1))
+        print(json.dumps(result if strict is None else {"stored": result, "strict": strict},
+                         indent=1))
         return 0
+    _print_comparison(result, args.a, args.b, "scored as evaluated")
+    if strict is not None:
+        _print_comparison(strict, args.a, args.b,
+                          f"strict: the number after the last {args.strict_phrase!r}")
+    return 0
+
+
+def _print_comparison(result: dict[str, Any], a: str, b: str, title: str) -> None:
     lo, hi = result["ci95_difference"]
-    print(f"{result['problems']} problems\n"
+    print(f"{result['problems']} problems, {title}\n"
           f"  A {result['accuracy_a']:.3f} [{result['ci95_a'][0]:.3f}, {result['ci95_a'][1]:.3f}]"
-          f"  mean length {result['chars_a']:.0f} chars  ({args.a})\n"
+          f"  mean length {result['chars_a']:.0f} chars  ({a})\n"
           f"  B {result['accuracy_b']:.3f} [{result['ci95_b'][0]:.3f}, {result['ci95_b'][1]:.3f}]"
-          f"  mean length {result['chars_b']:.0f} chars  ({args.b})\n"
+          f"  mean length {result['chars_b']:.0f} chars  ({b})\n"
           f"  B - A {result['difference']:+.3f} [{lo:+.3f}, {hi:+.3f}]; right only in A: "
           f"{result['only_a']}, only in B: {result['only_b']}; McNemar exact p = "
           f"{result['mcnemar_p']:.2g}")
-    return 0

@@ -68,14 +68,20 @@ class RunHealth:
         settings: the thresholds.
         success_component: name of the success reward component (its ``reward/<name>`` is
             never reported as hacking).
+        gated_components: names of ``requires_success`` components, never reported as hacking
+            either: they pay only alongside success, so their logged (unweighted, ungated)
+            value can rise while no wrong answer earns anything for it (e.g. a reply that ends
+            on the answer sentence more often, right or wrong).
 
     The first window (the baseline) is kept from the first steps :meth:`update` sees. A resumed
     run starts a new baseline at its first step.
     """
 
-    def __init__(self, settings: HealthSettings, success_component: str | None = None) -> None:
+    def __init__(self, settings: HealthSettings, success_component: str | None = None,
+                 gated_components: tuple[str, ...] | list[str] = ()) -> None:
         self.settings = settings
         self.success_component = success_component
+        self.gated_components = tuple(gated_components)
         self._first: list[dict[str, float]] = []
         self._recent: deque[dict[str, float]] = deque(maxlen=settings.window)
         self._active: dict[str, bool] = {name: False for name in CONDITIONS}
@@ -118,7 +124,8 @@ class RunHealth:
         rises = []
         for key in sorted(self._recent[-1]):
             if not key.startswith("reward/") or key.count("/") != 1 or key in (
-                    "reward/mean", "reward/std", f"reward/{self.success_component}"):
+                    "reward/mean", "reward/std", f"reward/{self.success_component}") or \
+                    key.split("/", 1)[1] in self.gated_components:
                 continue
             now, then = self._latest(key), self._baseline(key)
             if now is not None and then is not None and now - then >= s.hacking_rise:

@@ -57,7 +57,8 @@ class RecipeSetup:
         self.rewards = build_reward_set(cfg.rewards)
         self.health = None if cfg.run_health is None else RunHealth(
             settings_from_config(HealthSettings, cfg.run_health, "run_health"),
-            success_component=self.rewards.success_name)
+            success_component=self.rewards.success_name,
+            gated_components=[e.name for e in self.rewards.entries if e.requires_success])
         self.loss_fn = config.instantiate(cfg.loss)
         self.generator: Generator = self.build_generator()
         self.tools_on = bool(cfg.tools)
