@@ -50,9 +50,21 @@ def _configs_with_rewards():
     return names
 
 
+def _with_local_models(cfg, root):
+    """Learned-reward entries (reward model, judge) whose folder is absent here get tiny local
+    folders (tests/unit/_learned_models.py), so the property is checked on every config."""
+    learned = ("RewardModelScore", "GenerativeJudge")
+    if not any(str(e.get("_component_", "")).endswith(learned) for e in cfg.rewards):
+        return cfg
+    pytest.importorskip("transformers")
+    from tests.unit._learned_models import with_local_reward_models
+
+    return with_local_reward_models(cfg, root)
+
+
 @pytest.mark.parametrize("name", _configs_with_rewards())
-def test_no_shipped_config_pays_a_wrong_answer_for_its_form(name):
-    cfg = load_config(name, [])
+def test_no_shipped_config_pays_a_wrong_answer_for_its_form(name, tmp_path):
+    cfg = _with_local_models(load_config(name, []), tmp_path)
     builder = str(cfg.dataset._component_).rsplit(".", 1)[-1]
     template = resolve_template(cfg.dataset.get("template"), default=DEFAULT_TEMPLATES[builder])
     rewards = build_reward_set(cfg.rewards)
