@@ -42,12 +42,17 @@ for each side, and TRL's seconds over ours; "not reached" where a side never doe
 result file is complete and was made with the same settings is not run again (``--fresh``
 reruns it).
 
-Commands::
+The summary also gives each side's seconds to 0.2, 0.3, 0.4 and 0.5 (:data:`MILESTONES`), and
+``--plots-only --target T`` redoes the plot and summary for another target without training.
+(At the end of the budget our recipe logs "stopped after step N on request; saved ...": the
+budget stops it the way SIGTERM does; no checkpoint is written here.)
+
+Commands (the machine to itself; ``--threads`` as for the other benchmarks)::
 
     bash benchmarks/peers/setup_trl.sh                     # once: .venv-trl
-    python benchmarks/time_to_accuracy.py --threads 2 --budget-s 3600 --eval-every-s 300 \\
+    python benchmarks/time_to_accuracy.py --threads 2 --budget-s 3600 --eval-every-s 180 \\
         --eval-problems 480 --out /tmp/tta                 # the comparison: ~3 h on 2 cores
-    python benchmarks/time_to_accuracy.py --quick --out /tmp/tta_quick   # smoke: ~10 min
+    python benchmarks/time_to_accuracy.py --quick --threads 1 --out /tmp/tta_quick   # ~6 min
 """
 
 from __future__ import annotations
@@ -79,9 +84,12 @@ TEST_PER_OPERATION = 160
 #: The sides, in the order they run.
 SIDES = ("ours", "trl")
 LABELS = {"ours": "torchtune-grpo (ours)", "trl": "TRL GRPOTrainer"}
+#: Accuracies the summary also gives the time to (besides ``--target``): where the target is
+#: not reached, the curves can still be compared on the way up.
+MILESTONES = (0.2, 0.3, 0.4, 0.5)
 #: ``--quick``: the smoke run's budget, interval and held-out subset (unless given).
 QUICK = {"budget_s": 60.0, "eval_every_s": 20.0, "eval_problems": 30}
-DEFAULTS = {"budget_s": 3600.0, "eval_every_s": 300.0, "eval_problems": 480}
+DEFAULTS = {"budget_s": 3600.0, "eval_every_s": 180.0, "eval_problems": 480}
 
 
 # ---------------------------------------------------------------------------- held-out set
@@ -361,6 +369,20 @@ def time_to_target(points: Sequence[dict[str, Any]], target: float) -> dict[str,
     return None
 
 
+def milestones(ours: Sequence[dict[str, Any]], trl: Sequence[dict[str, Any]],
+               levels: Sequence[float]) -> list[dict[str, Any]]:
+    """For each accuracy in ``levels``: each side's training seconds to reach it (``None``:
+    not reached) and TRL's over ours where both did."""
+    rows = []
+    for level in levels:
+        o, t = time_to_target(ours, level), time_to_target(trl, level)
+        rows.append({"accuracy": level, "ours_seconds": o and o["seconds"],
+                     "trl_seconds": t and t["seconds"],
+                     "trl_over_ours": t["seconds"] / max(o["seconds"], 1e-9) if o and t
+                     else None})
+    return rows
+
+
 def evaluator_check(ours: dict[str, Any], trl: dict[str, Any]) -> dict[str, Any]:
     """Both sides' evaluation of the base model (the same weights): accuracies, problems
     scored differently, identical completions."""
@@ -419,6 +441,8 @@ def summarize(results: dict[str, dict[str, Any]], target: float, args_settings: 
             out["trl_over_ours"] = None
             out["verdict"] = f"neither side reached {target:g}"
         out["goal_2x_met"] = bool(o and (not t or t["seconds"] >= 2 * o["seconds"]))
+        out["milestones"] = milestones(results["ours"]["points"], results["trl"]["points"],
+                                       sorted({*MILESTONES, target}))
         out["evaluator_check"] = evaluator_check(results["ours"], results["trl"])
         out["trl"] = {k: results["trl"].get(k) for k in (
             "trl_version", "transformers_version", "prompt_ids_match", "prompt_order_match",
@@ -431,7 +455,7 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     target = summary["target"]
     lines = [f"Held-out greedy accuracy, target {target:g} "
              f"({summary['settings']['eval_problems']} held-out problems, "
-             f"{summary['settings']['threads']} threads, budget "
+             f"{summary['settings']['threads']} thread(s), budget "
              f"{summary['settings']['budget_s']:g} training s per side), {summary['date']}",
              "",
              f"| side | steps | training s | s / step | base | final | best | s to {target:g} "
@@ -451,6 +475,13 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         lines += ["", f"**{summary['verdict']}**"
                   + (f" (TRL's seconds / ours = {ratio:.2f}; goal: >= 2)" if ratio else "")
                   + f"; goal met: {'yes' if summary['goal_2x_met'] else 'no'}."]
+        lines += ["", "| held-out accuracy | ours: training s | TRL: training s | TRL / ours |",
+                  "|---|---|---|---|"]
+        for m in summary["milestones"]:
+            cells = [f"{m[k]:.0f}" if m[k] is not None else "not reached"
+                     for k in ("ours_seconds", "trl_seconds")]
+            ratio = f"{m['trl_over_ours']:.2f}" if m["trl_over_ours"] is not None else "-"
+            lines.append(f"| {m['accuracy']:g} | {cells[0]} | {cells[1]} | {ratio} |")
         c = summary["evaluator_check"]
         lines += ["", f"Evaluator check on the base model (same weights): ours "
                   f"{c['ours_base_accuracy']:.3f}, TRL's {c['trl_base_accuracy']:.3f}; "
@@ -539,6 +570,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--budget-s and --eval-every-s must be positive")
     if args.threads < 1:
         parser.error("--threads must be at least 1")
+    if not 0 < args.target <= 1:
+        parser.error(f"--target must be an accuracy in (0, 1], got {args.target}")
     try:
         heldout_problems(args.eval_problems)
     except ValueError as e:
@@ -595,15 +628,16 @@ def main(argv: list[str] | None = None) -> int:
     if not results:
         print(f"error: no result in {args.out}", file=sys.stderr)
         return 2
-    if args.plots_only:  # the settings the results were made with
+    if args.plots_only:  # the settings and command the results were made with
         settings = next((r["settings"] for r in results.values() if r.get("settings")),
                         settings)
+        command = (load_result(args.out / "summary.json") or {}).get("command", command)
     summary = summarize(results, args.target, settings, command)
     _write(args.out / "summary.json", summary)
     table = summary_markdown(summary)
     (args.out / "summary.md").write_text(table)
     title = (f"SmolLM2-135M-Instruct, arithmetic (rung a): {settings['eval_problems']} "
-             f"held-out problems, {settings['threads']} threads")
+             f"held-out problems, {settings['threads']} thread(s)")
     png = plot(results, args.target, args.out / "time_to_accuracy.png", title)
     print(table)
     print(f"wrote {args.out / 'summary.json'}, {args.out / 'summary.md'}, {png}")
