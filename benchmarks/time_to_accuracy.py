@@ -208,9 +208,10 @@ def shape_from_config(cfg) -> dict[str, Any]:
 
 
 def spec_steps(budget_s: float) -> int:
-    """Steps of prompts the spec lists: two per second of budget (at least 64); a step of this
-    task takes seconds, so the peer cannot run out (it records ``prompts_exhausted`` if so)."""
-    return max(64, math.ceil(2 * budget_s))
+    """Steps of prompts the spec lists: one per second of budget (at least 64); a step of this
+    task takes many seconds, so the peer does not run out (it records ``prompts_exhausted``
+    if it does)."""
+    return max(64, math.ceil(budget_s))
 
 
 def settings_of(args: argparse.Namespace) -> dict[str, Any]:
@@ -527,6 +528,32 @@ def plot(results: dict[str, dict[str, Any]], target: float, path: Path,
 
 
 # ---------------------------------------------------------------------------- main
+def run_sides(args: argparse.Namespace, todo: Sequence[str], paths: dict[str, Path],
+              settings: dict[str, Any], trl_version: str | None) -> None:
+    """Run the sides in ``todo``, one after the other (a stale result is removed first).
+
+    Raises:
+        RuntimeError: a side's subprocess failed.
+    """
+    for side in todo:
+        if paths[side].exists():
+            paths[side].unlink()  # a stale or partial result is not mixed with the new one
+        t0 = time.perf_counter()
+        if side == "ours":
+            print(f"ours: GRPORecipe, {args.budget_s:g} training s ...", flush=True)
+            _run(_worker_cmd(args, "ours"), args.threads, "our side")
+        else:
+            spec = load_result(args.out / "spec.json")
+            if not spec or spec.get("settings") != settings:
+                print("writing spec.json from our config ...", flush=True)
+                _run(_worker_cmd(args, "spec"), args.threads, "the spec")
+            print(f"trl: GRPOTrainer (TRL {trl_version}), {args.budget_s:g} training s ...",
+                  flush=True)
+            _run([args.peer_python, PEER_SCRIPT, "--spec", args.out / "spec.json",
+                  "--out", paths[side]], args.threads, "the TRL peer")
+        print(f"{side}: done in {time.perf_counter() - t0:.0f} s wall", flush=True)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (see the module docstring); fills the ``--quick`` / default values."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -606,23 +633,12 @@ def main(argv: list[str] | None = None) -> int:
             except PeerUnavailable as e:
                 print(f"error: {e}\n(or run only our side: --sides ours)", file=sys.stderr)
                 return 2
-        for side in todo:
-            if paths[side].exists():
-                paths[side].unlink()  # a stale or partial result is not mixed with the new one
-            t0 = time.perf_counter()
-            if side == "ours":
-                print(f"ours: GRPORecipe, {args.budget_s:g} training s ...", flush=True)
-                _run(_worker_cmd(args, "ours"), args.threads, "our side")
-            else:
-                spec = load_result(args.out / "spec.json")
-                if not spec or spec.get("settings") != settings:
-                    print("writing spec.json from our config ...", flush=True)
-                    _run(_worker_cmd(args, "spec"), args.threads, "the spec")
-                print(f"trl: GRPOTrainer (TRL {trl_version}), {args.budget_s:g} training s ...",
-                      flush=True)
-                _run([args.peer_python, PEER_SCRIPT, "--spec", args.out / "spec.json",
-                      "--out", paths[side]], args.threads, "the TRL peer")
-            print(f"{side}: done in {time.perf_counter() - t0:.0f} s wall", flush=True)
+        try:
+            run_sides(args, todo, paths, settings, trl_version)
+        except RuntimeError as e:
+            print(f"error: {e}\n(the finished sides' results are kept in {args.out}; the same "
+                  "command resumes)", file=sys.stderr)
+            return 1
     results = {s: load_result(p) for s, p in paths.items()}
     results = {s: r for s, r in results.items() if r and r.get("points")}
     if not results:

@@ -267,8 +267,13 @@ def main(argv: list[str] | None = None) -> int:
     def counted_gen_and_score(inputs, *a, **k):
         """TRL's rollout + rewards + advantages; counts tokens, checks the prompt order."""
         n = state["rollouts"]
-        prompts = list(dict.fromkeys(x["prompt"] for x in inputs))
-        if n >= len(step_texts) or prompts != step_texts[n]:
+        # each prompt's group_size rows are consecutive (TRL's RepeatSampler); a step may hold
+        # the same problem twice, so the groups are compared, not the distinct texts
+        texts = [x["prompt"] for x in inputs]
+        groups = [texts[i:i + group] for i in range(0, len(texts), group)]
+        prompts = [g[0] for g in groups]
+        if (n >= len(step_texts) or prompts != step_texts[n]
+                or any(len(set(g)) != 1 or len(g) != group for g in groups)):
             state["order_ok"] = False
         out = gen_and_score(inputs, *a, **k)
         state["rollouts"] = n + 1
