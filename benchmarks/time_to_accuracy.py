@@ -52,7 +52,7 @@ Commands (the machine to itself; ``--threads`` as for the other benchmarks)::
     bash benchmarks/peers/setup_trl.sh                     # once: .venv-trl
     python benchmarks/time_to_accuracy.py --threads 2 --budget-s 3600 --eval-every-s 180 \\
         --eval-problems 480 --out /tmp/tta                 # the comparison: ~3 h on 2 cores
-    python benchmarks/time_to_accuracy.py --quick --threads 1 --out /tmp/tta_quick   # ~6 min
+    python benchmarks/time_to_accuracy.py --quick --threads 1 --out /tmp/tta_quick   # ~7 min
 """
 
 from __future__ import annotations
