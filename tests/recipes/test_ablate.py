@@ -19,7 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_grid_is_one_factor_at_a_time():
     grid = ablate.full_grid()
-    assert {s.knob for s in grid} == set(ablate.KNOBS)
+    assert {s.knob for s in grid} == {"ppo_epochs", "group_size", "aggregation", "kl_coeff",
+                                      "importance"}
+    assert {s.knob for s in grid} <= set(ablate.KNOBS)
     for setting in grid:
         keys = {o.split("=")[0] for o in setting.overrides}
         if setting.knob == "group_size" and setting.overrides:
@@ -34,6 +36,33 @@ def test_grid_is_one_factor_at_a_time():
             assert len(keys) <= 1
     # shared settings (the default under every knob) are trained once per seed
     assert len(ablate.unique_runs(grid)) == 10
+
+
+@pytest.mark.parametrize("task", ["smollm2_arithmetic", "smollm2_word_problems"])
+def test_real_grid_settings_are_valid_configs(task):
+    """Every setting of the real-model grid is a config the recipe accepts (a typo in an
+    override would otherwise surface an hour into the ablation), and the settings differ."""
+    from torchtune_grpo.training.config import load_config
+    from torchtune_grpo.training.validation import validate_config
+
+    grid = ablate.real_grid()
+    assert {s.knob for s in grid} == {"estimator", "loss", "group_size"}
+    assert {s.knob for s in grid} <= set(ablate.KNOBS)
+    runs = ablate.unique_runs(grid)
+    assert len(runs) == 11  # the default is shared by the estimator and group_size knobs
+    seen = set()
+    for overrides in runs:
+        cfg = load_config(ablate.TASKS[task].config,
+                          ["model_dir=/nonexistent", *ablate.TASKS[task].overrides,
+                           *overrides])
+        validate_config(cfg)
+        resolved = str(sorted((k, str(v)) for k, v in cfg.items()))
+        assert resolved not in seen, overrides
+        seen.add(resolved)
+        if any(o.startswith("loss.") for o in overrides):
+            assert int(cfg.ppo_epochs) == 2  # the loss knob compares at two epochs
+        if "group_size" in " ".join(overrides):
+            assert int(cfg.batch_size) * int(cfg.group_size) == 128
 
 
 def test_quick_grid_writes_csv_and_plots(tmp_path):
@@ -77,6 +106,19 @@ def test_quick_grid_writes_csv_and_plots(tmp_path):
                                                           abs=0.02)
 
     assert (out / "summary.csv").is_file() and (out / "summary.md").is_file()
+    # a second invocation reads the finished runs back instead of training them again
+    for setting in settings:
+        assert (out / "runs" / ablate._run_name(setting.overrides, 0) / "result.json").is_file()
+    first = (out / "ablate.csv").read_text()
+    again = subprocess.run(
+        [sys.executable, "-m", "benchmarks.ablate", "--quick", "--out", str(out),
+         "--budget-s", str(budget), "--warmup-steps", "60"],
+        cwd=ROOT, env=recipe_env(threads=1), capture_output=True, text=True, timeout=300,
+        check=False,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "s wall)" in proc.stdout and "s wall)" not in again.stdout  # no run trained again
+    assert (out / "ablate.csv").read_text() == first
     for name in ("ablate_ppo_epochs.png", "ablate_all.png"):
         png = out / name
         assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
