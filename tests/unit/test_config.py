@@ -309,6 +309,9 @@ def test_list_entry_and_null_node_overrides():
     ("optimizer.weight_decay=-0.1", "'optimizer.weight_decay' must be a finite number >= 0"),
     ("optimizer.betas=[0.9,1.5]", "'optimizer.betas' must be two numbers in [0, 1)"),
     ("optimizer.eps=0", "'optimizer.eps' must be > 0"),
+    # found by the slow-tier config fuzz: a mapping reached torch.optim as a TypeError
+    ("optimizer.lr={bogus: 1}", "'optimizer.lr' must be a number, got dict"),
+    ("optimizer.weight_decay=[0.1]", "'optimizer.weight_decay' must be a number, got list"),
 ])
 def test_optimizer_values_out_of_range_are_rejected(override, message):
     from torchtune_grpo.training.config import load_config

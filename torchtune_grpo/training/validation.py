@@ -146,6 +146,12 @@ def _optimizer_range_errors(node: Any) -> list[str]:
         except (TypeError, ValueError):
             return None
 
+    for name in ("lr", "weight_decay", "momentum", "eps"):
+        if isinstance(node.get(name), (dict, list, tuple)):
+            errors.append(f"config key 'optimizer.{name}' must be a number, got "
+                          f"{type(node.get(name)).__name__} {node.get(name)!r}")
+    if errors:
+        return errors
     for name in ("lr", "weight_decay", "momentum"):
         value = number(name)
         if value is not None and not (math.isfinite(value) and value >= 0):
