@@ -274,6 +274,18 @@ def _budgeted_recipe_class():
             self.points.append(point)
             return point
 
+        def run_budget(self, start_point: EvalPoint | None = None) -> None:
+            """Evaluate at step 0 (or take ``start_point``, a known step-0 evaluation), train
+            until the budget is spent, and evaluate the last step when no evaluation did."""
+            if start_point is None:
+                self.evaluate_now()
+            else:
+                self.points.append(start_point)
+            self.start_clock()
+            self.train()
+            if self.points[-1].step != self.step:
+                self.evaluate_now()
+
         def train_step(self, batch):
             """One step, then the clocks, the generated tokens, the budget and the next
             evaluation (setup and evaluations are not timed)."""
@@ -338,14 +350,7 @@ def run_one(base_dir: str, out_dir: str, seed: int, overrides: Sequence[str], *,
     recipe.setup()
     setup_seconds = time.perf_counter() - t_start
     try:
-        if start_point is None:
-            recipe.evaluate_now()
-        else:
-            recipe.points.append(start_point)
-        recipe.start_clock()
-        recipe.train()
-        if recipe.points[-1].step != recipe.step:
-            recipe.evaluate_now()
+        recipe.run_budget(start_point)
     finally:
         recipe.cleanup()
     return RunResult(

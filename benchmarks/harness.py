@@ -197,10 +197,13 @@ def run_metadata(script: str, argv: Sequence[str] | None) -> dict[str, str]:
 
 
 def write_json(path: str | Path, data: Any, indent: int = 2) -> None:
-    """Write ``data`` as JSON to ``path`` (its folder made when missing)."""
+    """Write ``data`` as JSON to ``path`` atomically (a temporary file, then a rename; its
+    folder made when missing), so that a killed run never leaves half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=indent))
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=indent))
+    os.replace(tmp, path)
 
 
 def fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:

@@ -225,13 +225,6 @@ def _bits(flags: Sequence[bool]) -> str:
     return "".join("1" if f else "0" for f in flags)
 
 
-def _write(path: Path, data: Any) -> None:
-    """Write JSON atomically (a temporary file, then a rename)."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
-
-
 # ---------------------------------------------------------------------------- our side
 def run_ours_worker(args: argparse.Namespace, spec_only: bool = False) -> None:
     """Our side, in this process: write ``spec.json``, then (unless ``spec_only``) train for
@@ -276,7 +269,7 @@ def run_ours_worker(args: argparse.Namespace, spec_only: bool = False) -> None:
             from torchtune_grpo.training.memory import peak_rss_bytes
 
             result["peak_memory_bytes"] = peak_rss_bytes()
-            _write(result_path, result)
+            harness.write_json(result_path, result)
             print(f"[ours] step {point.step}: {point.train_seconds:.1f} train s, held-out "
                   f"{point.heldout_success:.3f} ({point.eval_seconds:.1f} s to evaluate)",
                   flush=True)
@@ -303,22 +296,18 @@ def run_ours_worker(args: argparse.Namespace, spec_only: bool = False) -> None:
             "prompts_per_step": [harness.batch_prompts(recipe.batches.batch(s))
                                  for s in range(spec_steps(args.budget_s))],
         }
-        _write(out / "spec.json", spec)
+        harness.write_json(out / "spec.json", spec)
         if spec_only:
             return
         result["setup_seconds"] = time.perf_counter() - t_start
-        recipe.evaluate_now()
-        recipe.start_clock()
-        recipe.train()
-        if recipe.points[-1].step != recipe.step:
-            recipe.evaluate_now()
+        recipe.run_budget()
     finally:
         recipe.cleanup()
     result.update({"complete": True, "steps": recipe.step,
                    "end_train_seconds": recipe.train_seconds,
                    "total_wall_seconds": time.perf_counter() - t_start,
                    "load_average_end": os.getloadavg()})
-    _write(result_path, result)
+    harness.write_json(result_path, result)
 
 
 def _worker_cmd(args: argparse.Namespace, mode: str) -> list[str]:
@@ -649,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
                         settings)
         command = (load_result(args.out / "summary.json") or {}).get("command", command)
     summary = summarize(results, args.target, settings, command)
-    _write(args.out / "summary.json", summary)
+    harness.write_json(args.out / "summary.json", summary)
     table = summary_markdown(summary)
     (args.out / "summary.md").write_text(table)
     title = (f"SmolLM2-135M-Instruct, arithmetic (rung a): {settings['eval_problems']} "
