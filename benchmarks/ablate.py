@@ -488,14 +488,30 @@ def _interp(points: list[dict], grid, x: str = "train_seconds"):
     return np.interp(grid, xs, ys)
 
 
-#: Points of the budget (fractions) at which the summary reports held-out success.
-FRACTIONS = (1 / 16, 1 / 8, 1 / 4)
+#: Points of the budget (fractions) at which the summary may report held-out success: the
+#: first three that are not closer together than the runs' evaluations (see
+#: :func:`summary_fractions`).
+FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 1 / 2)
+
+
+def summary_fractions(rows: Sequence[dict[str, Any]], budget_s: float) -> list[float]:
+    """The :data:`FRACTIONS` the summary reports: at most three, none earlier than about the
+    first evaluation after the start (median over runs), so that a column is never a straight
+    line drawn between two evaluations far apart (a sparse ``--eval-every-s``)."""
+    import numpy as np
+
+    firsts = [min((p["train_seconds"] for p in points if p["train_seconds"] > 0),
+                  default=budget_s)
+              for runs in _curves(rows).values() for points in runs.values()]
+    spacing = float(np.median(firsts)) if firsts else 0.0
+    kept = [f for f in FRACTIONS if budget_s * f >= 0.9 * spacing][:3]
+    return kept or [FRACTIONS[-1]]
 
 
 def summarize(rows: Sequence[dict[str, Any]], budget_s: float,
               threshold: float = 0.9) -> list[dict[str, Any]]:
     """Per setting, mean / std / min / max over seeds of: held-out success at the
-    :data:`FRACTIONS` of the budget (``at_<seconds>s``) and at the end (``final``), its mean
+    :func:`summary_fractions` of the budget (``at_<seconds>s``) and at the end (``final``), its mean
     over the whole budget (``mean_over_budget``, the area under the curve / budget), the
     training seconds and GRPO steps until it first reaches ``threshold``, the GRPO steps and
     generated tokens done, and training seconds per step.
@@ -503,11 +519,12 @@ def summarize(rows: Sequence[dict[str, Any]], budget_s: float,
     import numpy as np
 
     out = []
+    fractions = summary_fractions(rows, budget_s)
     for (knob, label), runs in _curves(rows).items():
         values: dict[str, list[float]] = {}
         for points in runs.values():
             points = sorted(points, key=lambda p: p["eval_index"])
-            for frac in FRACTIONS:
+            for frac in fractions:
                 at = budget_s * frac
                 values.setdefault(f"at_{at:g}s", []).append(float(_interp(points, [at])[0]))
             values.setdefault("final", []).append(points[-1]["heldout_success"])
@@ -548,15 +565,16 @@ def summary_markdown(summary: Sequence[dict[str, Any]], clock: str, budget_s: fl
             return "never"
         return f"{m:.{digits}f} ± {s:.{digits}f}"
 
-    ats = [f"at_{budget_s * f:g}s" for f in FRACTIONS]
+    ats = [k[:-len("_mean")] for k in summary[0]
+           if k.startswith("at_") and k.endswith("s_mean")]
     header = (
         "| knob | setting | "
-        + " | ".join(f"held-out at {budget_s * f:g} s" for f in FRACTIONS)
+        + " | ".join(f"held-out at {a[3:-1]} s" for a in ats)
         + f" | at end ({budget_s:g} s) [min, max] | mean over budget "
         f"| {clock} s to {threshold:g} (runs) | steps to {threshold:g} | steps done "
         f"| {clock} s / step |"
     )
-    lines = [header, "|" + "---|" * (len(FRACTIONS) + 9)]
+    lines = [header, "|" + "---|" * (len(ats) + 8)]
     for r in summary:
         lines.append(
             f"| {r['knob']} | {r['setting']} | "
@@ -753,6 +771,32 @@ def run_grid(settings: Sequence[Setting], seeds: Sequence[int], out_dir: Path, *
         return fix(list(pool.map(_task, task_args(bases))))
 
 
+def collect_results(settings: Sequence[Setting], seeds: Sequence[int], out_dir: Path, *,
+                    task: Task = TASKS["quickstart"]
+                    ) -> tuple[list[RunResult], list[str]]:
+    """The finished runs of a grid under ``out_dir`` (their ``result.json``), without
+    training anything, and the names of the runs still missing.
+
+    Lets one summary cover invocations that trained different knobs or seeds (e.g. every
+    knob at seed 0, then the closest settings at seeds 1 and 2): settings summarize over
+    the seeds that exist.
+    """
+    found: list[RunResult] = []
+    missing: list[str] = []
+    n = len(task.overrides)
+    for overrides in unique_runs(settings):
+        for seed in seeds:
+            name = _run_name(overrides, seed)
+            saved = out_dir / "runs" / name / "result.json"
+            if not saved.is_file():
+                missing.append(name)
+                continue
+            result = _load_result(saved)
+            result.overrides = tuple(result.overrides[n:])
+            found.append(result)
+    return found, missing
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command line: see the module docstring."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -785,6 +829,9 @@ def main(argv: list[str] | None = None) -> int:
                         "reports (0.9 suits the quickstart; e.g. 0.3 for smollm2_arithmetic)")
     parser.add_argument("--plots-only", action="store_true",
                         help="re-plot an existing <out>/ablate.csv")
+    parser.add_argument("--collect", action="store_true",
+                        help="train nothing: summarize the runs of the grid (and --knobs, "
+                        "--seeds) already finished under --out, listing the missing ones")
     args = parser.parse_args(argv)
 
     settings = quick_grid() if args.quick else GRIDS[args.grid]()
@@ -806,10 +853,18 @@ def main(argv: list[str] | None = None) -> int:
         budget = float(rows[0]["budget_s"])
         clock = rows[0]["clock"]
     else:
-        os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-        results = run_grid(settings, seeds, out, budget_s=budget, eval_every_s=eval_every,
-                           clock=args.clock, workers=args.workers, threads=args.threads,
-                           warmup_steps=args.warmup_steps, task=TASKS[args.task])
+        if args.collect:
+            results, missing = collect_results(settings, seeds, out, task=TASKS[args.task])
+            if not results:
+                parser.error(f"--collect: no finished run of this grid under {out / 'runs'}")
+            for name in missing:
+                print(f"[ablate] not finished (left out of the summary): {name}")
+        else:
+            os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+            results = run_grid(settings, seeds, out, budget_s=budget, eval_every_s=eval_every,
+                               clock=args.clock, workers=args.workers,
+                               threads=args.threads, warmup_steps=args.warmup_steps,
+                               task=TASKS[args.task])
         rows = result_rows(settings, results, clock=args.clock, budget_s=budget)
         write_csv(rows, csv_path)
         rows = read_csv(csv_path)

@@ -122,3 +122,80 @@ def test_quick_grid_writes_csv_and_plots(tmp_path):
     for name in ("ablate_ppo_epochs.png", "ablate_all.png"):
         png = out / name
         assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _fake_result(out: Path, overrides: tuple[str, ...], seed: int, finals: tuple[float, ...],
+                 task_overrides: tuple[str, ...] = ()) -> None:
+    """A finished run's ``result.json``: evaluations at 0, 300 and 600 training seconds."""
+    import json
+    from dataclasses import asdict
+
+    points = [ablate.EvalPoint(step=i * 10, optimizer_steps=i * 10, train_seconds=300.0 * i,
+                               wall_seconds=310.0 * i, cpu_seconds=300.0 * i,
+                               phase_seconds=300.0 * i, generated_tokens=1000.0 * i,
+                               heldout_success=v, reward_mean=None, eval_seconds=5.0)
+              for i, v in enumerate((0.1, *finals))]
+    result = ablate.RunResult(overrides=(*task_overrides, *overrides), seed=seed,
+                              points=points)
+    run = out / "runs" / ablate._run_name(overrides, seed)
+    run.mkdir(parents=True)
+    (run / "result.json").write_text(json.dumps(asdict(result)))
+
+
+def test_collect_summarizes_the_finished_runs_without_training(tmp_path, capsys):
+    """``--collect`` summarizes whatever runs exist (seeds may differ between settings),
+    lists the missing ones, trains nothing, and reports held-out success only at points
+    the sparse evaluations support (300 s here, not an interpolation at 37.5 s)."""
+    out = tmp_path / "abl"
+    grid = [s for s in ablate.real_grid() if s.knob == "estimator"]
+    default, rloo = grid[0], next(s for s in grid if s.label == "rloo")
+    task_overrides = ablate.TASKS["smollm2_arithmetic"].overrides
+    for seed, finals in ((0, (0.30, 0.40)), (1, (0.20, 0.30))):
+        _fake_result(out, default.overrides, seed, finals, task_overrides)
+    _fake_result(out, rloo.overrides, 0, (0.25, 0.35), task_overrides)
+
+    rc = ablate.main(["--task", "smollm2_arithmetic", "--grid", "real", "--knobs", "estimator",
+                      "--seeds", "0", "1", "--budget-s", "600", "--threshold", "0.3",
+                      "--collect", "--out", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert f"not finished (left out of the summary): {ablate._run_name(rloo.overrides, 1)}" \
+        in printed
+    assert "s wall)" not in printed  # nothing trained
+
+    with (out / "summary.csv").open() as f:
+        summary = {r["setting"]: r for r in csv.DictReader(f)}
+    assert set(summary) == {default.label, rloo.label}  # unfinished settings left out
+    assert int(summary[default.label]["seeds"]) == 2 and int(summary[rloo.label]["seeds"]) == 1
+    assert float(summary[default.label]["final_mean"]) == pytest.approx(0.35)
+    assert float(summary[default.label]["at_300s_mean"]) == pytest.approx(0.25)
+    assert float(summary[rloo.label]["final_mean"]) == pytest.approx(0.35)
+    assert not any(k.startswith("at_37.5s") for k in summary[default.label])
+    table = (out / "summary.md").read_text().splitlines()
+    assert "held-out at 300 s" in table[0]
+    assert table[0].count("|") == table[1].count("|")  # the separator matches the header
+
+
+def test_summary_fractions_follow_the_evaluation_spacing():
+    def rows(spacing: float, budget: float) -> list[dict]:
+        n = int(budget / spacing)
+        return [{"knob": "k", "setting": "s", "is_default": 1, "seed": 0, "eval_index": i,
+                 "train_seconds": spacing * i, "step": i, "heldout_success": 0.1,
+                 "generated_tokens": 0.0} for i in range(n + 1)]
+
+    assert ablate.summary_fractions(rows(8 / 32, 8.0), 8.0) == [1 / 16, 1 / 8, 1 / 4]
+    assert ablate.summary_fractions(rows(300.0, 600.0), 600.0) == [1 / 2]
+    assert ablate.summary_fractions(rows(600.0, 600.0), 600.0) == [1 / 2]  # never empty
+
+
+def test_collect_strips_the_tasks_own_overrides(tmp_path):
+    """A task's own overrides are saved in ``result.json`` but are not part of a setting's
+    key: collected runs must match their settings again."""
+    task = ablate.Task("grpo/smollm2_arithmetic_cpu", "smollm2", ("max_generated_tokens=24",))
+    setting = next(s for s in ablate.real_grid() if s.label == "rloo")
+    _fake_result(tmp_path, setting.overrides, 0, (0.2, 0.3), task.overrides)
+    found, missing = ablate.collect_results([setting], [0, 1], tmp_path, task=task)
+    assert [r.overrides for r in found] == [setting.overrides]
+    assert missing == [ablate._run_name(setting.overrides, 1)]
+    rows = ablate.result_rows([setting], found, clock="cpu", budget_s=600.0)
+    assert len(rows) == 3 and {r["setting"] for r in rows} == {"rloo"}
