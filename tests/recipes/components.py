@@ -29,3 +29,22 @@ def _vllm_generator_without_sync():
 def VLLMGeneratorWithoutSync(**kwargs):  # noqa: N802 - used as a `_component_` class name
     """Build the never-syncing vLLM generator (vLLM imported only when a test asks for it)."""
     return _vllm_generator_without_sync()(**kwargs)
+
+
+class CountingLengthReward:
+    """Reward = number of characters; reports how many completions of each call are longer
+    than ``long_chars`` through ``last_counts`` (the component counters of
+    :class:`~torchtune_grpo.rewards.reward_set.RewardSet`), and remembers each call's count in
+    :attr:`calls` (class-wide, for in-process tests)."""
+
+    calls: list[int] = []
+
+    def __init__(self, long_chars: int = 4) -> None:
+        self.long_chars = long_chars
+        self.last_counts: dict[str, int] = {}
+
+    def __call__(self, completions: list[str], answers: list[str], **kwargs) -> list[float]:
+        n = sum(len(c) > self.long_chars for c in completions)
+        self.last_counts = {"long": n}
+        CountingLengthReward.calls.append(n)
+        return [float(len(c)) for c in completions]

@@ -28,7 +28,8 @@ def protocol_methods() -> set[str]:
 
 
 def recipe_generator_calls() -> dict[str, tuple[int, set[str]]]:
-    """What the recipe's modules call on their generator: ``self.generator.X(...)``, ``generator.X(...)``.
+    """What the recipe's modules call on their generator: ``self.generator.X(...)``,
+    ``generator.X(...)``.
 
     Returns:
         ``{method: (positional argument count, keyword names)}`` (the union over its calls, the

@@ -182,6 +182,33 @@ def test_judge_parse_failures_are_scored_or_named(judge_dir):
     assert out_of_range(COMPLETIONS[:2], ANSWERS[:2], questions=QUESTIONS[:2]) == [-1.0, -1.0]
 
 
+def test_learned_counters_report_each_call(reward_models, judge_dir):
+    """``last_counts`` describes the last call only, also after a call that raised."""
+    folder, _ = reward_models["llama"]
+    rm = RewardModelScore(str(folder), max_seq_len=24)
+    short = [i for i, (q, c) in enumerate(zip(QUESTIONS, COMPLETIONS, strict=True))
+             if len(rm.encode(q, c)) <= 24]
+    rm(COMPLETIONS, ANSWERS, questions=QUESTIONS)
+    assert rm.last_counts == {"truncated": len(COMPLETIONS) - len(short)} != {"truncated": 0}
+    rm([COMPLETIONS[short[0]]], [ANSWERS[0]], questions=[QUESTIONS[short[0]]])
+    assert rm.last_counts == {"truncated": 0}
+    rm(COMPLETIONS, ANSWERS, questions=QUESTIONS)
+    rm.truncation = "error"  # a call that raises leaves no stale count behind
+    with pytest.raises(ValueError):
+        rm(COMPLETIONS, ANSWERS, questions=QUESTIONS)
+    assert rm.last_counts == {"truncated": 0}
+    judge = GenerativeJudge(str(judge_dir), TEMPLATE, parser="yes_no", on_parse_failure=0.0)
+    judge(COMPLETIONS[:3], ANSWERS[:3], questions=QUESTIONS[:3])
+    assert judge.last_counts == {"parse_failures": 3}
+    rewards = build_reward_set([
+        {"_component_": "torchtune_grpo.rewards.components.NumericCorrectness",
+         "answer_tag": None, "success": True},
+        {"_component_": "torchtune_grpo.rewards.GenerativeJudge", "model_dir": str(judge_dir),
+         "prompt_template": TEMPLATE, "parser": "yes_no", "on_parse_failure": 0.0}])
+    out = rewards(COMPLETIONS, ANSWERS, questions=QUESTIONS)
+    assert out.counts == {"judge/parse_failures": 5}
+
+
 def test_judge_arguments_fail_at_construction(judge_dir, tmp_path):
     with pytest.raises(ValueError, match=r"unknown field \{rubric\}"):
         GenerativeJudge(str(tmp_path / "absent"), "Grade {completion} by {rubric}")
@@ -246,6 +273,8 @@ def test_reward_entries_build_and_score_a_batch(reward_models, judge_dir):
     torch.testing.assert_close(rm_scores, torch.tensor(_reference_scores(
         ref, rewards.entries[1].fn)), atol=1e-4, rtol=0)
     assert out.components["judge"].tolist() == pytest.approx([0.7] * 5)
+    # their counters reach the output (logged as reward/<name>/<counter>)
+    assert out.counts == {"reward_model/truncated": 0, "judge/parse_failures": 0}
     want = out.components["correctness"] + 0.5 * rm_scores + 0.07 * out.success.float()
     torch.testing.assert_close(out.total, want, atol=1e-5, rtol=0)
 

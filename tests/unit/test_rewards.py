@@ -532,6 +532,41 @@ def test_on_error_zero_counts_errors():
     assert out.success.tolist() == [True, False, True, False]
 
 
+class _Counting:
+    """Scores 1 per sample, counts the samples containing "odd" and raises on "boom"."""
+
+    def __init__(self):
+        self.last_counts = {}
+
+    def __call__(self, completions, answers, **kwargs):
+        self.last_counts = {"odd": sum("odd" in c for c in completions)}
+        if any("boom" in c for c in completions):
+            raise ValueError("boom")
+        return [1.0] * len(completions)
+
+
+def test_component_counters_are_summed_into_the_output():
+    counting = _Counting()
+    rewards = RewardSet([RewardEntry("correct", NumericCorrectness()),
+                         RewardEntry("c", counting, on_error="zero")])
+    out = rewards(["odd", "even", "odd odd"], ["1"] * 3)
+    assert out.counts == {"c/odd": 2}
+    # after a failed batch call, each sample alone (the failed batch call is not counted)
+    out = rewards(["odd", "boom odd", "x", "odd"], ["1"] * 4)
+    assert out.components["c"].tolist() == [1.0, 0.0, 1.0, 1.0]
+    assert out.errors["c"] == 1 and out.counts == {"c/odd": 3}
+    # components without counters add none
+    plain = RewardSet([RewardEntry("correct", NumericCorrectness())])
+    assert plain(["1"], ["1"]).counts == {}
+
+
+def test_component_counters_must_be_integers():
+    bad = type("Bad", (), {"last_counts": {"odd": 1.5},
+                           "__call__": lambda self, c, a, **k: [1.0] * len(c)})()
+    with pytest.raises(TypeError, match="last_counts.*integers"):
+        RewardSet([RewardEntry("b", bad)])(["x"], ["1"])
+
+
 def test_reward_set_length_mismatch_and_empty_batch():
     rewards = build_reward_set([{"_component_": CORRECT}])
     with pytest.raises(ValueError, match="2 completions but 1 answers"):

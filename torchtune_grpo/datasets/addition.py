@@ -9,8 +9,9 @@ echoing the first operand, the typical mistake, never scores).
 The 4096 problems are shuffled once with a fixed seed (:data:`SPLIT_SEED`, independent of a
 run's seed) and cut into three disjoint splits: ``test`` (held out for evaluation),
 ``warmup`` (only for the quickstart's supervised warm-up, see
-:mod:`torchtune_grpo.quickstart.prepare`) and ``train`` (GRPO prompts). The prompt is the plain text ``"3812+1111="`` after the BOS
-token; the completion is the sum, ended by a stop token, and is scored by
+:mod:`torchtune_grpo.quickstart.prepare`) and ``train`` (GRPO prompts). The prompt is the
+plain text ``"3812+1111="`` after the BOS token; the completion is the sum, ended by a stop
+token, and is scored by
 :class:`~torchtune_grpo.rewards.components.NumericCorrectness` with ``answer_tag: null``.
 """
 

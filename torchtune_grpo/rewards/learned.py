@@ -117,9 +117,17 @@ class RewardModelScore:
         model: the frozen torchtune classifier (``[b, s]`` ids -> ``[b, s, 1]`` scores).
         tokenizer: the folder's :class:`~torchtune_grpo.models.HFTokenizer`.
         last_truncated: sequences truncated in the last call.
+        last_counts: ``{"truncated": last_truncated}``, logged by the recipe as
+            ``reward/<name>/truncated``.
     """
 
     name = "reward_model"
+
+    @property
+    def last_counts(self) -> dict[str, int]:
+        """Counters of the last call, for the recipe's metrics (see
+        :data:`~torchtune_grpo.rewards.reward_set.COUNTS_ATTRIBUTE`)."""
+        return {"truncated": int(self.last_truncated)}
 
     def __init__(self, model_dir: str, *, device: str = "cpu", dtype: str = "fp32",
                  batch_size: int = 8, max_seq_len: int = 4096, truncation: str = "left",
@@ -205,6 +213,7 @@ class RewardModelScore:
                 ``max_seq_len``, naming the sample.
         """
         where = "RewardModelScore"
+        self.last_truncated = 0
         questions = questions_of(kwargs, len(completions), where)
         sequences, truncated = [], 0
         for i, (question, completion) in enumerate(zip(questions, completions, strict=True)):
@@ -282,9 +291,17 @@ class GenerativeJudge:
         last_replies: the judge's replies of the last call.
         last_parse_failures: replies of the last call that did not parse.
         parse_failures: replies that did not parse, over all calls.
+        last_counts: ``{"parse_failures": last_parse_failures}``, logged by the recipe as
+            ``reward/<name>/parse_failures``.
     """
 
     name = "judge"
+
+    @property
+    def last_counts(self) -> dict[str, int]:
+        """Counters of the last call, for the recipe's metrics (see
+        :data:`~torchtune_grpo.rewards.reward_set.COUNTS_ATTRIBUTE`)."""
+        return {"parse_failures": int(self.last_parse_failures)}
 
     def __init__(self, model_dir: str, prompt_template: str, *, parser: str = "number",
                  on_parse_failure: str | float = "error", score_range: list[float] | None = None,
@@ -424,6 +441,7 @@ class GenerativeJudge:
                 ``questions`` for a template that names ``{question}``.
         """
         where = "GenerativeJudge"
+        self.last_parse_failures = 0
         n = len(completions)
         questions = questions_of(kwargs, n, where) if "question" in self.fields else [""] * n
         limit = self.max_seq_len - self.max_generated_tokens

@@ -158,12 +158,42 @@ class RewardOutput:
         success: ``[N]`` bool, the success component's value ``>=`` its threshold.
         errors: name -> number of samples that component failed on and scored 0
             (only components with ``on_error: zero`` can have non-zero counts).
+        counts: ``"<name>/<counter>"`` -> the counters a component reported for this batch
+            through :data:`COUNTS_ATTRIBUTE` (e.g. a judge's unparsable replies, a reward
+            model's truncated inputs); logged as ``reward/<name>/<counter>``.
     """
 
     total: torch.Tensor
     components: dict[str, torch.Tensor]
     success: torch.Tensor
     errors: dict[str, int] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+#: A component may expose this attribute: a mapping counter name -> int describing its last
+#: call (reset by the component at every call). :class:`RewardSet` sums it over the calls of
+#: a batch into :attr:`RewardOutput.counts`, and the recipe logs every counter.
+COUNTS_ATTRIBUTE = "last_counts"
+
+
+def component_counts(fn: Any) -> dict[str, int]:
+    """A component's :data:`COUNTS_ATTRIBUTE` as ``{name: int}`` (empty when it has none).
+
+    Raises:
+        TypeError: the attribute is not a mapping of names to integers.
+    """
+    counts = getattr(fn, COUNTS_ATTRIBUTE, None)
+    if counts is None:
+        return {}
+    if not isinstance(counts, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+        for k, v in counts.items()
+    ):
+        raise TypeError(
+            f"reward component {fn!r}: `{COUNTS_ATTRIBUTE}` must map counter names (str) to "
+            f"integers; got {counts!r}"
+        )
+    return dict(counts)
 
 
 # --------------------------------------------------------------------------------------------
@@ -281,11 +311,13 @@ class RewardSet:
         components: dict[str, torch.Tensor] = {}
         raw: dict[str, torch.Tensor] = {}
         errors: dict[str, int] = {}
+        counts: dict[str, int] = {}
         for entry in self.entries:
-            values, n_errors = self._run(entry, completions, answers, kwargs)
+            values, n_errors, entry_counts = self._run(entry, completions, answers, kwargs)
             raw[entry.name] = values
             components[entry.name] = values.to(torch.float32)
             errors[entry.name] = n_errors
+            counts.update({f"{entry.name}/{k}": v for k, v in entry_counts.items()})
         success_entry = next(e for e in self.entries if e.name == self._success_name)
         success = components[success_entry.name] >= success_entry.success_threshold
         total = torch.zeros(n, dtype=torch.float64)
@@ -296,7 +328,8 @@ class RewardSet:
                                        weighted)
             total += weighted
         return RewardOutput(
-            total=total.to(torch.float32), components=components, success=success, errors=errors
+            total=total.to(torch.float32), components=components, success=success, errors=errors,
+            counts=counts,
         )
 
     def _run(
@@ -305,14 +338,16 @@ class RewardSet:
         completions: list[str],
         answers: list[str],
         kwargs: Mapping[str, Any],
-    ) -> tuple[torch.Tensor, int]:
-        """Call one component on the batch; returns ``([N] float64 values, error count)``."""
+    ) -> tuple[torch.Tensor, int, dict[str, int]]:
+        """Call one component on the batch; returns ``([N] float64 values, error count,
+        its counters)``."""
         n = len(completions)
         try:
             raw = entry.fn(completions, answers, **kwargs)
         except Exception as batch_exc:  # noqa: BLE001 - reported with context below
             return self._run_per_sample(entry, completions, answers, kwargs, batch_exc)
-        return self._validate(entry, raw, completions, n, offset=0), 0
+        values = self._validate(entry, raw, completions, n, offset=0)
+        return values, 0, component_counts(entry.fn)
 
     def _run_per_sample(
         self,
@@ -321,11 +356,18 @@ class RewardSet:
         answers: list[str],
         kwargs: Mapping[str, Any],
         batch_exc: Exception,
-    ) -> tuple[torch.Tensor, int]:
-        """After a batch call raised: score each sample alone to find (or zero) the failures."""
+    ) -> tuple[torch.Tensor, int, dict[str, int]]:
+        """After a batch call raised: score each sample alone to find (or zero) the failures
+        (counters summed over the single-sample calls, the failed batch call's left out)."""
         n = len(completions)
         values = torch.zeros(n, dtype=torch.float64)
         n_errors = 0
+        counts: dict[str, int] = {}
+
+        def add_counts() -> None:
+            for k, v in component_counts(entry.fn).items():
+                counts[k] = counts.get(k, 0) + v
+
         for i in range(n):
             try:
                 sample_kwargs = _slice_kwargs(kwargs, i, n)
@@ -333,6 +375,7 @@ class RewardSet:
             except Exception as exc:
                 if entry.on_error == "zero":
                     n_errors += 1
+                    add_counts()
                     continue
                 raise RuntimeError(
                     f"reward component {entry.name!r} raised {type(exc).__name__}: {exc} "
@@ -341,12 +384,13 @@ class RewardSet:
                     "`on_error: zero` on its config entry to score failing samples 0."
                 ) from exc
             values[i] = self._validate(entry, raw, completions, 1, offset=i)[0]
+            add_counts()
         if n_errors == 0 and entry.on_error == "raise":
             raise RuntimeError(
                 f"reward component {entry.name!r} raised {type(batch_exc).__name__}: {batch_exc} "
                 "on the batch, but no single sample reproduces it."
             ) from batch_exc
-        return values, n_errors
+        return values, n_errors, counts
 
     @staticmethod
     def _validate(

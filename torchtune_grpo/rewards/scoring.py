@@ -88,4 +88,6 @@ def concat_reward_outputs(outputs: list[Any]) -> Any:
                     for k in outputs[0].components},
         success=torch.cat([o.success for o in outputs]),
         errors={k: sum(o.errors.get(k, 0) for o in outputs) for k in outputs[0].errors},
+        counts={k: sum(o.counts.get(k, 0) for o in outputs)
+                for k in dict.fromkeys(c for o in outputs for c in o.counts)},
     )

@@ -209,6 +209,7 @@ def _select(traj: Any, rewards: Any, groups: torch.Tensor, group_size: int) -> t
         components={k: v[rows] for k, v in rewards.components.items()},
         success=rewards.success[rows],
         errors=dict(rewards.errors),
+        counts=dict(rewards.counts),
     )
     return traj.select(rows.to(traj.tokens.device)), picked
 

@@ -301,6 +301,10 @@ class GRPORecipe(RecipeSetup, RecipeUpdate, RecipeCheckpoints):
         for name, count in rewards.errors.items():
             errors = self.ranks.all_reduce(torch.tensor([float(count)], device=self.device), "sum")
             metrics[f"reward/{name}/errors"] = float(errors)
+        for name, count in sorted(rewards.counts.items()):  # a component's own counters
+            total_count = self.ranks.all_reduce(
+                torch.tensor([float(count)], device=self.device), "sum")
+            metrics[f"reward/{name}"] = float(total_count)
         metrics["data/skipped_rows"] = float(getattr(self.dataset, "skipped_rows", 0))
         metrics.update(loss_metrics)
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])

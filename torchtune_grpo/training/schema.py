@@ -181,7 +181,8 @@ RECIPE_KEYS: dict[str, Key] = {
     "lr_scheduler": Key("component|null", None, "LR scheduler (``optimizer`` is filled in)."),
     "metric_logger": Key("component|null", None, "torchtune metric logger."),
     "advantages": Key("dict|null", None,
-                      "``estimator`` (grpo/rloo/reinforce_pp), ``scale`` (grpo: group/batch/none) and "
+                      "``estimator`` (grpo/rloo/reinforce_pp), ``scale`` "
+                      "(grpo: group/batch/none) and "
                       "``eps`` of the group advantages (the "
                       "fields of :class:`torchtune_grpo.training.settings.AdvantageSettings`; "
                       "unknown keys are errors).", settings=AdvantageSettings),
