@@ -8,6 +8,7 @@ greedy reply to any prompt is "7" (``tests/unit/_learned_models.py``), so its sc
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -291,3 +292,54 @@ def test_example_configs_build_with_local_folders(name, tmp_path):
     assert out.total.shape == (5,) and torch.isfinite(out.total).all()
     learned = [n for n in rewards.names if n in ("reward_model", "judge")]
     assert learned and all(torch.isfinite(out.components[n]).all() for n in learned)
+
+
+# ---------------------------------------------------------------------------- memory
+@pytest.mark.parametrize("name", ["grpo/learned_reward_example", "grpo/judge_reward_example"])
+def test_memory_estimate_counts_the_learned_reward_models(name, tmp_path):
+    """``estimate-memory`` sizes a learned reward's frozen model from its folder: exactly the
+    parameters the component builds, resident on the policy's device (or listed apart when it
+    sits elsewhere), plus a scoring phase; an unreadable folder is named, not guessed."""
+    from torchtune_grpo.training.config import load_config
+    from torchtune_grpo.training.memory_estimate import estimate_memory
+
+    shipped = load_config(name)
+    before = estimate_memory(shipped)  # the example's folder is not on this machine
+    assert before.components["reward_models"] == 0 and "rewards" not in before.phases
+    assert len(before.settings["not_counted"]) == 1
+    assert "does not exist" in before.settings["not_counted"][0]
+
+    cfg = with_local_reward_models(load_config(name), tmp_path)
+    rewards = build_reward_set(cfg.rewards)
+    learned = [e for e in rewards.entries if e.name in ("reward_model", "judge")]
+    assert len(learned) == 1
+    built = sum(p.numel() for p in learned[0].fn.model.parameters())  # what it really holds
+    cfg.device = "cpu"  # the policy's device, where the entry sits (with_local_reward_models)
+    est = estimate_memory(cfg)
+    [entry] = est.settings["learned_rewards"]
+    assert entry["params"] == built and entry["weights"] == 4 * built  # fp32
+    assert est.components["reward_models"] == 4 * built
+    assert est.settings["not_counted"] == []
+    static = sum(est.components[k] for k in ("weights", "optimizer_state", "reference_model",
+                                             "reward_models"))
+    assert est.phases["rewards"] >= static + entry["scoring"] > static
+    # one scoring batch, by hand from config.json: the forward's working set, and for the
+    # judge its KV cache for batch_size prompts of max_seq_len plus the sampling buffers
+    fn = learned[0].fn
+    hf = json.loads((Path(fn.model_dir) / "config.json").read_text())
+    rows = fn.batch_size * fn.max_seq_len
+    want = rows * (4 * hf["hidden_size"] + 3 * hf["intermediate_size"]) * 4
+    if entry["name"] == "judge":
+        head_dim = hf["hidden_size"] // hf["num_attention_heads"]
+        want += rows * hf["num_hidden_layers"] * 2 * hf["num_key_value_heads"] * head_dim * 4
+        want += fn.batch_size * hf["vocab_size"] * 16
+    assert entry["scoring"] == want
+    assert est.phases["update"] == before.phases["update"] + 4 * built  # now static state
+    assert est.other_devices == {}
+    assert "reward_models" in est.table()
+
+    cfg.device = "cuda"  # the policy elsewhere: the reward model is listed apart
+    apart = estimate_memory(cfg)
+    assert apart.components["reward_models"] == 0 and "rewards" not in apart.phases
+    assert apart.other_devices == {"cpu": entry["weights"] + entry["scoring"]}
+    assert "rewards on cpu" in apart.table()

@@ -36,9 +36,18 @@ recipe keeps alive, component by component:
   update also keeps the softmax of its first chunks for the backward, up to
   ``logprob_keep_probs_mib`` (whole chunks).
 
-The peak is the static part (weights, optimizer state, reference) plus the largest of the
-phases that follow each other: rollout (KV cache), reference pass, update (gradients,
-activations, logits) and, on ``device: cpu`` only, checkpoint loading (the checkpoint's state
+* **learned rewards** (:func:`learned_reward_memory`): a ``RewardModelScore`` or
+  ``GenerativeJudge`` entry of ``rewards`` keeps its frozen model loaded for the whole run, in
+  its own ``dtype`` on its own ``device``. On the policy's device its weights are part of the
+  static state (``reward_models``) and its scoring adds a ``rewards`` phase (one batch of
+  ``batch_size`` sequences of up to ``max_seq_len`` tokens: the forward's temporaries, and a
+  judge's KV cache); on another device they are listed apart (``other_devices``). A folder
+  that cannot be read is named in ``settings["not_counted"]``.
+
+The peak is the static part (weights, optimizer state, reference, learned-reward models on
+the policy's device) plus the largest of the phases that follow each other: rollout (KV
+cache), reference pass, reward scoring, update (gradients, activations, logits) and, on
+``device: cpu`` only, checkpoint loading (the checkpoint's state
 dict sits in the same memory as the model while it is copied in). Quantities are bytes;
 ``GiB`` in tables. The prompt length ``P`` is ``dataset.max_prompt_tokens`` when the config
 sets it, else ``prompt_tokens`` (default :data:`DEFAULT_PROMPT_TOKENS`, GSM8K-style prompts;
@@ -176,6 +185,9 @@ class MemoryEstimate:
         peak_bytes: the largest phase.
         peak_phase: which phase it is.
         host_bytes: host (CPU) memory of offloaded state (``fsdp_cpu_offload``), not in the peak.
+        other_devices: bytes of learned-reward models placed on another device than the
+            policy, by device (``"cpu"``, ``"cuda:1"``), weights plus one scoring batch; not in
+            the peak.
         settings: the numbers the estimate used (rows, lengths, dtype, ...).
         dims: the model's dimensions.
     """
@@ -187,6 +199,7 @@ class MemoryEstimate:
     peak_bytes: int
     peak_phase: str
     host_bytes: int = 0
+    other_devices: dict[str, int] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)
     dims: ModelDims | None = None
 
@@ -225,6 +238,10 @@ class MemoryEstimate:
         if self.host_bytes:
             lines.append(f"  {'host (offloaded)':<18}{self.host_bytes / GIB:>10.2f}")
         lines.append(f"  {'PEAK':<18}{self.peak_gib:>10.2f}")
+        for device, value in self.other_devices.items():
+            lines.append(f"  {'rewards on ' + device:<18}{value / GIB:>10.2f}  (not in the peak)")
+        for note in s.get("not_counted", []):
+            lines.append(f"  not counted: {note}")
         return "\n".join(lines)
 
 
@@ -267,6 +284,110 @@ def _prompt_tokens(cfg: DictConfig, default: int) -> int:
         return int(value)
     builder = str(dataset.get("_component_", "")).rsplit(".", 1)[-1]
     return int(KNOWN_PROMPT_TOKENS.get(builder, default))
+
+
+#: ``rewards`` components whose frozen model :func:`learned_reward_memory` counts, by class
+#: name: ``"classifier"`` (a scoring forward) or ``"judge"`` (greedy generation).
+LEARNED_REWARDS = {"RewardModelScore": "classifier", "GenerativeJudge": "judge"}
+
+
+@dataclass(frozen=True)
+class LearnedRewardMemory:
+    """Memory of one learned-reward entry of ``rewards`` (bytes).
+
+    Attributes:
+        name: the entry's ``name`` (else the component's own, as the reward set names it).
+        device: where its model lives (the entry's ``device``, default ``cpu``).
+        params: parameters of its torchtune model.
+        weights: ``params`` in the entry's ``dtype``.
+        scoring: the peak of scoring one batch: the forward's temporaries over ``batch_size``
+            sequences of ``max_seq_len`` tokens, and for a judge its KV cache and sampling
+            buffers (freed after the call).
+    """
+
+    name: str
+    device: str
+    params: int
+    weights: int
+    scoring: int
+
+
+def learned_reward_memory(cfg: DictConfig) -> tuple[list[LearnedRewardMemory], list[str]]:
+    """The frozen models of the config's learned rewards (``RewardModelScore``,
+    ``GenerativeJudge``), sized from their folders' ``config.json`` on the meta device.
+
+    Args:
+        cfg: a training config.
+
+    Returns:
+        ``(entries, not_counted)``: one :class:`LearnedRewardMemory` per learned entry whose
+        folder could be read, and a line per entry that could not (its name, folder and why).
+    """
+    from torchtune_grpo.models.builders import hf_architecture, hf_model, read_hf_config
+    from torchtune_grpo.models.classifier import build_classifier, hf_classifier_architecture
+
+    found: list[LearnedRewardMemory] = []
+    missing: list[str] = []
+    for i, entry in enumerate(cfg.get("rewards") or []):
+        component = str(entry.get("_component_", "")).rsplit(".", 1)[-1]
+        kind = LEARNED_REWARDS.get(component)
+        if kind is None:
+            continue
+        name = str(entry.get("name") or _component_name(component))
+        model_dir = str(entry.get("model_dir", ""))
+        b = DTYPE_BYTES.get(str(entry.get("dtype", "fp32")), 4)
+        batch = int(entry.get("batch_size", 8) or 8)
+        seq = int(entry.get("max_seq_len", 4096 if kind == "classifier" else 2048))
+        try:
+            hf = read_hf_config(model_dir)
+            where = f"{model_dir}/config.json"
+            if kind == "classifier":
+                arch = hf_classifier_architecture(hf, where=where, max_seq_len=seq)
+                with torch.device("meta"):
+                    model = build_classifier(arch)
+            else:
+                arch = hf_architecture(hf, where=where, max_seq_len=seq)
+                with torch.device("meta"):
+                    model = hf_model(model_dir, max_seq_len=seq)
+        except (OSError, ValueError) as exc:
+            missing.append(f"rewards[{i}] ({name}): {model_dir or 'no model_dir'}: {exc}")
+            continue
+        params = sum(p.numel() for p in dict(model.named_parameters()).values())
+        kw = arch.builder_kwargs
+        d, f = int(kw["embed_dim"]), int(kw["intermediate_dim"])
+        heads, kv_heads = int(kw["num_heads"]), int(kw["num_kv_heads"])
+        head_dim = int(kw.get("head_dim") or d // heads)
+        # a no-grad forward keeps about one layer's working set per token: the residual
+        # stream, q/k/v/attention output and the MLP's hidden tensors
+        forward = batch * seq * (4 * d + 3 * f) * b
+        scoring = forward
+        if kind == "judge":
+            layers = int(kw["num_layers"])
+            kv_cache = batch * layers * 2 * kv_heads * head_dim * seq * b
+            sampling = batch * int(kw["vocab_size"]) * 4 * 4
+            scoring = kv_cache + forward + sampling
+        found.append(LearnedRewardMemory(
+            name=name, device=str(entry.get("device", "cpu")), params=int(params),
+            weights=int(params * b), scoring=int(scoring)))
+    return found, missing
+
+
+def _component_name(component: str) -> str:
+    """The metric name a learned-reward class gives itself (its ``name`` attribute)."""
+    from torchtune_grpo.rewards import learned
+
+    return str(getattr(learned, component).name)
+
+
+def _same_device(a: str, policy: str) -> bool:
+    """``a`` (a reward entry's device) is the policy's: same type, and no other index."""
+    try:
+        da, dp = torch.device(a), torch.device(policy)
+    except (RuntimeError, TypeError):
+        return False
+    if da.type != dp.type:
+        return False
+    return da.type == "cpu" or da.index is None or da.index == (dp.index or 0)
 
 
 def estimate_memory(cfg: DictConfig, world_size: int = 1, *,
@@ -399,13 +520,23 @@ def estimate_memory(cfg: DictConfig, world_size: int = 1, *,
         weights = grads = optimizer = reference = 0.0
         update = max(activations + logits, 0.0) + buffers + gathered
 
-    static = weights + optimizer + reference
+    learned, not_counted = learned_reward_memory(cfg)
+    local = [r for r in learned if _same_device(r.device, device)]
+    other_devices: dict[str, int] = {}
+    for r in learned:
+        if r not in local:
+            other_devices[r.device] = other_devices.get(r.device, 0) + r.weights + r.scoring
+    reward_models = float(sum(r.weights for r in local))
+
+    static = weights + optimizer + reference + reward_models
     phases = {"rollout": static + generation}
     if kl:
         phases["reference"] = static + reference_pass
+    if local:  # the components score one after the other: the largest batch counts
+        phases["rewards"] = static + buffers + max(r.scoring for r in local)
     phases["update"] = static + update
     if device == "cpu":  # the checkpoint's state dict and the fresh model side by side
-        phases["load"] = 2 * weights + reference
+        phases["load"] = 2 * weights + reference + reward_models
     peak_phase = max(phases, key=phases.get)
     components = {
         "weights": weights,
@@ -417,6 +548,7 @@ def estimate_memory(cfg: DictConfig, world_size: int = 1, *,
         "logits": logits,
         "gathered_weights": full_copy if native or kl else 0.0,
         "packed_weights": packed,
+        "reward_models": reward_models,
         "other": buffers + gathered + sampling + prefill,
     }
     estimate = MemoryEstimate(
@@ -427,6 +559,7 @@ def estimate_memory(cfg: DictConfig, world_size: int = 1, *,
         peak_bytes=int(phases[peak_phase]),
         peak_phase=peak_phase,
         host_bytes=int(host),
+        other_devices=other_devices,
         settings={
             "dtype": dtype, "device": device, "lora": dims.is_lora, "kl": kl,
             "activation_checkpointing": ac, "fsdp_cpu_offload": offload,
@@ -434,6 +567,7 @@ def estimate_memory(cfg: DictConfig, world_size: int = 1, *,
             "rows": rows, "micro_batch": micro, "generation_rows": gen_rows,
             "prompt_tokens": p, "max_generated_tokens": t_gen, "logprob_chunk_size": chunk,
             "optimizer_states_per_param": states, "kv_positions": kv_positions,
+            "learned_rewards": [asdict(r) for r in learned], "not_counted": not_counted,
         },
         dims=dims,
     )
