@@ -36,19 +36,15 @@ recipe keeps alive, component by component:
   update also keeps the softmax of its first chunks for the backward, up to
   ``logprob_keep_probs_mib`` (whole chunks).
 
-* **learned rewards** (:func:`learned_reward_memory`): a ``RewardModelScore`` or
-  ``GenerativeJudge`` entry of ``rewards`` keeps its frozen model loaded for the whole run, in
-  its own ``dtype`` on its own ``device``. On the policy's device its weights are part of the
-  static state (``reward_models``) and its scoring adds a ``rewards`` phase (one batch of
-  ``batch_size`` sequences of up to ``max_seq_len`` tokens: the forward's temporaries, and a
-  judge's KV cache); on another device they are listed apart (``other_devices``). A folder
-  that cannot be read is named in ``settings["not_counted"]``.
+* **learned rewards** (:mod:`torchtune_grpo.training.memory_rewards`): frozen models on the
+  policy's device are static state (``reward_models``) plus a ``rewards`` phase; on another
+  device they are listed apart (``other_devices``).
 
-The peak is the static part (weights, optimizer state, reference, learned-reward models on
-the policy's device) plus the largest of the phases that follow each other: rollout (KV
-cache), reference pass, reward scoring, update (gradients, activations, logits) and, on
-``device: cpu`` only, checkpoint loading (the checkpoint's state
-dict sits in the same memory as the model while it is copied in). Quantities are bytes;
+The peak is the static part (weights, optimizer state, reference, reward models) plus the
+largest of the phases that follow each other: rollout (KV cache), reference pass, rewards,
+update (gradients, activations, logits) and, on ``device: cpu`` only, checkpoint loading
+(the checkpoint's state dict sits in the same memory as the model while it is copied in).
+Quantities are bytes;
 ``GiB`` in tables. The prompt length ``P`` is ``dataset.max_prompt_tokens`` when the config
 sets it, else ``prompt_tokens`` (default :data:`DEFAULT_PROMPT_TOKENS`, GSM8K-style prompts;
 :data:`KNOWN_PROMPT_TOKENS` for the quickstart's short addition prompts).
@@ -68,6 +64,7 @@ import torch
 from omegaconf import DictConfig
 
 from torchtune_grpo.policy.logprobs import auto_chunk_size
+from torchtune_grpo.training.memory_rewards import DTYPE_BYTES, by_device, learned_reward_memory
 
 #: Prompt tokens assumed when the dataset sets no ``max_prompt_tokens`` (GSM8K prompts with a
 #: chat template are ~100-250 tokens).
@@ -82,8 +79,6 @@ LOGIT_COPIES = 6
 #: forward, the softmax gradient in the backward); plus one block in ``dtype`` when that is not
 #: float32 (the matmul's own output).
 FUSED_LOGIT_COPIES = 2
-#: Bytes per element of the config's ``dtype``.
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 GIB = 1024**3
 #: Prompt lengths of shipped datasets whose prompts are far from the default, by builder name.
 KNOWN_PROMPT_TOKENS = {"addition_dataset": 16}
@@ -185,9 +180,8 @@ class MemoryEstimate:
         peak_bytes: the largest phase.
         peak_phase: which phase it is.
         host_bytes: host (CPU) memory of offloaded state (``fsdp_cpu_offload``), not in the peak.
-        other_devices: bytes of learned-reward models placed on another device than the
-            policy, by device (``"cpu"``, ``"cuda:1"``), weights plus one scoring batch; not in
-            the peak.
+        other_devices: bytes of learned-reward models on other devices than the policy's,
+            by device (weights plus one scoring batch); not in the peak.
         settings: the numbers the estimate used (rows, lengths, dtype, ...).
         dims: the model's dimensions.
     """
@@ -238,10 +232,9 @@ class MemoryEstimate:
         if self.host_bytes:
             lines.append(f"  {'host (offloaded)':<18}{self.host_bytes / GIB:>10.2f}")
         lines.append(f"  {'PEAK':<18}{self.peak_gib:>10.2f}")
-        for device, value in self.other_devices.items():
-            lines.append(f"  {'rewards on ' + device:<18}{value / GIB:>10.2f}  (not in the peak)")
-        for note in s.get("not_counted", []):
-            lines.append(f"  not counted: {note}")
+        lines += [f"  {'rewards on ' + device:<18}{value / GIB:>10.2f}  (not in the peak)"
+                  for device, value in self.other_devices.items()]
+        lines += [f"  not counted: {note}" for note in s.get("not_counted", [])]
         return "\n".join(lines)
 
 
@@ -284,110 +277,6 @@ def _prompt_tokens(cfg: DictConfig, default: int) -> int:
         return int(value)
     builder = str(dataset.get("_component_", "")).rsplit(".", 1)[-1]
     return int(KNOWN_PROMPT_TOKENS.get(builder, default))
-
-
-#: ``rewards`` components whose frozen model :func:`learned_reward_memory` counts, by class
-#: name: ``"classifier"`` (a scoring forward) or ``"judge"`` (greedy generation).
-LEARNED_REWARDS = {"RewardModelScore": "classifier", "GenerativeJudge": "judge"}
-
-
-@dataclass(frozen=True)
-class LearnedRewardMemory:
-    """Memory of one learned-reward entry of ``rewards`` (bytes).
-
-    Attributes:
-        name: the entry's ``name`` (else the component's own, as the reward set names it).
-        device: where its model lives (the entry's ``device``, default ``cpu``).
-        params: parameters of its torchtune model.
-        weights: ``params`` in the entry's ``dtype``.
-        scoring: the peak of scoring one batch: the forward's temporaries over ``batch_size``
-            sequences of ``max_seq_len`` tokens, and for a judge its KV cache and sampling
-            buffers (freed after the call).
-    """
-
-    name: str
-    device: str
-    params: int
-    weights: int
-    scoring: int
-
-
-def learned_reward_memory(cfg: DictConfig) -> tuple[list[LearnedRewardMemory], list[str]]:
-    """The frozen models of the config's learned rewards (``RewardModelScore``,
-    ``GenerativeJudge``), sized from their folders' ``config.json`` on the meta device.
-
-    Args:
-        cfg: a training config.
-
-    Returns:
-        ``(entries, not_counted)``: one :class:`LearnedRewardMemory` per learned entry whose
-        folder could be read, and a line per entry that could not (its name, folder and why).
-    """
-    from torchtune_grpo.models.builders import hf_architecture, hf_model, read_hf_config
-    from torchtune_grpo.models.classifier import build_classifier, hf_classifier_architecture
-
-    found: list[LearnedRewardMemory] = []
-    missing: list[str] = []
-    for i, entry in enumerate(cfg.get("rewards") or []):
-        component = str(entry.get("_component_", "")).rsplit(".", 1)[-1]
-        kind = LEARNED_REWARDS.get(component)
-        if kind is None:
-            continue
-        name = str(entry.get("name") or _component_name(component))
-        model_dir = str(entry.get("model_dir", ""))
-        b = DTYPE_BYTES.get(str(entry.get("dtype", "fp32")), 4)
-        batch = int(entry.get("batch_size", 8) or 8)
-        seq = int(entry.get("max_seq_len", 4096 if kind == "classifier" else 2048))
-        try:
-            hf = read_hf_config(model_dir)
-            where = f"{model_dir}/config.json"
-            if kind == "classifier":
-                arch = hf_classifier_architecture(hf, where=where, max_seq_len=seq)
-                with torch.device("meta"):
-                    model = build_classifier(arch)
-            else:
-                arch = hf_architecture(hf, where=where, max_seq_len=seq)
-                with torch.device("meta"):
-                    model = hf_model(model_dir, max_seq_len=seq)
-        except (OSError, ValueError) as exc:
-            missing.append(f"rewards[{i}] ({name}): {model_dir or 'no model_dir'}: {exc}")
-            continue
-        params = sum(p.numel() for p in dict(model.named_parameters()).values())
-        kw = arch.builder_kwargs
-        d, f = int(kw["embed_dim"]), int(kw["intermediate_dim"])
-        heads, kv_heads = int(kw["num_heads"]), int(kw["num_kv_heads"])
-        head_dim = int(kw.get("head_dim") or d // heads)
-        # a no-grad forward keeps about one layer's working set per token: the residual
-        # stream, q/k/v/attention output and the MLP's hidden tensors
-        forward = batch * seq * (4 * d + 3 * f) * b
-        scoring = forward
-        if kind == "judge":
-            layers = int(kw["num_layers"])
-            kv_cache = batch * layers * 2 * kv_heads * head_dim * seq * b
-            sampling = batch * int(kw["vocab_size"]) * 4 * 4
-            scoring = kv_cache + forward + sampling
-        found.append(LearnedRewardMemory(
-            name=name, device=str(entry.get("device", "cpu")), params=int(params),
-            weights=int(params * b), scoring=int(scoring)))
-    return found, missing
-
-
-def _component_name(component: str) -> str:
-    """The metric name a learned-reward class gives itself (its ``name`` attribute)."""
-    from torchtune_grpo.rewards import learned
-
-    return str(getattr(learned, component).name)
-
-
-def _same_device(a: str, policy: str) -> bool:
-    """``a`` (a reward entry's device) is the policy's: same type, and no other index."""
-    try:
-        da, dp = torch.device(a), torch.device(policy)
-    except (RuntimeError, TypeError):
-        return False
-    if da.type != dp.type:
-        return False
-    return da.type == "cpu" or da.index is None or da.index == (dp.index or 0)
 
 
 def estimate_memory(cfg: DictConfig, world_size: int = 1, *,
@@ -521,18 +410,14 @@ def estimate_memory(cfg: DictConfig, world_size: int = 1, *,
         update = max(activations + logits, 0.0) + buffers + gathered
 
     learned, not_counted = learned_reward_memory(cfg)
-    local = [r for r in learned if _same_device(r.device, device)]
-    other_devices: dict[str, int] = {}
-    for r in learned:
-        if r not in local:
-            other_devices[r.device] = other_devices.get(r.device, 0) + r.weights + r.scoring
+    local, other_devices = by_device(learned, device)
     reward_models = float(sum(r.weights for r in local))
 
     static = weights + optimizer + reference + reward_models
     phases = {"rollout": static + generation}
     if kl:
         phases["reference"] = static + reference_pass
-    if local:  # the components score one after the other: the largest batch counts
+    if local:  # components score one after the other: the largest batch counts
         phases["rewards"] = static + buffers + max(r.scoring for r in local)
     phases["update"] = static + update
     if device == "cpu":  # the checkpoint's state dict and the fresh model side by side
