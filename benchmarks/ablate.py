@@ -822,6 +822,9 @@ def main(argv: list[str] | None = None) -> int:
                         "folder of `tune-grpo prepare-model smollm2`)")
     parser.add_argument("--knobs", nargs="+", default=None,
                         help="only these knobs of the grid")
+    parser.add_argument("--settings", nargs="+", default=None,
+                        help="only the settings of these names (as the summary prints them, "
+                        "e.g. 'GSPO' 'Dr. GRPO'), after --knobs")
     parser.add_argument("--quick", action="store_true",
                         help="CI grid: default vs ppo_epochs=2, first seed only, 3 s budget")
     parser.add_argument("--threshold", type=float, default=0.9,
@@ -841,6 +844,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--knobs {unknown} not in grid {args.grid!r}: "
                          f"{sorted({s.knob for s in settings})}")
         settings = [s for s in settings if s.knob in args.knobs]
+    if args.settings:
+        unknown = sorted(set(args.settings) - {s.label for s in settings})
+        if unknown:
+            parser.error(f"--settings {unknown} not among {sorted({s.label for s in settings})}")
+        settings = [s for s in settings if s.label in args.settings]
     seeds = args.seeds[:1] if args.quick else args.seeds
     budget = args.budget_s or (3.0 if args.quick else 8.0)
     eval_every = args.eval_every_s or budget / (8 if args.quick else 32)

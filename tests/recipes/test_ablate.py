@@ -199,3 +199,23 @@ def test_collect_strips_the_tasks_own_overrides(tmp_path):
     assert missing == [ablate._run_name(setting.overrides, 1)]
     rows = ablate.result_rows([setting], found, clock="cpu", budget_s=600.0)
     assert len(rows) == 3 and {r["setting"] for r in rows} == {"rloo"}
+
+
+def test_settings_filter_selects_by_label_and_rejects_unknown_names(tmp_path, capsys):
+    """``--settings`` keeps only the named settings (a resume of a few runs of a knob) and
+    names an unknown label with the valid ones before any work starts."""
+    out = tmp_path / "abl"
+    grid = [s for s in ablate.real_grid() if s.knob == "loss"]
+    gspo = next(s for s in grid if s.label == "GSPO")
+    task_overrides = ablate.TASKS["smollm2_arithmetic"].overrides
+    for setting in grid:
+        _fake_result(out, setting.overrides, 0, (0.2, 0.3), task_overrides)
+    base = ["--task", "smollm2_arithmetic", "--grid", "real", "--knobs", "loss", "--seeds", "0",
+            "--budget-s", "600", "--threshold", "0.3", "--collect", "--out", str(out)]
+    assert ablate.main([*base, "--settings", "GSPO"]) == 0
+    with (out / "summary.csv").open() as f:
+        assert [r["setting"] for r in csv.DictReader(f)] == [gspo.label]
+    with pytest.raises(SystemExit):
+        ablate.main([*base, "--settings", "GSPO", "Nope"])
+    err = capsys.readouterr().err
+    assert "--settings ['Nope']" in err and "'CISPO'" in err
