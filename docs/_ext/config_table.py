@@ -19,7 +19,8 @@ from docutils import nodes
 from sphinx.util.docutils import SphinxDirective
 
 SCHEMAS = ("RECIPE_KEYS", "EVAL_KEYS", "ASYNC_KEYS")
-#: Settings dataclasses of nested blocks (:mod:`torchtune_grpo.training.settings`) -> their config key.
+#: Settings dataclasses of nested blocks (:mod:`torchtune_grpo.training.settings`) -> their
+#: config key.
 SETTINGS = {"AdvantageSettings": "advantages", "EvalSettings": "eval",
             "DynamicSamplingSettings": "dynamic_sampling", "HealthSettings": "run_health"}
 
