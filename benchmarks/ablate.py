@@ -736,7 +736,16 @@ def run_grid(settings: Sequence[Setting], seeds: Sequence[int], out_dir: Path, *
     start: EvalPoint | None = None
     if task.base == "smollm2":
         base = smollm2_base(out_dir)
-        start = shared_start_eval(task, base, out_dir, threads)
+        if workers <= 1 or (out_dir / "start_eval.json").is_file():
+            start = shared_start_eval(task, base, out_dir, threads)
+        else:
+            # in a child process: memory freed after the evaluation stays with the process
+            # that held it, and the parent lives beside the workers for the whole grid
+            import multiprocessing
+
+            with ProcessPoolExecutor(max_workers=1,
+                                     mp_context=multiprocessing.get_context("spawn")) as one:
+                start = one.submit(shared_start_eval, task, base, out_dir, threads).result()
         print(f"[ablate] start: held-out {start.heldout_success:.3f}", flush=True)
 
     def task_args(bases: dict[int, Path]) -> list[tuple]:
