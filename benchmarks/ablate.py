@@ -64,6 +64,7 @@ import math
 import os
 import re
 import sys
+import textwrap
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -676,8 +677,9 @@ def plot(rows: Sequence[dict[str, Any]], out_dir: Path, budget_s: float, clock: 
         draw(ax, knob)
     for ax in list(axes.flat)[len(knobs):]:
         ax.axis("off")
-    fig.suptitle(f"{title}: held-out success vs {label_x.split(' (')[0]} "
-                 "(mean over seeds, band = min-max)")
+    # the title wraps to the figure's width (one knob gives a narrow figure)
+    fig.suptitle(textwrap.fill(f"{title}: held-out success vs {label_x.split(' (')[0]} "
+                               "(mean over seeds, band = min-max)", width=int(18 * cols + 30)))
     fig.tight_layout()
     path = out_dir / f"{prefix}_all{suffix}.png"
     fig.savefig(path, dpi=100)
