@@ -61,6 +61,7 @@ import csv
 import json
 import logging
 import math
+import multiprocessing
 import os
 import re
 import sys
@@ -743,8 +744,6 @@ def run_grid(settings: Sequence[Setting], seeds: Sequence[int], out_dir: Path, *
         else:
             # in a child process: memory freed after the evaluation stays with the process
             # that held it, and the parent lives beside the workers for the whole grid
-            import multiprocessing
-
             with ProcessPoolExecutor(max_workers=1,
                                      mp_context=multiprocessing.get_context("spawn")) as one:
                 start = one.submit(shared_start_eval, task, base, out_dir, threads).result()
@@ -770,8 +769,6 @@ def run_grid(settings: Sequence[Setting], seeds: Sequence[int], out_dir: Path, *
     elif workers <= 1:
         bases = {s: prepare_base(out_dir, s, warmup_steps) for s in seeds}
         return fix([_task(t) for t in task_args(bases)])
-    import multiprocessing
-
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx,
                              initializer=_worker_init, initargs=(threads,)) as pool:
