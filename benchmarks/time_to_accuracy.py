@@ -50,8 +50,8 @@ budget stops it the way SIGTERM does; no checkpoint is written here.)
 Commands (the machine to itself; ``--threads`` as for the other benchmarks)::
 
     bash benchmarks/peers/setup_trl.sh                     # once: .venv-trl
-    python benchmarks/time_to_accuracy.py --threads 2 --budget-s 3600 --eval-every-s 180 \\
-        --eval-problems 480 --out /tmp/tta                 # the comparison: ~3 h on 2 cores
+    python benchmarks/time_to_accuracy.py --threads 2 --budget-s 1800 --eval-every-s 180 \\
+        --eval-problems 480 --out /tmp/tta                 # the comparison: ~85 min on 2 cores
     python benchmarks/time_to_accuracy.py --quick --threads 1 --out /tmp/tta_quick   # ~7 min
 """
 
@@ -89,7 +89,7 @@ LABELS = {"ours": "torchtune-grpo (ours)", "trl": "TRL GRPOTrainer"}
 MILESTONES = (0.2, 0.3, 0.4, 0.5)
 #: ``--quick``: the smoke run's budget, interval and held-out subset (unless given).
 QUICK = {"budget_s": 60.0, "eval_every_s": 20.0, "eval_problems": 30}
-DEFAULTS = {"budget_s": 3600.0, "eval_every_s": 180.0, "eval_problems": 480}
+DEFAULTS = {"budget_s": 1800.0, "eval_every_s": 180.0, "eval_problems": 480}
 
 
 # ---------------------------------------------------------------------------- held-out set
