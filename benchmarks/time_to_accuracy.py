@@ -361,13 +361,14 @@ def time_to_target(points: Sequence[dict[str, Any]], target: float) -> dict[str,
 
 def milestones(ours: Sequence[dict[str, Any]], trl: Sequence[dict[str, Any]],
                levels: Sequence[float]) -> list[dict[str, Any]]:
-    """For each accuracy in ``levels``: each side's training seconds to reach it (``None``:
-    not reached) and TRL's over ours where both did."""
+    """For each accuracy in ``levels``: each side's training seconds and steps to reach it
+    (``None``: not reached) and TRL's seconds over ours where both did."""
     rows = []
     for level in levels:
         o, t = time_to_target(ours, level), time_to_target(trl, level)
         rows.append({"accuracy": level, "ours_seconds": o and o["seconds"],
-                     "trl_seconds": t and t["seconds"],
+                     "trl_seconds": t and t["seconds"], "ours_step": o and o["step"],
+                     "trl_step": t and t["step"],
                      "trl_over_ours": t["seconds"] / max(o["seconds"], 1e-9) if o and t
                      else None})
     return rows
@@ -465,11 +466,11 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         lines += ["", f"**{summary['verdict']}**"
                   + (f" (TRL's seconds / ours = {ratio:.2f}; goal: >= 2)" if ratio else "")
                   + f"; goal met: {'yes' if summary['goal_2x_met'] else 'no'}."]
-        lines += ["", "| held-out accuracy | ours: training s | TRL: training s | TRL / ours |",
-                  "|---|---|---|---|"]
+        lines += ["", "| held-out accuracy | ours: training s (step) | TRL: training s (step) "
+                  "| TRL / ours |", "|---|---|---|---|"]
         for m in summary["milestones"]:
-            cells = [f"{m[k]:.0f}" if m[k] is not None else "not reached"
-                     for k in ("ours_seconds", "trl_seconds")]
+            cells = [f"{m[k]:.0f} ({m.get(k.replace('seconds', 'step'))})" if m[k] is not None
+                     else "not reached" for k in ("ours_seconds", "trl_seconds")]
             ratio = f"{m['trl_over_ours']:.2f}" if m["trl_over_ours"] is not None else "-"
             lines.append(f"| {m['accuracy']:g} | {cells[0]} | {cells[1]} | {ratio} |")
         c = summary["evaluator_check"]

@@ -78,8 +78,13 @@ def test_time_to_target_and_summary():
     for p in pts + slow:
         p["correct"] = "01"
     s = tta.summarize({"ours": {"complete": True, "points": pts},
-                       "trl": {"complete": True, "points": slow}}, 0.6, {}, "cmd")
+                       "trl": {"complete": True, "points": slow}}, 0.6,
+                      {"eval_problems": 2, "threads": 1, "budget_s": 270.0}, "cmd")
     assert s["trl_over_ours"] == pytest.approx(3.0) and s["goal_2x_met"]
+    at_half = next(m for m in s["milestones"] if m["accuracy"] == 0.5)
+    assert (at_half["ours_step"], at_half["trl_step"]) == (5, 5)
+    assert (at_half["ours_seconds"], at_half["trl_seconds"]) == (50.0, 150.0)
+    assert "| 0.5 | 50 (5) | 150 (5) | 3.00 |" in tta.summary_markdown(s)
     s = tta.summarize({"ours": {"complete": True, "points": pts},
                        "trl": {"complete": True, "points": pts[:1]}}, 0.6, {}, "cmd")
     assert s["trl_over_ours"] is None and s["goal_2x_met"] and "only ours" in s["verdict"]
