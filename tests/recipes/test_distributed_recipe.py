@@ -94,6 +94,13 @@ def test_ranks_stay_in_lockstep_when_one_stops_at_once(base_model, tmp_path):
     assert row["truncated_fraction"] == pytest.approx(0.5)
 
 
+#: Absolute slack for these first-step metrics. The loss is -0.01 x entropy (-0.0229) plus a
+#: policy term of about 1e-7 (centred advantages, ratio 1), and float32 sums taken in another
+#: order across ranks moved it by 3.8e-7 (1.7e-5 relative) on an AVX-512 machine. grad_norm
+#: (about 2.6) is what tells a wrong normalisation apart, and 1e-6 is below its 1e-5 relative.
+LOSS_ABS = 1e-6
+
+
 def _first_step(base_model, tmp_path, name, nproc, *extra):
     out = tmp_path / name
     args = quickstart_overrides(
@@ -116,7 +123,7 @@ def test_first_step_equal_across_ranks_and_micro_batches(base_model, tmp_path):
         assert other["reward/mean"] == one["reward/mean"]
         assert other["response_length/mean"] == one["response_length/mean"]
         for key in ("loss", "grad_norm", "entropy"):
-            assert other[key] == pytest.approx(one[key], rel=1e-5), key
+            assert other[key] == pytest.approx(one[key], rel=1e-5, abs=LOSS_ABS), key
 
 
 def test_reinforce_pp_first_step_equal_across_ranks(base_model, tmp_path):
@@ -134,4 +141,4 @@ def test_reinforce_pp_first_step_equal_across_ranks(base_model, tmp_path):
     assert grpo["grad_norm"] != pytest.approx(one["grad_norm"], rel=1e-3)
     assert two["reward/mean"] == one["reward/mean"]
     for key in ("loss", "grad_norm", "entropy"):
-        assert two[key] == pytest.approx(one[key], rel=1e-5), key
+        assert two[key] == pytest.approx(one[key], rel=1e-5, abs=LOSS_ABS), key
