@@ -26,6 +26,9 @@ from typing import Any
 
 import torch
 
+from torchtune_grpo.errors import UserError, one_line
+from torchtune_grpo.training.step_folder import safetensors_problem
+
 STEP_DIR_PATTERN = re.compile(r"^step_(\d+)$")
 RECIPE_STATE_FILE = "recipe_state.pt"
 COMPLETE_MARKER = "CHECKPOINT_COMPLETE"
@@ -44,9 +47,23 @@ def _nbytes(obj: Any) -> int:
     return 0
 
 
+def human_bytes(n: float) -> str:
+    """``n`` bytes as ``"4.0 MiB"`` (B, KiB, MiB, GiB, TiB; one decimal)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+class DiskFullError(UserError, OSError):
+    """No space left to write a step folder (``errno`` is ``ENOSPC``); the message gives the
+    sizes."""
+
+
 def _no_space(step: int, output_dir: Path, need: int, free: int) -> str:
     return (f"no space left to save step_{step} in {output_dir}: it needs about "
-            f"{need / 2**30:.2f} GiB and {free / 2**30:.2f} GiB are free; free some space or "
+            f"{human_bytes(need)} and {human_bytes(free)} are free; free some space or "
             "point output_dir elsewhere (earlier step folders are untouched)")
 
 
@@ -199,6 +216,7 @@ def save_step_checkpoint(
     extra_files: dict[str, str] | None = None,
     keep_last_n: int | None = None,
     adapter_only: bool = False,
+    model_files: dict[str, bytes] | None = None,
 ) -> Path:
     """Write ``output_dir/step_{step}`` atomically (call on rank 0 only).
 
@@ -214,9 +232,17 @@ def save_step_checkpoint(
         extra_files: ``name -> text`` written next to the model (evaluation results).
         keep_last_n: delete older complete checkpoints beyond this many (never this one).
         adapter_only: write only the LoRA adapters (``save_adapter_weights_only``).
+        model_files: ``name -> content`` of the files that describe the model beside its
+            weights (``config.json``, tokenizer, chat template;
+            :func:`~torchtune_grpo.training.step_folder.model_folder_files`), written into the
+            folder over whatever the torchtune checkpointer copied from the folder it loaded
+            (which may be gone since, or from an older version that lacked them).
 
     Returns:
         The final folder.
+
+    Raises:
+        OSError: no space left (with the sizes), or a weight file that reads back truncated.
     """
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -226,7 +252,7 @@ def save_step_checkpoint(
     need = _nbytes(checkpoint) + _nbytes(recipe_state)
     free = shutil.disk_usage(output_dir).free
     if need > free:
-        raise OSError(errno.ENOSPC, _no_space(step, output_dir, need, free))
+        raise DiskFullError(errno.ENOSPC, _no_space(step, output_dir, need, free))
     staging.mkdir(parents=True)
     try:
         # torchtune's checkpointers write to <their output dir>/epoch_{epoch}: point them at
@@ -247,9 +273,15 @@ def save_step_checkpoint(
             item.rename(staging / item.name)
         shutil.rmtree(written)
 
+        for name, data in (model_files or {}).items():
+            (staging / name).write_bytes(data)
         torch.save(recipe_state, staging / RECIPE_STATE_FILE)
         for name, text in (extra_files or {}).items():
             (staging / name).write_text(text)
+        _fsync_tree(staging)
+        for path in sorted(staging.glob("*.safetensors")):  # read back: header against size
+            if (why := safetensors_problem(path)) is not None:
+                raise OSError(errno.EIO, f"step_{step}: {path.name} was written {why}")
         (staging / COMPLETE_MARKER).write_text(f"{step}\n")
         _fsync_tree(staging)
     except BaseException as exc:
@@ -257,7 +289,7 @@ def save_step_checkpoint(
         free = shutil.disk_usage(output_dir).free
         if isinstance(exc, Exception) and (getattr(exc, "errno", None) == errno.ENOSPC
                                            or free < 64 * 2**20):
-            raise OSError(errno.ENOSPC, _no_space(step, output_dir, need, free)) from exc
+            raise DiskFullError(errno.ENOSPC, _no_space(step, output_dir, need, free)) from exc
         raise
     if final.exists():  # a re-run of the same step replaces its old checkpoint
         _remove_step(final)
@@ -296,42 +328,78 @@ def weight_files(folder: str | Path) -> list[str]:
 def resolve_resume(resume: bool | str | None, output_dir: str | Path) -> Path | None:
     """The step folder to resume from, or None for a fresh start.
 
+    With ``resume=True`` the newest complete step is taken unless it is damaged (a weight file
+    truncated or missing, an unreadable ``recipe_state.pt``:
+    :func:`~torchtune_grpo.training.step_folder.check_step_folder`); then the newest intact one
+    is, with a warning that names the damage. A step folder that only lacks model files
+    (``config.json``, tokenizer: written by an older version after a resume) is not damaged:
+    the recipe restores them from the base model folder.
+
     Args:
-        resume: ``resume_from_checkpoint``: False/None (fresh), True (the newest complete
+        resume: ``resume_from_checkpoint``: False/None (fresh), True (the newest intact
             ``step_{N}`` of ``output_dir``; fresh, with a warning, when there is none) or a
             path to a step folder.
         output_dir: the run's output folder.
 
     Raises:
-        FileNotFoundError: an explicit path that is not a complete step checkpoint.
+        UserError: an explicit path that is not a complete, intact step checkpoint, or
+            ``resume=True`` where every step folder is damaged.
     """
+    import logging
+
+    log = logging.getLogger(__name__)
     if not resume:
         return None
     if resume is True:
-        latest = latest_step_checkpoint(output_dir)
-        if latest is None:
-            import logging
-
-            logging.getLogger(__name__).warning(
-                f"resume_from_checkpoint: no complete step_N checkpoint in {output_dir}; "
-                "starting from the base model"
-            )
-        return latest
+        found = list_step_checkpoints(output_dir)
+        if not found:
+            log.warning(f"resume_from_checkpoint: no complete step_N checkpoint in {output_dir}; "
+                        "starting from the base model")
+            return None
+        damaged = []
+        for _, path in reversed(found):
+            problems = _resume_problems(path)
+            if not problems:
+                if damaged:
+                    log.warning(f"resume_from_checkpoint: {'; '.join(damaged)}; resuming from "
+                                f"{path.name}, the newest intact step (the damaged folders are "
+                                "left as they are)")
+                return path
+            damaged.append(f"{path.name} is damaged ({'; '.join(problems)})")
+        raise UserError(f"resume_from_checkpoint: every step folder of {output_dir} is damaged: "
+                        + "; ".join(damaged))
     path = Path(str(resume)).expanduser()
     if not (path / COMPLETE_MARKER).is_file() or not (path / RECIPE_STATE_FILE).is_file():
-        raise FileNotFoundError(
+        raise UserError(
             f"resume_from_checkpoint: {path} is not a complete step checkpoint (expected "
             f"{COMPLETE_MARKER} and {RECIPE_STATE_FILE} in it)"
         )
+    problems = _resume_problems(path)
+    if problems:
+        raise UserError(f"resume_from_checkpoint: {path} is damaged ({'; '.join(problems)}); "
+                        "resume from another step_N folder")
     return path
+
+
+def _resume_problems(path: Path) -> list[str]:
+    """What keeps the step folder ``path`` from being resumed, its missing model files aside
+    (those are restored from the base model folder)."""
+    from torchtune_grpo.training.step_folder import check_step_folder
+
+    return [p for p in check_step_folder(path).problems["resume"]
+            if not p.startswith(("no config.json", "config.json is not"))]
 
 
 def load_recipe_state(checkpoint: str | Path) -> dict[str, Any]:
     """``recipe_state.pt`` of a step folder, loaded with ``weights_only=True``."""
     path = Path(checkpoint) / RECIPE_STATE_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: {checkpoint} is not a complete step checkpoint")
-    return torch.load(path, map_location="cpu", weights_only=True)
+        raise UserError(f"{path} not found: {checkpoint} is not a complete step checkpoint")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        raise UserError(f"{path} cannot be read ({one_line(str(exc))}): the file is damaged; "
+                        "resume from another step_N folder") from None
 
 
 def hf_checkpointer(

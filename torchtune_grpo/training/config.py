@@ -23,6 +23,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from torchtune_grpo.errors import one_line, reported_as_one_line
 from torchtune_grpo.training.validation import ConfigError
 
 #: Package holding the shipped configs (``configs/`` in the source tree).
@@ -90,20 +91,23 @@ def load_config(config: str | Path, overrides: list[str] | None = None) -> DictC
 
     Raises:
         FileNotFoundError: the config (or one it inherits from) does not exist.
-        ValueError: an override is malformed or names a path not in the config, or the
-            ``inherit:`` chain is circular.
+        ConfigError: a file is not valid YAML (file, line and column named), an override is
+            malformed or names a path not in the config, or the ``inherit:`` chain is circular.
     """
     from torchtune.config._utils import _merge_yaml_and_cli_args
 
     yaml_cfg = _load_with_inheritance(resolve_config_path(config), seen=())
     for item in overrides or []:
         if "=" not in item and not item.startswith("~"):
-            raise ValueError(
+            raise ConfigError(
                 f"override {item!r} is not of the form key=value (use --config for the file)"
             )
     plain, direct = _split_overrides(yaml_cfg, list(overrides or []))
     namespace = argparse.Namespace(**OmegaConf.to_container(yaml_cfg, resolve=False))
-    cfg = _merge_yaml_and_cli_args(namespace, plain)
+    try:
+        cfg = _merge_yaml_and_cli_args(namespace, plain)
+    except Exception as exc:  # omegaconf's grammar errors on a malformed key=value
+        raise ConfigError(f"overrides {' '.join(plain)}: {one_line(str(exc))}") from None
     for key, raw in direct:
         _set_path(cfg, key, raw)
     return cfg
@@ -133,25 +137,29 @@ def _set_path(cfg: DictConfig, key: str, raw: str) -> None:
     path that does not exist (an index past the end of a list, a missing parent)."""
     import yaml
 
-    value = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {key}={raw}: the value is not valid YAML "
+                          f"({getattr(exc, 'problem', None) or exc})") from None
     parts = key.split(".")
     node: Any = cfg
     for depth, part in enumerate(parts[:-1]):
         where = ".".join(parts[: depth + 1])
         if isinstance(node, ListConfig):
             if not part.isdigit() or int(part) >= len(node):
-                raise ValueError(f"override {key}={raw}: {'.'.join(parts[:depth]) or 'config'} "
+                raise ConfigError(f"override {key}={raw}: {'.'.join(parts[:depth]) or 'config'} "
                                  f"is a list of {len(node)} entries; {part!r} is not an index "
                                  "of it")
             node = node[int(part)]
         elif isinstance(node, DictConfig) and part in node and node[part] is not None:
             node = node[part]
         else:
-            raise ValueError(f"override {key}={raw}: {where} is not in the config")
+            raise ConfigError(f"override {key}={raw}: {where} is not in the config")
     last = parts[-1]
     if isinstance(node, ListConfig):
         if not last.isdigit() or int(last) >= len(node):
-            raise ValueError(f"override {key}={raw}: the list has {len(node)} entries; "
+            raise ConfigError(f"override {key}={raw}: the list has {len(node)} entries; "
                              f"{last!r} is not an index of it")
         node[int(last)] = value
     else:
@@ -162,13 +170,30 @@ def _set_path(cfg: DictConfig, key: str, raw: str) -> None:
 INHERIT_KEY = "inherit"
 
 
+def _read_yaml(path: Path) -> Any:
+    """``path`` loaded by OmegaConf; a YAML syntax error is a :class:`ConfigError` naming the file
+    and the line and column (from 1)."""
+    import yaml
+
+    try:
+        return OmegaConf.load(path)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = (f"{path}" if mark is None
+                 else f"{path}, line {mark.line + 1}, column {mark.column + 1}")
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"config {where}: not valid YAML ({problem})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config {path} is not a text file ({exc.reason})") from None
+
+
 def _load_with_inheritance(path: Path, seen: tuple[Path, ...]) -> DictConfig:
     """Load ``path``; when it has ``inherit: NAME``, merge it over that config."""
     if path.resolve() in seen:
-        raise ValueError(f"config {path}: circular '{INHERIT_KEY}' chain")
-    cfg = OmegaConf.load(path)
+        raise ConfigError(f"config {path}: circular '{INHERIT_KEY}' chain")
+    cfg = _read_yaml(path)
     if not isinstance(cfg, DictConfig):
-        raise ValueError(f"config {path} must be a mapping of keys to values")
+        raise ConfigError(f"config {path} must be a mapping of keys to values")
     parent = cfg.pop(INHERIT_KEY, None)
     if parent is None:
         return cfg
@@ -186,8 +211,9 @@ def _load_with_inheritance(path: Path, seen: tuple[Path, ...]) -> DictConfig:
 def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[[], Any]:
     """Decorator for a recipe's ``main``: ``--config NAME [key=value ...]`` from ``sys.argv``.
 
-    A user mistake (a :class:`~torchtune_grpo.training.validation.ConfigError`, a missing or
-    existing file, a permission) is printed as one line and exits with status 2.
+    A user mistake (a :class:`~torchtune_grpo.errors.UserError`, a missing or existing file, a
+    permission) is printed as one line and exits with status 2; an interruption before anything
+    was saved as one line with status 130 (:func:`~torchtune_grpo.errors.reported_as_one_line`).
 
     Args:
         recipe_main: the recipe's entry point, called with the loaded config.
@@ -205,11 +231,7 @@ def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[[], Any]:
         flags = [o for o in overrides if o.startswith("--")]
         if flags:
             parser.error(f"unsupported flags {flags}: use --config and key=value overrides")
-        try:
+        with reported_as_one_line():
             sys.exit(recipe_main(load_config(args.config, overrides)))
-        except (ConfigError, FileNotFoundError, FileExistsError, PermissionError) as e:
-            # a user mistake: one line, no traceback
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
 
     return wrapper

@@ -137,6 +137,8 @@ class GRPORecipe(RecipeSetup, RecipeUpdate, RecipeCheckpoints):
         self._line_progress = False
         self._stop_requested = False
         self._adapter_state = None
+        self.output_lock = None  # rank 0: the lock on output_dir (setup)
+        self.model_files: dict[str, bytes] = {}  # rank 0: written into every step folder
 
     def validate(self, cfg: DictConfig) -> None:
         """Check the config before anything is built
@@ -463,4 +465,6 @@ class GRPORecipe(RecipeSetup, RecipeUpdate, RecipeCheckpoints):
             if self.metric_logger is not None:
                 self.metric_logger.close()
         finally:
+            if self.output_lock is not None:
+                self.output_lock.release()
             D.destroy()

@@ -123,6 +123,7 @@ class RecipeCheckpoints:
                 recipe_state={**self.recipe_state(optimizer_state), **extra_state},
                 extra_files=extra,
                 keep_last_n=cfg.keep_last_n_checkpoints,
+                model_files=self.model_files,
             )
             log.info(f"saved {path}")
         self.ranks.barrier()

@@ -29,6 +29,7 @@ from torchtune_grpo.training.checkpointing import (
     weight_files,
 )
 from torchtune_grpo.training.health import RunHealth
+from torchtune_grpo.training.run_lock import FolderLock
 from torchtune_grpo.training.rollouts import (
     RolloutRuntime,
     check_context_length,
@@ -38,6 +39,7 @@ from torchtune_grpo.training.settings import (
     HealthSettings,
     settings_from_config,
 )
+from torchtune_grpo.training.step_folder import model_folder_files, write_missing_files
 from torchtune_grpo.training.validation import ConfigError, check_input_files
 
 log = utils.get_logger("INFO")
@@ -53,6 +55,11 @@ class RecipeSetup:
         check_input_files(cfg)  # the base model is read even when resuming
         if self.is_rank_zero:
             check_writable(cfg.output_dir)
+            # one run per output_dir, held until the process ends (rank 0 holds it)
+            self.output_lock = FolderLock(cfg.output_dir, "training").acquire()
+            # config.json, tokenizer, chat template...: written into every step folder
+            self.model_files = model_folder_files(cfg.checkpointer.get("checkpoint_dir") or "",
+                                                  tokenizer_cfg=cfg.tokenizer)
         self.tokenizer = config.instantiate(cfg.tokenizer)
         self.rewards = build_reward_set(cfg.rewards)
         self.health = None if cfg.run_health is None else RunHealth(
@@ -95,6 +102,11 @@ class RecipeSetup:
         self.eval_dataset = (config.instantiate(cfg.eval_dataset, tokenizer=self.tokenizer)
                              if cfg.eval_dataset is not None and self.evaluates() else None)
         self.resume_dir = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir)
+        if self.resume_dir is not None and self.is_rank_zero:
+            restored = write_missing_files(self.resume_dir, self.model_files)
+            if restored:  # a folder written after a resume by an older version
+                log.warning(f"{self.resume_dir} lacked {', '.join(restored)}; restored them from "
+                            f"the base model folder {cfg.checkpointer.get('checkpoint_dir')}")
         if self.resume_dir is None and self.is_rank_zero:  # before any model is built
             deleted = claim_output_dir(cfg.output_dir, overwrite=cfg.overwrite_output_dir)
             if deleted:

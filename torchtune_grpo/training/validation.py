@@ -19,6 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from torchtune_grpo.errors import UserError
 from torchtune_grpo.training.components import check_components, import_component
 from torchtune_grpo.training.schema import (
     ASYNC_KEYS,
@@ -32,7 +33,7 @@ from torchtune_grpo.training.schema import (
 from torchtune_grpo.training.settings import sampling_problems, settings_from_config
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config that cannot run; the message lists every problem found."""
 
 
@@ -402,16 +403,34 @@ def check_input_files(cfg: DictConfig) -> None:
                 missing.append(f"{node_name}.{key}: {value} does not exist")
     ckpt = cfg.get("checkpointer")
     if ckpt is not None and ckpt.get("checkpoint_dir") and Path(ckpt.checkpoint_dir).exists():
+        folder = Path(ckpt.checkpoint_dir)
         files = ckpt.get("checkpoint_files")
         if isinstance(files, (list, ListConfig)):
             for name in files:
-                if not (Path(ckpt.checkpoint_dir) / str(name)).exists():
+                if not (folder / str(name)).exists():
                     missing.append(
-                        f"checkpointer.checkpoint_files: {Path(ckpt.checkpoint_dir) / str(name)} "
-                        "does not exist"
+                        f"checkpointer.checkpoint_files: {folder / str(name)} does not exist"
                     )
+        damaged = _damaged_weights(folder, files)
+        if damaged:
+            raise UserError(f"checkpointer.checkpoint_dir: {'; '.join(damaged)} (download the "
+                            "model again, or point checkpoint_dir at an intact copy)")
     if missing:
         raise FileNotFoundError(
-            "input files not found (download the model, or fix the paths):\n  - "
-            + "\n  - ".join(missing)
+            "input files not found (download the model, or fix the paths): "
+            + "; ".join(missing)
         )
+
+
+def _damaged_weights(folder: Path, files: Any) -> list[str]:
+    """The safetensors files of ``folder`` (``files``, else every one) that are truncated or
+    not safetensors, each with why (read from headers and sizes only)."""
+    from torchtune_grpo.training.step_folder import safetensors_problem
+
+    if isinstance(files, (list, ListConfig)):
+        paths = [folder / str(name) for name in files]
+    else:
+        paths = sorted(folder.glob("*.safetensors"))
+    return [f"{path} is {why}" for path in paths
+            if path.suffix == ".safetensors" and path.is_file()
+            and (why := safetensors_problem(path)) is not None]

@@ -1,0 +1,81 @@
+"""The one error type for mistakes a user can fix, and how entry points report it.
+
+A :class:`UserError` says what is wrong in one line: the file, the row or line (counted from 1),
+the config key or the path, and what to do. The entry points (the ``tune run`` recipes and
+``tune-grpo``) print it as ``error: ...`` and exit with status 2, with no traceback; anything
+else is a bug and keeps its traceback. ``TUNE_GRPO_DEBUG=1`` shows the traceback of a user
+error too.
+
+An interrupted run (Ctrl-C, SIGTERM) before there is anything to save is an :class:`Interrupted`:
+one line and exit status 130 (SIGINT) or 143 (SIGTERM), as a shell reports such a stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+
+#: Exit status of a user error (as argparse uses for bad arguments).
+USER_ERROR_EXIT = 2
+
+
+class UserError(Exception):
+    """A mistake in the input (config, data, checkpoint, model folder, disk, flags) that the
+    user can fix; the message names what is wrong and where, in one line."""
+
+
+class Interrupted(Exception):
+    """The run was stopped by a signal before there was anything to save.
+
+    Args:
+        message: what was stopped and what was kept.
+        exit_code: 130 for SIGINT, 143 for SIGTERM.
+    """
+
+    def __init__(self, message: str, exit_code: int = 130) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def debug() -> bool:
+    """Whether ``TUNE_GRPO_DEBUG`` asks for tracebacks of user errors."""
+    return os.environ.get("TUNE_GRPO_DEBUG", "").strip() not in ("", "0", "false")
+
+
+def one_line(message: str) -> str:
+    """``message`` with its line breaks folded into ``"; "`` (a user error prints as one line)."""
+    parts = [p.strip(" -") for p in str(message).splitlines()]
+    return "; ".join(p for p in parts if p).replace(":;", ":")
+
+
+@contextlib.contextmanager
+def reported_as_one_line(prefix: str = "error") -> Iterator[None]:
+    """Turn a :class:`UserError` (and the user-facing built-in errors of a missing, existing or
+    unwritable file) into ``{prefix}: ...`` on stderr and ``SystemExit(2)``; an
+    :class:`Interrupted` into one line and its exit status. Other exceptions pass through.
+    """
+    try:
+        yield
+    except Interrupted as exc:
+        if debug():
+            raise
+        print(f"stopped: {one_line(str(exc))}", file=sys.stderr, flush=True)
+        raise SystemExit(exc.exit_code) from None
+    except (UserError, FileNotFoundError, FileExistsError, PermissionError,
+            IsADirectoryError, NotADirectoryError) as exc:
+        if debug():
+            raise
+        print(f"{prefix}: {one_line(_message(exc))}", file=sys.stderr, flush=True)
+        raise SystemExit(USER_ERROR_EXIT) from None
+
+
+def _message(exc: BaseException) -> str:
+    """The text of ``exc``; built-in OS errors raised with ``(errno, text, path)`` read as
+    ``text: path``."""
+    if isinstance(exc, OSError) and exc.strerror and not str(exc).startswith("[Errno"):
+        return str(exc)
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
+    return str(exc)
