@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from torchtune_grpo.errors import UserError
 from torchtune_grpo.training.checkpointing import (
     COMPLETE_MARKER,
     latest_step_checkpoint,
@@ -72,7 +73,7 @@ def test_resolve_resume(tmp_path):
     _save(tmp_path, 1, FakeCheckpointer(tmp_path))
     assert resolve_resume(True, tmp_path).name == "step_1"
     assert resolve_resume(str(tmp_path / "step_1"), tmp_path).name == "step_1"
-    with pytest.raises(FileNotFoundError, match="not a complete step checkpoint"):
+    with pytest.raises(UserError, match="not a complete step checkpoint"):
         resolve_resume(str(tmp_path / "nope"), tmp_path)
 
 

@@ -250,7 +250,8 @@ def _check_weights(root: Path, problem: Any) -> None:
     adapters = [p for p in root.glob("adapter_model.*") if p.suffix in (".safetensors", ".bin",
                                                                         ".pt")]
     weights = sorted(p for p in root.glob("*.safetensors") if not p.name.startswith("adapter"))
-    bins = sorted(p for p in root.glob("*.bin") if not p.name.startswith("adapter"))
+    bins = sorted(p for p in [*root.glob("*.bin"), *root.glob("*.pt")]  # torch-format weights
+                  if not p.name.startswith("adapter") and p.name != "recipe_state.pt")
     index = root / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -269,4 +270,4 @@ def _check_weights(root: Path, problem: Any) -> None:
             problem("adapter weights only (save_adapter_weights_only): load the base model "
                     "with the adapters", "evaluate", "transformers")
         else:
-            problem("no weight file (*.safetensors or *.bin)")
+            problem("no weight file (*.safetensors, *.bin or *.pt)")
