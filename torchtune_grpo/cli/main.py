@@ -14,6 +14,7 @@ Subcommands::
     tune-grpo difficulty --config grpo/NAME --out FILE [--num-samples 8] [key=value ...]
         # each training prompt's pass rate under the config's model, for dataset.difficulty_file
     tune-grpo compare-evals BASE_DIR STEP_DIR     # paired comparison of two evaluations
+    tune-grpo check-step DIR [DIR ...]            # can it resume, evaluate, load? (exit 1: no)
 """
 
 from __future__ import annotations
@@ -58,8 +59,7 @@ def _cp(args) -> int:
     if dest.is_dir():
         dest = dest / src.name
     if dest.exists() and not args.force:
-        print(f"{dest} exists; pass --force to overwrite", file=sys.stderr)
-        return 1
+        raise FileExistsError(f"{dest} exists; pass --force to overwrite")
     shutil.copyfile(src, dest)
     print(f"copied {src} to {dest}")
     return 0
@@ -67,7 +67,11 @@ def _cp(args) -> int:
 
 def _plot(args) -> int:
     from torchtune_grpo.cli.plot import plot_run
+    from torchtune_grpo.errors import UserError
 
+    if not (Path(args.output_dir) / "logs").is_dir():
+        raise UserError(f"{args.output_dir} is not a run's output_dir: it has no logs/ folder "
+                        "(pass the output_dir of a training run)")
     print(f"wrote {plot_run(args.output_dir, args.out)}")
     return 0
 
@@ -81,18 +85,28 @@ def _validate(args) -> int:
         validate_config,
     )
 
+    cfg = load_config(args.config, args.overrides)
     try:
-        cfg = load_config(args.config, args.overrides)
         if any(key in cfg for key in ASYNC_KEYS):  # async_grpo_full_finetune_distributed
             validate_async_config(cfg, world_size=args.world_size)
         else:
             schema = EVAL_KEYS if "checkpoint_dir" in cfg else None
             validate_config(cfg, world_size=args.world_size, schema=schema)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(e, file=sys.stderr)
-        return 1
+    except ValueError as e:  # a check outside the schema (ConfigError is one too)
+        raise ConfigError(str(e)) from None
     print(f"{args.config}: config is well-formed")
     return 0
+
+
+def _check_step(args) -> int:
+    from torchtune_grpo.training.step_folder import check_step_folder
+
+    worst = 0
+    for folder in args.folders:
+        report = check_step_folder(folder)
+        print("\n".join(report.lines()))
+        worst = max(worst, 1 if report.damaged() else 0)
+    return worst
 
 
 def _estimate_memory(args) -> int:
@@ -105,18 +119,17 @@ def _estimate_memory(args) -> int:
         validate_config,
     )
 
+    world_size = args.world_size or intended_world_size(args.config)
+    cfg = load_config(args.config, args.overrides)
     try:
-        world_size = args.world_size or intended_world_size(args.config)
-        cfg = load_config(args.config, args.overrides)
         if any(key in cfg for key in ASYNC_KEYS):
             validate_async_config(cfg, world_size=world_size)
         else:
             validate_config(cfg, world_size=world_size)
         estimate = estimate_memory(cfg, world_size, prompt_tokens=args.prompt_tokens,
                                    name=args.config)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(e, file=sys.stderr)
-        return 1
+    except ValueError as e:  # the config's numbers cannot be sized (ConfigError is one too)
+        raise ConfigError(str(e)) from None
     if args.json:
         import json
 
@@ -127,7 +140,21 @@ def _estimate_memory(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``tune-grpo`` command."""
+    """Entry point of the ``tune-grpo`` command.
+
+    A user error (:class:`~torchtune_grpo.errors.UserError`, a missing file...) prints as one
+    line, ``error: ...``, and returns 2; ``TUNE_GRPO_DEBUG=1`` shows its traceback.
+    """
+    from torchtune_grpo.errors import reported_as_one_line
+
+    try:
+        with reported_as_one_line():
+            return _dispatch(argv)
+    except SystemExit as exc:  # a user error (2), an interruption (130), argparse's own exits
+        return exc.code if isinstance(exc.code, int) else 1
+
+
+def _dispatch(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="tune-grpo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -146,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     plot.add_argument("output_dir")
     plot.add_argument("--out", default=None)
     plot.set_defaults(func=_plot)
+    chk = sub.add_parser("check-step", help="say whether a step (or model) folder can be "
+                         "resumed, evaluated and loaded by transformers, and what it lacks")
+    chk.add_argument("folders", nargs="+", metavar="DIR")
+    chk.set_defaults(func=_check_step)
     est = sub.add_parser("estimate-memory",
                          help="estimated peak memory per rank of a training config")
     est.add_argument("--config", required=True)

@@ -24,6 +24,7 @@ import time
 import zipfile
 from pathlib import Path
 
+from torchtune_grpo.errors import one_line
 from torchtune_grpo.models.gguf import gguf_to_hf, is_converted
 
 __all__ = [
@@ -234,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         folder, written = _prepare(args.name, args.output_dir, args.gguf, args.overwrite)
     except (FileNotFoundError, FileExistsError, ValueError) as exc:
-        print(exc, file=sys.stderr)
-        return 1
+        print(f"error: {one_line(str(exc))}", file=sys.stderr)
+        return 2
     if written:
         print(f"wrote {folder} ({time.perf_counter() - start:.1f} s)")
     else:
