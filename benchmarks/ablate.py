@@ -303,7 +303,7 @@ def _budgeted_recipe_class():
                 * self.world_size)
             self._last_reward = metrics["reward/mean"]
             if self.train_seconds >= self.budget_s:
-                self._stop_requested = True  # the loop saves and stops after this step
+                self.stop.request("budget")  # the loop saves and stops after this step
             elif self.train_seconds >= self._next_eval:
                 self.evaluate_now()
                 while self._next_eval <= self.train_seconds:

@@ -12,7 +12,11 @@ ranks and gathered; rank 0 writes the files.
 While it runs, each rank appends every scored problem to
 ``checkpoint_dir/eval_samples.rank{r}.partial.jsonl``; if anything fails after generation
 (a metric, serialising or writing the results) those files keep the finished samples and the
-error says where they are. They are removed once the final files are in place.
+error says where they are. Ctrl-C or SIGTERM stops after the current batch of problems, in one
+line, keeping them; the same command then continues from them (same weights, data, sampling and
+rewards). They are removed once the final files are in place. One evaluation at a time writes
+into a folder: rank 0 holds ``checkpoint_dir/.tune_grpo.lock`` while it runs, and a training
+run's ``keep_last_n_checkpoints`` leaves a folder being evaluated in place.
 
 Tools: a checkpoint trained with ``tools:`` is evaluated with the same multi-turn rollout
 (:class:`~torchtune_grpo.rollout.multiturn.ToolUseGenerator`): when the eval config has no
@@ -22,18 +26,26 @@ single-turn. ``eval_samples.jsonl`` then stores each completion's ``transcripts`
 tool results marked.
 """
 
+import os
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune import config, training, utils
 
-from torchtune_grpo.evaluation.evaluate import evaluate, tool_settings_from_checkpoint
-from torchtune_grpo.evaluation.results import EvalResult, partial_samples_path
+from torchtune_grpo.errors import Interrupted
+from torchtune_grpo.evaluation.evaluate import (
+    EvaluationInterrupted,
+    evaluate,
+    tool_settings_from_checkpoint,
+)
+from torchtune_grpo.evaluation.results import EvalResult, eval_fingerprint, partial_samples_path
 from torchtune_grpo.policy.model import DTYPES, build_model, token_rules
 from torchtune_grpo.rewards.build import build_reward_set
 from torchtune_grpo.training import distributed as D
 from torchtune_grpo.training.config import parse
+from torchtune_grpo.training.interrupts import StopSignals
+from torchtune_grpo.training.run_lock import FolderLock
 from torchtune_grpo.training.schema import EVAL_KEYS, with_defaults
 from torchtune_grpo.training.settings import EvalSettings
 from torchtune_grpo.training.validation import validate_config
@@ -75,6 +87,7 @@ def recipe_main(cfg: DictConfig) -> None:
         raise FileNotFoundError(f"checkpoint_dir {cfg.checkpoint_dir} does not exist (a step_N "
                                 "folder of a run, or a model folder)")
     cfg = with_defaults(cfg, EVAL_KEYS)
+    stop = StopSignals("the evaluation", quiet=int(os.environ.get("RANK", "0")) != 0).install()
     settings = EvalSettings(
         num_samples=cfg.num_samples, temperature=float(cfg.temperature), top_k=cfg.top_k,
         k=list(cfg.k), max_generated_tokens=cfg.max_generated_tokens,
@@ -82,14 +95,20 @@ def recipe_main(cfg: DictConfig) -> None:
     )
     device = utils.get_device(cfg.device)
     world_size, rank = D.init_distributed(device)
+    lock = None
     try:
-        _evaluate_checkpoint(cfg, settings, device, world_size, rank)
+        if rank == 0:  # one evaluation writing into a folder at a time
+            lock = FolderLock(Path(str(cfg.checkpoint_dir)).expanduser(), "grpo_eval").acquire()
+        _evaluate_checkpoint(cfg, settings, device, world_size, rank, stop)
     finally:
+        if lock is not None:
+            lock.release()
+        stop.restore()
         D.destroy()
 
 
 def _evaluate_checkpoint(cfg: DictConfig, settings: EvalSettings, device: torch.device,
-                         world_size: int, rank: int) -> None:
+                         world_size: int, rank: int, stop: StopSignals) -> None:
     """Load ``cfg.checkpoint_dir``, evaluate it and write the results into it."""
     dtype = DTYPES[cfg.dtype]
     tokenizer = config.instantiate(cfg.tokenizer)
@@ -108,13 +127,24 @@ def _evaluate_checkpoint(cfg: DictConfig, settings: EvalSettings, device: torch.
                         world_size=world_size, trainable=False)
     del state_dict
     rules = token_rules(tokenizer, model, device)
-    result = evaluate(
-        model, tokenizer, dataset, rewards, settings, device=device,
-        logit_bias=rules.logit_bias, allowed_tokens=rules.allowed,
-        stop_tokens=rules.stop_tokens, pad_id=rules.pad_id, cache_dtype=dtype,
-        progress=cfg.progress_bar, partial_dir=cfg.checkpoint_dir,
-        tool_generator=tool_generator,
-    )
+    fingerprint = eval_fingerprint(
+        cfg.checkpoint_dir, **{key: OmegaConf.to_container(cfg[key], resolve=True)
+                               for key in ("dataset", "rewards", "tokenizer", "tools")
+                               if key in cfg and cfg[key] is not None},
+        settings=settings.__dict__)
+    with stop.deferred():  # Ctrl-C: stop after the current batch, keep the finished rows
+        try:
+            result = evaluate(
+                model, tokenizer, dataset, rewards, settings, device=device,
+                logit_bias=rules.logit_bias, allowed_tokens=rules.allowed,
+                stop_tokens=rules.stop_tokens, pad_id=rules.pad_id, cache_dtype=dtype,
+                progress=cfg.progress_bar, partial_dir=cfg.checkpoint_dir,
+                tool_generator=tool_generator, fingerprint=fingerprint,
+                should_stop=lambda: stop.requested is not None,
+            )
+        except EvaluationInterrupted as exc:
+            raise Interrupted(f"{exc}; run the same command again to continue it",
+                              143 if stop.requested == "SIGTERM" else 130) from None
     if rank == 0:
         paths = write_results(result, cfg)  # on failure the partial files stay
         summary = ", ".join(f"{k}={v:.4f}" for k, v in result.metrics.items())

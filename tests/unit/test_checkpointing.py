@@ -120,7 +120,8 @@ def test_a_full_disk_is_named_and_leaves_no_partial_step(tmp_path, monkeypatch):
     usage = namedtuple("usage", "total used free")
     checkpoint = {"model": {"w": torch.zeros(1024, 1024)}}  # 4 MiB
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1, 0, 1024))
-    with pytest.raises(OSError, match=r"no space left to save step_3 .* needs about 4.0 MiB and 1.0 KiB are free"):
+    with pytest.raises(OSError, match=r"no space left to save step_3 .* needs about 4.0 MiB "
+                       r"and 1.0 KiB are free"):
         C.save_step_checkpoint(output_dir=tmp_path, step=3, checkpointer=None,
                                checkpoint=checkpoint, recipe_state={})
     assert not list(tmp_path.iterdir())

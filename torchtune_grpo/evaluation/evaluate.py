@@ -18,22 +18,24 @@ collectives stay in lockstep) and the results are gathered on every rank.
 from __future__ import annotations
 
 import inspect
-import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torchtune import utils
 
 from torchtune_grpo.algorithm.trajectory import prompt_mask
 from torchtune_grpo.datasets import collate_prompts
+from torchtune_grpo.errors import Interrupted
 from torchtune_grpo.evaluation.metrics import compute_metrics
 from torchtune_grpo.evaluation.results import (
     EvalResult,
     PartialSamples,
     partial_samples_path,
+    read_partial_rows,
     where_partial,
 )
 from torchtune_grpo.rewards.scoring import score_rollout
@@ -42,6 +44,8 @@ from torchtune_grpo.rollout.sampling import safe_decode
 from torchtune_grpo.rollout.seeding import mix_seeds
 from torchtune_grpo.training import distributed as D
 from torchtune_grpo.training.settings import EvalSettings
+
+_log = utils.get_logger("INFO")
 
 #: Keys of a training config that make its evaluation multi-turn (see
 #: :func:`tool_settings_from_checkpoint`).
@@ -147,6 +151,72 @@ def _answer_key(extract, completion: str) -> Any:
     return value
 
 
+class EvaluationInterrupted(Interrupted):
+    """An evaluation stopped on request (Ctrl-C, SIGTERM) before its last problem.
+
+    Attributes:
+        finished: problems scored (over all ranks), kept in ``partial_files``.
+        total: problems in the dataset.
+        partial_files: where the finished rows are.
+    """
+
+    def __init__(self, finished: int, total: int, partial_files: Sequence[Path]) -> None:
+        where = (f"kept in {Path(partial_files[0]).parent}" if partial_files
+                 else "not kept (no partial_dir)")
+        super().__init__(f"evaluation interrupted after {finished} of {total} problems; they "
+                         f"are {where}")
+        self.finished, self.total, self.partial_files = finished, total, list(partial_files)
+
+
+class EvalProgress:
+    """Progress of an evaluation on rank 0: a bar on a terminal, else a line every
+    ``every_s`` seconds (problems done of the total, rate, time left); silent when not shown.
+
+    Args:
+        total: problems in the dataset.
+        done: problems already finished (resumed rows).
+        world: ranks evaluating together (rank 0 sees its own share; the count is scaled).
+        show: whether to report at all.
+        every_s: seconds between lines when not on a terminal.
+    """
+
+    def __init__(self, total: int, done: int, world: int, *, show: bool,
+                 every_s: float = 30.0) -> None:
+        import sys
+
+        from tqdm import tqdm
+
+        self.total, self.done, self.world, self.every_s = total, done, world, every_s
+        self.show = show
+        self._start = self._last = time.perf_counter()
+        self._new = 0
+        self._bar = (tqdm(total=total, initial=done, desc="eval", disable=not show)
+                     if show and sys.stderr.isatty() else None)
+        if show and self._bar is None:
+            _log.info(f"eval: {total} problems" + (f", {done} kept from an interrupted run"
+                                                     if done else ""))
+
+    def update(self, problems: int) -> None:
+        """Rank 0 finished ``problems`` more (its own share)."""
+        step = min(problems * self.world, self.total - self.done - self._new)
+        self._new += step
+        if self._bar is not None:
+            self._bar.update(step)
+            return
+        now = time.perf_counter()
+        if self.show and now - self._last >= self.every_s:
+            self._last = now
+            rate = self._new / max(now - self._start, 1e-9)
+            left = (self.total - self.done - self._new) / max(rate, 1e-9)
+            _log.info(f"eval: {self.done + self._new}/{self.total} problems, {rate:.1f}/s, "
+                      f"about {left / 60:.0f} min left")
+
+    def close(self) -> None:
+        """Close the bar (if any)."""
+        if self._bar is not None:
+            self._bar.close()
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
@@ -166,6 +236,8 @@ def evaluate(
     gather_weights: bool = True,
     tool_generator: Any = None,
     ranks: D.Ranks = D.WORLD,
+    fingerprint: str | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> EvalResult:
     """Evaluate ``model`` on every problem of ``dataset`` (a :class:`PromptDataset`).
 
@@ -184,7 +256,8 @@ def evaluate(
         stop_tokens: ``[s]`` stop ids.
         pad_id: padding id.
         cache_dtype: KV-cache dtype.
-        progress: show a tqdm bar (rank 0).
+        progress: report progress on rank 0 (:class:`EvalProgress`: a bar on a terminal,
+            else a line every 30 s).
         partial_dir: when given, each rank appends every problem's row, as soon as it is
             scored, to ``partial_dir/eval_samples.rank{r}.partial.jsonl`` (flushed), so a later
             failure loses no finished work;
@@ -202,18 +275,36 @@ def evaluate(
         ranks: the ranks that evaluate together (each takes every ``size``-th problem; all
             get every row): :data:`~torchtune_grpo.training.distributed.WORLD` for
             ``grpo_eval``, the trainer ranks in the asynchronous recipe.
+        fingerprint: with ``partial_dir``, what identifies this evaluation
+            (:func:`~torchtune_grpo.evaluation.results.eval_fingerprint`): rows that an
+            interrupted run of the same evaluation left in ``partial_dir`` (any number of
+            ranks) are kept and not generated again. Rows generated in other batches can
+            differ from an uninterrupted run's by the last bits of their logits.
+        should_stop: asked before each batch of problems (on every rank; any rank's True
+            stops all): the evaluation then raises :class:`EvaluationInterrupted`, with the
+            finished rows in ``partial_dir``.
 
     Raises:
+        EvaluationInterrupted: ``should_stop`` said so.
         RuntimeError: computing the metrics failed; the message says where the partial
             samples are.
     """
-    from tqdm import tqdm
 
     start = time.perf_counter()
     world, rank = ranks.size(), ranks.rank()
     total = len(dataset)
-    mine = list(range(rank, total, world))
-    per_rank = math.ceil(total / world)
+    done: dict[int, dict[str, Any]] = {}
+    if partial_dir is not None and fingerprint is not None:
+        done = read_partial_rows(partial_dir, fingerprint)
+        ranks.barrier()  # every rank has read the old files before any is rewritten
+        if rank == 0:  # files of ranks beyond this world: their rows are carried below
+            for path in Path(partial_dir).glob("eval_samples.rank*.partial.jsonl"):
+                if not any(path == partial_samples_path(partial_dir, r) for r in range(world)):
+                    path.unlink(missing_ok=True)
+    carried = [done[p] for p in range(rank, total, world) if p in done]
+    mine = [p for p in range(rank, total, world) if p not in done]
+    counts = ranks.all_reduce(torch.tensor([len(mine)], device=device), "max")
+    per_rank = int(counts.item())
     padded = mine + [mine[-1] if mine else 0] * (per_rank - len(mine))
     success_fn = next(e.fn for e in rewards.entries if e.name == rewards.success_name)
     extract = getattr(success_fn, "extract_answer", None)
@@ -221,15 +312,21 @@ def evaluate(
     prompts_per_batch = max(1, settings.forward_batch_size // n)
     was_training = model.training
     model.eval()
-    rows: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = list(carried)
     partial_files = (
         [partial_samples_path(partial_dir, r) for r in range(world)] if partial_dir else []
     )
-    partial = PartialSamples(partial_files[rank] if partial_files else None)
-    bar = tqdm(total=per_rank, disable=not (progress and rank == 0), desc="eval")
+    partial = PartialSamples(partial_files[rank] if partial_files else None,
+                             fingerprint=fingerprint, carried=carried)
+    report = EvalProgress(total, len(done), world, show=progress and rank == 0)
     try:
         with D.gathered_for_inference(model, enabled=gather_weights):
             for offset in range(0, per_rank, prompts_per_batch):
+                if should_stop is not None and not ranks.all_ranks_true(not should_stop(),
+                                                                        device):
+                    finished = int(ranks.all_reduce(
+                        torch.tensor([len(rows)], device=device), "sum").item())
+                    raise EvaluationInterrupted(finished, total, partial_files)
                 chunk = padded[offset : offset + prompts_per_batch]
                 rows.extend(_evaluate_chunk(
                     model, tokenizer, dataset, rewards, settings, chunk,
@@ -238,10 +335,10 @@ def evaluate(
                     allowed_tokens=allowed_tokens, stop_tokens=stop_tokens, pad_id=pad_id,
                     cache_dtype=cache_dtype, tool_generator=tool_generator, ranks=ranks,
                 ))
-                bar.update(len(chunk))
+                report.update(len(chunk))
     finally:
         partial.close()
-        bar.close()
+        report.close()
         if was_training:
             model.train()
 

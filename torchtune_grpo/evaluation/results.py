@@ -19,6 +19,7 @@ files (:func:`where_partial`). :meth:`EvalResult.write` replaces both result fil
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -30,6 +31,8 @@ from typing import IO, Any
 from torchtune_grpo.training.settings import EvalSettings
 
 RESULTS_FILE = "eval_results.json"
+#: Folder of a training run's ``output_dir`` that holds its start evaluation (step 0).
+START_EVAL_DIR = "eval_step_0"
 SAMPLES_FILE = "eval_samples.jsonl"
 #: Per-rank file that :func:`~torchtune_grpo.evaluation.evaluate.evaluate` appends each scored
 #: problem to (``{rank}``: the rank).
@@ -55,6 +58,56 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
+def eval_fingerprint(model_dir: str | Path | None, **parts: Any) -> str:
+    """What identifies an evaluation, as a short hash: the model's weight files (path, names,
+    sizes, modification times) and ``parts`` (the dataset, sampling settings, rewards...).
+
+    Partial rows are resumed, and a finished evaluation reused, only under the same fingerprint.
+    """
+    files: list[Any] = []
+    if model_dir is not None and Path(model_dir).is_dir():
+        root = Path(model_dir).resolve()
+        files = [str(root)] + [
+            (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.iterdir())
+            if p.suffix in (".safetensors", ".bin", ".pt") and p.name != "recipe_state.pt"]
+    payload = json.dumps({"model": files, **_plain(parts)}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:20]
+
+
+def stored_eval_metrics(directory: str | Path, fingerprint: str) -> dict[str, float] | None:
+    """The metrics of the finished evaluation in ``directory`` when its ``eval_results.json``
+    carries ``fingerprint``; None otherwise (absent, unreadable, or another evaluation)."""
+    try:
+        stored = json.loads((Path(directory) / RESULTS_FILE).read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(stored, dict) or stored.get("fingerprint") != fingerprint:
+        return None
+    return dict(stored.get("metrics") or {})
+
+
+def read_partial_rows(directory: str | Path, fingerprint: str) -> dict[int, dict[str, Any]]:
+    """The rows kept in ``directory``'s partial sample files (any number of ranks) whose first
+    line carries ``fingerprint``, by dataset position; a line cut short by a crash ends its
+    file's rows."""
+    rows: dict[int, dict[str, Any]] = {}
+    for path in sorted(Path(directory).glob(PARTIAL_SAMPLES_FILE.format(rank="*"))):
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+            head = json.loads(lines[0]) if lines else {}
+        except (OSError, ValueError, UnicodeDecodeError):
+            continue
+        if not isinstance(head, dict) or head.get("fingerprint") != fingerprint:
+            continue
+        for line in lines[1:]:
+            try:
+                row = json.loads(line)
+                rows[int(row["position"])] = row
+            except (ValueError, KeyError, TypeError):
+                break
+    return rows
+
+
 class PartialSamples:
     """This rank's ``eval_samples.rank{r}.partial.jsonl``: one flushed line per scored problem.
 
@@ -63,14 +116,23 @@ class PartialSamples:
 
     Args:
         path: the file, created afresh (its folder too); None: rows are not written.
+        fingerprint: written as the file's first line (``{"fingerprint": ...}``) so that a
+            later run of the same evaluation resumes the rows (:func:`read_partial_rows`).
+        carried: rows of an interrupted run to write first (this rank's share).
     """
 
-    def __init__(self, path: Path | None) -> None:
+    def __init__(self, path: Path | None, fingerprint: str | None = None,
+                 carried: Sequence[dict[str, Any]] = ()) -> None:
         self.path = path
         self._file: IO[str] | None = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = path.open("w", encoding="utf-8")  # a rerun starts the file afresh
+            if fingerprint is not None:
+                self._file.write(json.dumps({"fingerprint": fingerprint}) + "\n")
+            for row in carried:
+                self._file.write(json.dumps(_plain(row)) + "\n")
+            self._file.flush()
 
     def append(self, row: dict[str, Any]) -> None:
         """Write ``row`` as one JSON line and flush it (nothing without a path)."""

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from torchtune_grpo.errors import UserError, one_line
+from torchtune_grpo.training.run_lock import is_locked
 from torchtune_grpo.training.step_folder import safetensors_problem
 
 STEP_DIR_PATTERN = re.compile(r"^step_(\d+)$")
@@ -183,6 +184,8 @@ def claim_output_dir(output_dir: str | Path, *, overwrite: bool = False) -> list
             f"(newest: {found[-1].name}); continue that run with resume_from_checkpoint=true, "
             "start over with overwrite_output_dir=true (deletes them), or choose another "
             "output_dir")
+    if overwrite and (root / "eval_step_0").is_dir():  # the start evaluation of that run
+        shutil.rmtree(root / "eval_step_0")
     for path in found + partial:
         shutil.rmtree(path)
     return found
@@ -297,8 +300,14 @@ def save_step_checkpoint(
 
     if keep_last_n is not None:
         for _, old in list_step_checkpoints(output_dir)[:-keep_last_n]:
-            if old != final:
-                _remove_step(old)
+            if old == final:
+                continue
+            if is_locked(old):  # grpo_eval is writing into it: pruned by a later save
+                logging.getLogger(__name__).warning(
+                    f"keep_last_n_checkpoints: kept {old.name} for now: an evaluation is "
+                    "writing into it")
+                continue
+            _remove_step(old)
     return final
 
 
@@ -458,43 +467,3 @@ def hf_checkpointer(
     # missing one as untied
     checkpointer._config.setdefault("tie_word_embeddings", False)
     return checkpointer
-
-
-def lora_checkpoint(state: dict[str, torch.Tensor], model_cfg: Any, *,
-                    adapter_only: bool) -> dict[str, Any]:
-    """What a torchtune checkpointer writes for a LoRA policy.
-
-    Args:
-        state: the policy's full state dict (base weights and ``lora_a``/``lora_b``).
-        model_cfg: the config's ``model`` node (``lora_rank``, ``lora_alpha``,
-            ``lora_attn_modules``, ``apply_lora_to_mlp``, ``apply_lora_to_output``).
-        adapter_only: leave out the merged weights (``save_adapter_weights_only``).
-
-    Returns:
-        ``{"adapter": ..., "adapter_config": ...}`` (PEFT format through the checkpointer)
-        plus, unless ``adapter_only``, ``{"model": merged weights}`` that ``transformers``
-        and vLLM load without PEFT.
-    """
-    from torchtune import training
-    from torchtune.modules.peft import (
-        get_adapter_state_dict,
-        get_lora_module_names,
-        get_merged_lora_ckpt,
-    )
-
-    checkpoint: dict[str, Any] = {
-        training.ADAPTER_KEY: get_adapter_state_dict(state),
-        training.ADAPTER_CONFIG: {
-            "r": model_cfg.lora_rank,
-            "lora_alpha": model_cfg.lora_alpha,
-            "target_modules": get_lora_module_names(
-                list(model_cfg.lora_attn_modules), model_cfg.get("apply_lora_to_mlp", False),
-                model_cfg.get("apply_lora_to_output", False),
-            ),
-            "peft_type": "LORA",
-        },
-    }
-    if not adapter_only:
-        checkpoint[training.MODEL_KEY] = get_merged_lora_ckpt(
-            dict(state), rank=model_cfg.lora_rank, alpha=model_cfg.lora_alpha)
-    return checkpoint

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -46,8 +45,7 @@ from torchtune import training, utils
 from torchtune_grpo.algorithm.advantages import AdvantageOutput, group_advantages, loss_token_mask
 from torchtune_grpo.algorithm.trajectory import Trajectory, concat_trajectories
 from torchtune_grpo.backends import backend_for
-from torchtune_grpo.evaluation.evaluate import evaluate
-from torchtune_grpo.evaluation.results import EvalResult
+from torchtune_grpo.evaluation.evaluate import EvaluationInterrupted
 from torchtune_grpo.policy.model import DTYPES
 from torchtune_grpo.rewards.reward_set import RewardOutput
 from torchtune_grpo.rewards.scoring import concat_reward_outputs, score_rollout
@@ -58,8 +56,10 @@ from torchtune_grpo.training.batching import (
     dynamic_sample,
     split_batch,
 )
+from torchtune_grpo.training.interrupts import StopSignals
 from torchtune_grpo.training.metrics import PhaseTimer, peak_memory_gb
 from torchtune_grpo.training.recipe_checkpoint import RecipeCheckpoints
+from torchtune_grpo.training.recipe_eval import RecipeEvaluation
 from torchtune_grpo.training.recipe_setup import RecipeSetup
 from torchtune_grpo.training.recipe_update import RecipeUpdate
 from torchtune_grpo.training.schema import RECIPE_KEYS, Key, per_rank_batch_size, with_defaults
@@ -80,6 +80,12 @@ def _world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def _rank_from_env() -> int:
+    import os
+
+    return int(os.environ.get("RANK", "0"))
+
+
 def run_recipe(cfg: DictConfig) -> None:
     """Set up, train and clean up a :class:`GRPORecipe`; cleanup runs on failure too.
 
@@ -95,7 +101,7 @@ def run_recipe(cfg: DictConfig) -> None:
         recipe.cleanup()
 
 
-class GRPORecipe(RecipeSetup, RecipeUpdate, RecipeCheckpoints):
+class GRPORecipe(RecipeSetup, RecipeUpdate, RecipeCheckpoints, RecipeEvaluation):
     """GRPO full fine-tuning on one or many ranks (see the module docstring for the step).
 
     Args:
@@ -106,6 +112,9 @@ class GRPORecipe(RecipeSetup, RecipeUpdate, RecipeCheckpoints):
     EXTRA_KEYS: dict[str, Key] = {}
 
     def __init__(self, cfg: DictConfig) -> None:
+        # Ctrl-C / SIGTERM from the first second: one line while setting up, a clean stop
+        # that keeps the work done while evaluating or training
+        self.stop = StopSignals("the run", quiet=_rank_from_env() != 0).install()
         self.validate(cfg)
         self.cfg = cfg = with_defaults(cfg, {**RECIPE_KEYS, **self.EXTRA_KEYS})
         self.device = utils.get_device(cfg.device)
@@ -135,7 +144,6 @@ class GRPORecipe(RecipeSetup, RecipeUpdate, RecipeCheckpoints):
         self.metric_logger = None
         self._progress = None
         self._line_progress = False
-        self._stop_requested = False
         self._adapter_state = None
         self.output_lock = None  # rank 0: the lock on output_dir (setup)
         self.model_files: dict[str, bytes] = {}  # rank 0: written into every step folder
@@ -333,8 +341,9 @@ class GRPORecipe(RecipeSetup, RecipeUpdate, RecipeCheckpoints):
                             "train further)")
             return
         if self.eval_dataset is not None and self.step == 0 and self.cfg.eval_at_start:
-            self.run_eval()
-        with self._progress_bar(), self._sigterm_stops_after_the_step():
+            with self.stop.deferred():
+                self.run_start_eval()
+        with self._progress_bar(), self.stop.deferred():
             while self.step < self.cfg.num_steps:
                 start = time.perf_counter()
                 metrics = self.train_step(self.batches.batch(self.step))
@@ -360,21 +369,30 @@ class GRPORecipe(RecipeSetup, RecipeUpdate, RecipeCheckpoints):
             for message in warnings if self.is_rank_zero else ():
                 log.warning(message)
         self.log_metrics(metrics)
-        preempted = not self.ranks.all_ranks_true(not self._stop_requested, self.device)
+        preempted = not self.ranks.all_ranks_true(self.stop.requested is None, self.device)
         diverged = self.consecutive_skips >= cfg.max_consecutive_skipped_steps
         last = self.step == cfg.num_steps
-        evaluated = None
+        evaluated, eval_note = None, ""
         if self.eval_dataset is not None and cfg.eval_every_n_steps and (
                 self.step % cfg.eval_every_n_steps == 0 or last):
-            evaluated = self.run_eval()
+            if preempted:
+                eval_note = "its evaluation was skipped"
+            else:
+                try:
+                    evaluated = self.run_eval()
+                except EvaluationInterrupted as exc:
+                    preempted, eval_note = True, f"its {exc}"
+        if eval_note:
+            eval_note = (f" ({eval_note}: `tune run grpo_eval ... checkpoint_dir="
+                         f"{cfg.output_dir}/step_{self.step}` evaluates it)")
         if last or preempted or diverged or evaluated is not None or (
                 cfg.save_every_n_steps and self.step % cfg.save_every_n_steps == 0):
             self.save_checkpoint(evaluated)
         if preempted:
             if self.is_rank_zero:
                 log.warning(f"stopped after step {self.step} on request; saved "
-                            f"{cfg.output_dir}/step_{self.step}; continue with the same command "
-                            "and resume_from_checkpoint=true")
+                            f"{cfg.output_dir}/step_{self.step}{eval_note}; continue with the "
+                            "same command and resume_from_checkpoint=true")
             return False
         if diverged:
             raise RuntimeError(
@@ -416,45 +434,6 @@ class GRPORecipe(RecipeSetup, RecipeUpdate, RecipeCheckpoints):
             self._progress = None
             self._line_progress = False
 
-    @contextlib.contextmanager
-    def _sigterm_stops_after_the_step(self) -> Iterator[None]:
-        """SIGTERM (preemption) and SIGINT (Ctrl-C) set a flag: the step finishes, is saved,
-        and the loop stops with the command that resumes it. A second SIGINT stops at once
-        (``KeyboardInterrupt``), losing the step in progress."""
-        def request_stop(signum, _frame) -> None:
-            if signum == signal.SIGINT and self._stop_requested:
-                raise KeyboardInterrupt
-            name = signal.Signals(signum).name
-            extra = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""
-            log.warning(f"received {name}: saving at the end of this step, then stopping{extra}")
-            self._stop_requested = True
-
-        previous = {sig: signal.signal(sig, request_stop)
-                    for sig in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-    def run_eval(self) -> EvalResult:
-        """Evaluate the current policy on ``eval_dataset``; log ``eval/...`` metrics."""
-        result = evaluate(
-            self.model, self.tokenizer, self.eval_dataset, self.rewards, self.eval_settings,
-            device=self.device, logit_bias=self.logit_bias, allowed_tokens=self.allowed_tokens,
-            stop_tokens=self.stop_tokens, pad_id=self.pad_id, cache_dtype=self.dtype,
-            gather_weights=self.cfg.rollout_gather_weights,
-            tool_generator=self.eval_tool_generator, ranks=self.ranks,
-        )
-        metrics = {f"eval/{k}": v for k, v in result.metrics.items()}
-        metrics["eval/problems_per_second"] = len(result.samples) / max(result.seconds, 1e-9)
-        if self.metric_logger is not None:
-            self.metric_logger.log_dict(metrics, step=self.step)
-        if self.is_rank_zero:
-            log.info(f"step {self.step}: " + ", ".join(
-                f"{k}={v:.4f}" for k, v in metrics.items()))
-        return result
-
     def cleanup(self) -> None:
         """Close the generator, the metric logger and the process group (safe to call after
         a failed or partial :meth:`setup`)."""
@@ -467,4 +446,5 @@ class GRPORecipe(RecipeSetup, RecipeUpdate, RecipeCheckpoints):
         finally:
             if self.output_lock is not None:
                 self.output_lock.release()
+            self.stop.restore()
             D.destroy()

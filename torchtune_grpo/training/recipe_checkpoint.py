@@ -13,7 +13,6 @@ from torchtune import training, utils
 from torchtune_grpo.evaluation.results import EvalResult
 from torchtune_grpo.training.checkpointing import (
     check_finite,
-    lora_checkpoint,
     non_finite_tensors,
     save_step_checkpoint,
 )
@@ -127,3 +126,43 @@ class RecipeCheckpoints:
             )
             log.info(f"saved {path}")
         self.ranks.barrier()
+
+
+def lora_checkpoint(state: dict[str, torch.Tensor], model_cfg: Any, *,
+                    adapter_only: bool) -> dict[str, Any]:
+    """What a torchtune checkpointer writes for a LoRA policy.
+
+    Args:
+        state: the policy's full state dict (base weights and ``lora_a``/``lora_b``).
+        model_cfg: the config's ``model`` node (``lora_rank``, ``lora_alpha``,
+            ``lora_attn_modules``, ``apply_lora_to_mlp``, ``apply_lora_to_output``).
+        adapter_only: leave out the merged weights (``save_adapter_weights_only``).
+
+    Returns:
+        ``{"adapter": ..., "adapter_config": ...}`` (PEFT format through the checkpointer)
+        plus, unless ``adapter_only``, ``{"model": merged weights}`` that ``transformers``
+        and vLLM load without PEFT.
+    """
+    from torchtune import training
+    from torchtune.modules.peft import (
+        get_adapter_state_dict,
+        get_lora_module_names,
+        get_merged_lora_ckpt,
+    )
+
+    checkpoint: dict[str, Any] = {
+        training.ADAPTER_KEY: get_adapter_state_dict(state),
+        training.ADAPTER_CONFIG: {
+            "r": model_cfg.lora_rank,
+            "lora_alpha": model_cfg.lora_alpha,
+            "target_modules": get_lora_module_names(
+                list(model_cfg.lora_attn_modules), model_cfg.get("apply_lora_to_mlp", False),
+                model_cfg.get("apply_lora_to_output", False),
+            ),
+            "peft_type": "LORA",
+        },
+    }
+    if not adapter_only:
+        checkpoint[training.MODEL_KEY] = get_merged_lora_ckpt(
+            dict(state), rank=model_cfg.lora_rank, alpha=model_cfg.lora_alpha)
+    return checkpoint

@@ -29,12 +29,12 @@ from torchtune_grpo.training.checkpointing import (
     weight_files,
 )
 from torchtune_grpo.training.health import RunHealth
-from torchtune_grpo.training.run_lock import FolderLock
 from torchtune_grpo.training.rollouts import (
     RolloutRuntime,
     check_context_length,
     generation_context,
 )
+from torchtune_grpo.training.run_lock import FolderLock
 from torchtune_grpo.training.settings import (
     HealthSettings,
     settings_from_config,
