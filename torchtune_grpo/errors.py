@@ -26,6 +26,11 @@ class UserError(Exception):
     user can fix; the message names what is wrong and where, in one line."""
 
 
+class DataError(UserError, ValueError):
+    """A data set, data file or prompt template that cannot be used; names the file, the row or
+    line (counted from 1) and the field."""
+
+
 class Interrupted(Exception):
     """The run was stopped by a signal before there was anything to save.
 

@@ -78,11 +78,13 @@ def test_selection_errors_name_the_row_and_the_file(tmp_path):
     samples = [("q0", "1", 0), ("q1", "2", 1), ("q2", "3", 2)]
     path = _file(tmp_path, [{"index": 0, "question": "q0", "pass_rate": 0.5},
                             {"index": 1, "question": "q1", "pass_rate": 0.0}])
-    with pytest.raises(ValueError, match=r"no pass rate for 1 of its 3 rows \(first: row 2\)"):
+    with pytest.raises(ValueError,
+                       match=r"no pass rate for 1 of its 3 rows \(first: row 3, index 2\)"):
         select_by_difficulty(samples, path, name="ds")
     kept, dropped = select_by_difficulty(samples[:2], path, name="ds")
     assert kept == [("q0", "1", 0)] and dropped == 1
-    with pytest.raises(ValueError, match="row 1 of difficulty_file .* another question"):
+    with pytest.raises(ValueError,
+                       match=r"row 2 \(index 1\) of difficulty_file .* another question"):
         select_by_difficulty([("q0", "1", 0), ("other", "2", 1)], path, name="ds")
     with pytest.raises(ValueError, match="no row .* strictly between 0.6 and 1.0"):
         select_by_difficulty(samples[:2], path, band=[0.6, 1.0], name="ds")

@@ -55,7 +55,7 @@ def test_bad_rows_error_or_are_skipped_and_counted(base_model, tmp_path):
     dataset = ["dataset._component_=torchtune_grpo.datasets.gsm8k_dataset",
                f"dataset.source={data}", "~dataset.split", "tokenizer.max_seq_len=1024",
                "model.max_seq_len=1024"]
-    with pytest.raises(ValueError, match="row 3"):
+    with pytest.raises(ValueError, match="row 4 field 'answer'"):  # rows counted from 1
         _setup(base_model, tmp_path / "a", *dataset)
     train_in_process(base_model, tmp_path / "b", *dataset, "dataset.invalid_rows=skip",
                      "num_steps=1", "batch_size=4", "group_size=2", "max_generated_tokens=3")

@@ -74,7 +74,7 @@ def test_long_prompt_is_skipped_and_counted_alike(tokenizer, tmp_path, kind):
         build(tokenizer, source=path, max_prompt_tokens=limit)
     n_tokens = len(tokenize_prompt(tokenizer, template, LONG_QUESTION))
     assert str(raised.value).startswith(
-        f"{builder} ({path}, split 'train'): row 1 (field 'question') has {n_tokens} prompt "
+        f"{builder} ({path}, split 'train'): row 2 (field 'question') has {n_tokens} prompt "
         f"tokens, more than max_prompt_tokens={limit}."
     )
     ds = build(tokenizer, source=path, max_prompt_tokens=limit, invalid_rows="skip")
@@ -92,10 +92,10 @@ def test_malformed_row_error_names_file_row_and_field(tokenizer, tmp_path, kind)
     with pytest.raises(ValueError) as raised:
         build(tokenizer, source=path)
     message = str(raised.value)
-    assert message.startswith(f"{builder} ({path}, split 'train'): row 2 field '{field}' ")
+    assert message.startswith(f"{builder} ({path}, split 'train'): row 3 field '{field}' ")
     assert message.endswith("Fix the data, or set invalid_rows=skip to drop such rows.")
-    # The row index is the one in the split, also for a slice of the file.
-    with pytest.raises(ValueError, match=r"split 'train\[1:\]'\): row 1 field"):
+    # The row number (from 1) is the one in the split, also for a slice of the file.
+    with pytest.raises(ValueError, match=r"split 'train\[1:\]'\): row 2 field"):
         build(tokenizer, source=path, split="train[1:]")
 
 
@@ -148,14 +148,14 @@ def test_skeleton_concatenates_configurations(tokenizer, tmp_path):
         (2, "one"),
         (3, "two"),
     ]
-    too_long = re.escape(f"toy_dataset ({path}/x+y, split 'train'): row 0 (field 'question')")
+    too_long = re.escape(f"toy_dataset ({path}/x+y, split 'train'): row 1 (field 'question')")
     with pytest.raises(ValueError, match=too_long):
         build_prompt_dataset(tokenizer, name="x,y", max_prompt_tokens=1, **common)
     bad = _write(tmp_path / "bad_pairs.jsonl", [{"q": "one", "a": "1"}, {"q": "two"}])
     with pytest.raises(ValueError) as raised:
         build_prompt_dataset(tokenizer, name="x,y", **{**common, "source": bad})
     assert str(raised.value).startswith(
-        f"toy_dataset ({bad}, split 'train'): x row 1 field 'a' is missing."
+        f"toy_dataset ({bad}, split 'train'): x row 2 field 'a' is missing."
     )
 
 

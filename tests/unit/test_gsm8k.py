@@ -212,7 +212,7 @@ def test_gsm8k_dataset_items(tokenizer, small_file):
 )
 def test_gsm8k_invalid_rows(tokenizer, tmp_path, bad_row, field, what):
     path = _write_jsonl(tmp_path / "bad.jsonl", [ROWS[0], ROWS[1], bad_row, ROWS[2]])
-    with pytest.raises(ValueError, match=rf"row 2 field '{field}' .*{what}"):
+    with pytest.raises(ValueError, match=rf"row 3 field '{field}' .*{what}"):
         gsm8k_dataset(tokenizer, source=str(path))
     ds = gsm8k_dataset(tokenizer, source=str(path), invalid_rows="skip")
     assert len(ds) == 3 and ds.skipped_rows == 1
@@ -222,7 +222,7 @@ def test_gsm8k_invalid_rows(tokenizer, tmp_path, bad_row, field, what):
 def test_gsm8k_non_string_fields(tokenizer, tmp_path):
     # A column of numbers (a table column has one type, so every row has a number here).
     path = _write_jsonl(tmp_path / "ints.jsonl", [{"question": 7, "answer": "#### 1"}] * 2)
-    with pytest.raises(ValueError, match=r"row 0 field 'question' is a int, not a string"):
+    with pytest.raises(ValueError, match=r"row 1 field 'question' is a int, not a string"):
         gsm8k_dataset(tokenizer, source=str(path))
 
 
@@ -230,7 +230,7 @@ def test_gsm8k_max_prompt_tokens(tokenizer, tmp_path):
     long_row = {"question": "word " * 200, "answer": "#### 1"}
     path = _write_jsonl(tmp_path / "long.jsonl", [ROWS[0], long_row, ROWS[1]])
     limit = len(tokenize_prompt(tokenizer, GSM8K_TEMPLATE, ROWS[0]["question"])) + 10
-    with pytest.raises(ValueError, match=r"row 1 \(field 'question'\) has \d+ prompt tokens"):
+    with pytest.raises(ValueError, match=r"row 2 \(field 'question'\) has \d+ prompt tokens"):
         gsm8k_dataset(tokenizer, source=str(path), max_prompt_tokens=limit)
     ds = gsm8k_dataset(tokenizer, source=str(path), max_prompt_tokens=limit, invalid_rows="skip")
     assert len(ds) == 2 and ds.skipped_rows == 1
@@ -248,7 +248,7 @@ def test_gsm8k_empty_and_bad_policy(tokenizer, tmp_path):
 def test_prompt_dataset_truncation_by_tokenizer(tmp_path):
     short_tok = tiny_tokenizer(tmp_path / "tok", max_seq_len=40)
     samples = [("short", "1", 0), ("a much longer question " * 3, "2", 1)]
-    with pytest.raises(ValueError, match=r"row 1 .*max_seq_len=40"):
+    with pytest.raises(ValueError, match=r"row 2 .*max_seq_len=40"):
         PromptDataset(samples, short_tok, PromptTemplate())
     ds = PromptDataset(samples, short_tok, PromptTemplate(), invalid_rows="skip")
     assert len(ds) == 1 and ds.skipped_rows == 1

@@ -142,7 +142,7 @@ def test_invalid_rows_name_row_and_field(tokenizer, tmp_path, bad_row, field, wh
     path = tmp_path / "bad.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     for build in (math_dataset, deepscaler_dataset):
-        with pytest.raises(ValueError, match=rf"row 1 field '{field}' {what}"):
+        with pytest.raises(ValueError, match=rf"row 2 field '{field}' {what}"):
             build(tokenizer, source=str(path))
         ds = build(tokenizer, source=str(path), invalid_rows="skip")
         assert len(ds) == 2 and ds.skipped_rows == 1
@@ -163,7 +163,7 @@ def test_errors_for_policy_empty_missing_and_long(tokenizer, tmp_path):
             source=str(_write(tmp_path / "bad.json", [{"problem": "p"}])),
             invalid_rows="skip",
         )
-    with pytest.raises(ValueError, match="row 0 .* max_prompt_tokens=5"):
+    with pytest.raises(ValueError, match="row 1 .* max_prompt_tokens=5"):
         math_dataset(tokenizer, source=str(path), max_prompt_tokens=5)
     longest = max(math_dataset(tokenizer, source=str(path)).prompt_lengths)
     short = math_dataset(

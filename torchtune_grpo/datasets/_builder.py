@@ -25,6 +25,7 @@ from torchtune_grpo.datasets._prompt import (
     PromptTemplate,
     resolve_template,
 )
+from torchtune_grpo.errors import DataError
 
 __all__ = ["InvalidRow", "RowReader", "build_prompt_dataset", "required_text"]
 
@@ -98,10 +99,11 @@ def build_prompt_dataset(
     configurations in order.
 
     A row that ``read_row`` rejects raises (``invalid_rows="error"``)
-    ``ValueError("{builder} ({source}, split '...'): [{configuration} ]row {i} field '{field}'
+    ``DataError("{builder} ({source}, split '...'): [{configuration} ]row {i} field '{field}'
     {what}. Fix the data, ...")``, the configuration named only when there are several and
-    ``i`` the row's index within it; with ``invalid_rows="skip"`` it is dropped and counted in
-    ``dataset.skipped_rows``, together with the prompts dropped for their length.
+    ``i`` the row's number within it, counted from 1; with ``invalid_rows="skip"`` it
+    is dropped and counted in ``dataset.skipped_rows``, together with the prompts dropped
+    for their length.
 
     Args:
         tokenizer: a torchtune model tokenizer.
@@ -139,7 +141,7 @@ def build_prompt_dataset(
         FileNotFoundError: when a local source does not exist.
     """
     if invalid_rows not in INVALID_ROW_POLICIES:
-        raise ValueError(
+        raise DataError(
             f"{builder}: invalid_rows must be one of {INVALID_ROW_POLICIES}, got {invalid_rows!r}"
         )
     template = resolve_template(template, default=default_template)
@@ -163,9 +165,9 @@ def build_prompt_dataset(
                     skipped += 1
                     continue
                 part = f"{config} " if len(names) > 1 else ""
-                raise ValueError(
-                    f"{where}: {part}row {local} field {bad.field!r} {bad.what}. Fix the data, or "
-                    "set invalid_rows=skip to drop such rows."
+                raise DataError(
+                    f"{where}: {part}row {local + 1} field {bad.field!r} {bad.what}. Fix the "
+                    "data, or set invalid_rows=skip to drop such rows."
                 ) from None
             samples.append((question, answer, offset + local))
         offset += count

@@ -7,6 +7,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from torchtune_grpo.errors import DataError
+
 __all__ = ["LOCAL_FORMATS", "load_rows"]
 
 #: ``datasets`` builder names for local files, and the file extensions that map to them.
@@ -46,7 +48,7 @@ def _file_list(data_files: Any) -> list[str]:
         return [path for value in data_files.values() for path in _file_list(value)]
     if isinstance(data_files, Sequence):
         return [path for value in data_files for path in _file_list(value)]
-    raise ValueError(
+    raise DataError(
         f"data_files must be a path, a list of paths or a mapping split -> paths, got "
         f"{type(data_files).__name__}"
     )
@@ -94,7 +96,7 @@ def _check_local_contents(files: list[str]) -> None:
         if not file.is_file():
             continue
         if file.stat().st_size == 0 or not file.read_text(errors="replace").strip():
-            raise ValueError(f"data file {str(file)!r} is empty")
+            raise DataError(f"data file {str(file)!r} is empty")
         if file.suffix != ".jsonl":
             continue
         with file.open(errors="replace") as handle:
@@ -104,12 +106,12 @@ def _check_local_contents(files: list[str]) -> None:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise ValueError(
+                    raise DataError(
                         f"data file {str(file)!r} line {number} is not valid JSON ({exc.msg} at "
                         f"column {exc.colno}): {line.strip()[:80]!r}; fix or remove the line"
                     ) from None
                 if not isinstance(row, dict):
-                    raise ValueError(
+                    raise DataError(
                         f"data file {str(file)!r} line {number} is a JSON "
                         f"{type(row).__name__}, not an object with named fields")
 
@@ -178,7 +180,7 @@ def load_rows(
     import datasets
 
     if not isinstance(source, str) or not source:
-        raise ValueError(f"source must be a dataset id or a path, got {source!r}")
+        raise DataError(f"source must be a dataset id or a path, got {source!r}")
     source_path = Path(source).expanduser()
     is_format = source in LOCAL_FORMATS
     if data_files is None and not is_format and not source_path.exists():
@@ -204,7 +206,7 @@ def load_rows(
         formats = {_format_of(path) for path in _file_list(data_files)}
         fmt = formats.pop() if len(formats) == 1 else None
     if fmt is None:
-        raise ValueError(
+        raise DataError(
             f"cannot tell the format of the local data {source!r} / data_files={data_files!r}; "
             f"use files ending in {sorted(e for v in LOCAL_FORMATS.values() for e in v)} or set "
             f"source to one of {sorted(LOCAL_FORMATS)}"

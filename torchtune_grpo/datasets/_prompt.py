@@ -18,6 +18,8 @@ import torch
 from torch.utils.data import Dataset
 from torchtune.data import Message
 
+from torchtune_grpo.errors import DataError
+
 __all__ = [
     "GSM8K_PHRASE_TEMPLATE",
     "GSM8K_TEMPLATE",
@@ -116,19 +118,19 @@ def _check_template(template: PromptTemplate, where: str) -> PromptTemplate:
     for name in ("user", "assistant_prefix"):
         value = getattr(template, name)
         if not isinstance(value, str):
-            raise ValueError(  # noqa: TRY004 - a config error
+            raise DataError(  # noqa: TRY004 - a config error
                 f"{where}: `{name}` must be a string, got {value!r}"
             )
     if template.system is not None and not isinstance(template.system, str):
-        raise ValueError(f"{where}: `system` must be a string or null, got {template.system!r}")
+        raise DataError(f"{where}: `system` must be a string or null, got {template.system!r}")
     if "{question}" not in template.user:
-        raise ValueError(
+        raise DataError(
             f"{where}: `user` must contain the placeholder {{question}}, got {template.user!r}"
         )
     try:
         template.format_user("x")
     except (KeyError, IndexError, ValueError) as exc:
-        raise ValueError(
+        raise DataError(
             f"{where}: `user` is not a valid format string ({exc!r}); only {{question}} may be "
             "a placeholder, write literal braces as {{{{ and }}}}"
         ) from exc
@@ -165,12 +167,12 @@ def resolve_template(
         try:
             obj = _get_component_from_path(template)
         except Exception as exc:
-            raise ValueError(
+            raise DataError(
                 f"template: {template!r} does not import ({exc}); give the dotted path of a "
                 "PromptTemplate object, or the template's fields as a mapping"
             ) from exc
         if not isinstance(obj, PromptTemplate):
-            raise ValueError(  # noqa: TRY004 - a config error
+            raise DataError(  # noqa: TRY004 - a config error
                 f"template: {template!r} is a {type(obj).__name__}, not a PromptTemplate"
             )
         return _check_template(obj, f"template {template!r}")
@@ -186,11 +188,11 @@ def resolve_template(
         allowed = {f.name for f in fields(PromptTemplate)}
         unknown = sorted(set(values) - allowed)
         if unknown:
-            raise ValueError(
+            raise DataError(
                 f"template: unknown key(s) {unknown}; allowed keys are {sorted(allowed)}"
             )
         return _check_template(PromptTemplate(**values), "template")
-    raise ValueError(
+    raise DataError(
         f"template: expected a PromptTemplate, a mapping, a dotted path or null, got "
         f"{type(template).__name__}"
     )
@@ -321,7 +323,7 @@ class PromptDataset(Dataset):
         difficulty_band: Sequence[float] = (0.0, 1.0),
     ) -> None:
         if invalid_rows not in INVALID_ROW_POLICIES:
-            raise ValueError(
+            raise DataError(
                 f"{name}: invalid_rows must be one of {INVALID_ROW_POLICIES}, got {invalid_rows!r}"
             )
         if max_prompt_tokens is not None and (
@@ -329,7 +331,7 @@ class PromptDataset(Dataset):
             or not isinstance(max_prompt_tokens, int)
             or max_prompt_tokens <= 0
         ):
-            raise ValueError(
+            raise DataError(
                 f"{name}: max_prompt_tokens must be a positive integer or null, "
                 f"got {max_prompt_tokens!r}"
             )
@@ -362,16 +364,16 @@ class PromptDataset(Dataset):
                 if invalid_rows == "skip":
                     self.skipped_rows += 1
                     continue
-                raise ValueError(
-                    f"{name}: row {index} (field 'question') {problem}. Raise the limit, or set "
-                    "invalid_rows=skip to drop such rows."
+                raise DataError(
+                    f"{name}: row {index + 1} (field 'question') {problem}. Raise the limit, or "
+                    "set invalid_rows=skip to drop such rows."
                 )
             self._tokens.append(tokens)
             self._answers.append(answer)
             self._questions.append(question)
             self._indices.append(int(index))
         if not self._tokens:
-            raise ValueError(
+            raise DataError(
                 f"{name}: no usable rows ({self.skipped_rows} skipped); check the data source, "
                 "the split and max_prompt_tokens"
             )
@@ -418,12 +420,11 @@ def collate_prompts(batch: list[dict[str, Any]], pad_id: int) -> dict[str, Any]:
         ValueError: on an empty batch or an empty prompt.
     """
     if not batch:
-        raise ValueError("collate_prompts: the batch is empty")
+        raise DataError("collate_prompts: the batch is empty")
     lengths = [len(item["tokens"]) for item in batch]
     if min(lengths) == 0:
-        raise ValueError(
-            f"collate_prompts: the prompt of row {batch[lengths.index(0)].get('index')} is empty"
-        )
+        row = int(batch[lengths.index(0)].get("index", -1)) + 1
+        raise DataError(f"collate_prompts: the prompt of row {row} is empty")
     width = max(lengths)
     tokens = torch.full((len(batch), width), pad_id, dtype=torch.long)
     for row, item in enumerate(batch):

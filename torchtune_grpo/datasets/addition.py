@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from torchtune_grpo.datasets._prompt import PromptDataset, PromptTemplate
+from torchtune_grpo.errors import DataError
 
 #: The second operand of every problem.
 ADDEND = 1111
@@ -56,7 +57,7 @@ def addition_operands(split: str) -> list[int]:
         "train": numbers[n_test + n_warm :],
     }
     if split not in ranges:
-        raise ValueError(f"split must be one of {sorted(ranges)}, got {split!r}")
+        raise DataError(f"split must be one of {sorted(ranges)}, got {split!r}")
     return ranges[split]
 
 

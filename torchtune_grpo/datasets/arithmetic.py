@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from torchtune_grpo.datasets._prompt import PromptDataset, PromptTemplate
+from torchtune_grpo.errors import DataError
 
 __all__ = [
     "ARITHMETIC_OPERATIONS",
@@ -67,7 +68,7 @@ def _check_operations(operations: Sequence[str]) -> list[str]:
     ops = list(operations)
     unknown = [op for op in ops if op not in ARITHMETIC_OPERATIONS]
     if not ops or unknown or len(set(ops)) != len(ops):
-        raise ValueError(
+        raise DataError(
             f"arithmetic: operations must be distinct names from {sorted(ARITHMETIC_OPERATIONS)}, "
             f"got {list(operations)!r}"
         )
@@ -92,7 +93,7 @@ def arithmetic_problems(
         ValueError: on an unknown split or operation.
     """
     if split not in ("train", "test"):
-        raise ValueError(f"arithmetic: split must be 'train' or 'test', got {split!r}")
+        raise DataError(f"arithmetic: split must be 'train' or 'test', got {split!r}")
     per_op: list[list[tuple[str, str]]] = []
     for op in _check_operations(operations):
         pairs = _operands(op)
@@ -136,7 +137,7 @@ def arithmetic_dataset(
         ValueError: on an unknown split or operation, or a non-positive ``limit``.
     """
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise ValueError(f"arithmetic_dataset: limit must be a positive integer or null, "
+        raise DataError(f"arithmetic_dataset: limit must be a positive integer or null, "
                          f"got {limit!r}")
     problems = arithmetic_problems(split, operations)[:limit]
     samples = [(q, a, i) for i, (q, a) in enumerate(problems)]

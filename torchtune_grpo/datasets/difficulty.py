@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from torchtune_grpo.errors import DataError
+
 __all__ = ["DEFAULT_BAND", "read_difficulty", "select_by_difficulty"]
 
 #: Default ``difficulty_band``: keep prompts solved sometimes (``0 < pass_rate < 1``).
@@ -25,10 +27,10 @@ def _check_band(band: Any, where: str) -> tuple[float, float]:
     try:
         low, high = (float(v) for v in band)
     except (TypeError, ValueError):
-        raise ValueError(f"{where}: difficulty_band must be [low, high] with 0 <= low < high <= 1,"
+        raise DataError(f"{where}: difficulty_band must be [low, high] with 0 <= low < high <= 1,"
                          f" got {band!r}") from None
     if not (0.0 <= low < high <= 1.0):
-        raise ValueError(f"{where}: difficulty_band must be [low, high] with 0 <= low < high <= 1,"
+        raise DataError(f"{where}: difficulty_band must be [low, high] with 0 <= low < high <= 1,"
                          f" got {list(band)!r}")
     return low, high
 
@@ -55,13 +57,13 @@ def read_difficulty(path: str | Path) -> tuple[dict[str, Any], dict[int, dict[st
             "--config ... --out FILE")
     lines = path.read_text().splitlines()
     if not lines:
-        raise ValueError(f"difficulty_file {str(path)!r} is empty")
+        raise DataError(f"difficulty_file {str(path)!r} is empty")
     try:
         settings = json.loads(lines[0])
     except json.JSONDecodeError:
         settings = None
     if not isinstance(settings, dict) or settings.get("format") != _FORMAT:
-        raise ValueError(f"difficulty_file {str(path)!r} is not a difficulty file (its first "
+        raise DataError(f"difficulty_file {str(path)!r} is not a difficulty file (its first "
                          f"line is not the settings line of tune-grpo difficulty)")
     rows: dict[int, dict[str, Any]] = {}
     for number, line in enumerate(lines[1:], start=2):
@@ -72,7 +74,7 @@ def read_difficulty(path: str | Path) -> tuple[dict[str, Any], dict[int, dict[st
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             if number == len(lines):  # a line cut off by an interrupted run
                 break
-            raise ValueError(f"difficulty_file {str(path)!r} line {number}: not a valid row "
+            raise DataError(f"difficulty_file {str(path)!r} line {number}: not a valid row "
                              f"({type(exc).__name__}: {exc})") from None
         rows[index] = row
     return settings, rows
@@ -106,22 +108,24 @@ def select_by_difficulty(
     _, rows = read_difficulty(difficulty_file)
     missing = [index for _, _, index in samples if index not in rows]
     if missing:
-        raise ValueError(
+        raise DataError(
             f"{name}: difficulty_file {str(difficulty_file)!r} has no pass rate for {len(missing)} "
-            f"of its {len(samples)} rows (first: row {missing[0]}); score the same split with "
+            f"of its {len(samples)} rows (first: row {missing[0] + 1}, index {missing[0]}); score "
+            "the same split with "
             "tune-grpo difficulty, or set the dataset's split to the rows that were scored")
     kept = []
     for question, answer, index in samples:
         row = rows[index]
         if row.get("question") is not None and row["question"] != question:
-            raise ValueError(
-                f"{name}: row {index} of difficulty_file {str(difficulty_file)!r} is another "
+            raise DataError(
+                f"{name}: row {index + 1} (index {index}) of difficulty_file "
+                f"{str(difficulty_file)!r} is another "
                 f"question ({row['question'][:60]!r}... vs {question[:60]!r}...); the file was "
                 "made from other data")
         if low < row["pass_rate"] < high:
             kept.append((question, answer, index))
     if not kept:
-        raise ValueError(
+        raise DataError(
             f"{name}: no row of difficulty_file {str(difficulty_file)!r} has a pass rate "
             f"strictly between {low} and {high}; widen difficulty_band or score with more "
             "samples")

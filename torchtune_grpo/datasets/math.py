@@ -18,6 +18,7 @@ from typing import Any
 
 from torchtune_grpo.datasets._builder import InvalidRow, build_prompt_dataset, required_text
 from torchtune_grpo.datasets._prompt import PromptDataset, PromptTemplate
+from torchtune_grpo.errors import DataError
 from torchtune_grpo.rewards.answers import extract_boxed
 
 __all__ = [
@@ -144,7 +145,7 @@ def _subjects(
         return [name]
     names = list(name)
     if not names or not all(isinstance(n, str) and n for n in names):
-        raise ValueError(
+        raise DataError(
             f"math_dataset: name must be a subject, a non-empty list of subjects or null, "
             f"got {name!r}"
         )

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from torchtune_grpo.datasets._prompt import PromptDataset, PromptTemplate
+from torchtune_grpo.errors import DataError
 
 #: Range of the first (two-digit) operand, inclusive.
 FIRST_OPERAND = (10, 99)
@@ -64,7 +65,7 @@ def multiplication_operands(split: str) -> list[tuple[int, int]]:
         "train": pairs[n_test + n_warm :],
     }
     if split not in ranges:
-        raise ValueError(f"split must be one of {sorted(ranges)}, got {split!r}")
+        raise DataError(f"split must be one of {sorted(ranges)}, got {split!r}")
     return ranges[split]
 
 

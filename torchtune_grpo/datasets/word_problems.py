@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from torchtune_grpo.datasets._prompt import PromptDataset, PromptTemplate
+from torchtune_grpo.errors import DataError
 
 __all__ = [
     "HELD_OUT_TEMPLATES",
@@ -131,7 +132,7 @@ def word_problems(split: str) -> list[dict[str, Any]]:
         ValueError: on an unknown split.
     """
     if split not in SPLIT_SEEDS:
-        raise ValueError(f"word_problems: split must be 'train' or 'test', got {split!r}")
+        raise DataError(f"word_problems: split must be 'train' or 'test', got {split!r}")
     rng = random.Random(SPLIT_SEEDS[split])
     train_questions = ({p["question"] for p in word_problems("train")}
                        if split == "test" else set())
@@ -181,10 +182,10 @@ def word_problem_dataset(
     """
     ops = [operations] if isinstance(operations, str) else list(operations)
     if not ops or any(op not in TEMPLATES for op in ops):
-        raise ValueError(f"word_problem_dataset: operations must be names from "
+        raise DataError(f"word_problem_dataset: operations must be names from "
                          f"{list(OPERATIONS)}, got {list(ops)!r}")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise ValueError(f"word_problem_dataset: limit must be a positive integer or null, "
+        raise DataError(f"word_problem_dataset: limit must be a positive integer or null, "
                          f"got {limit!r}")
     rows = [(p["question"], p["answer"], i) for i, p in enumerate(word_problems(split))
             if p["operation"] in ops][:limit]
