@@ -40,7 +40,7 @@ from torchtune_grpo.evaluation.evaluate import (
     tool_settings_from_checkpoint,
 )
 from torchtune_grpo.evaluation.results import EvalResult, eval_fingerprint, partial_samples_path
-from torchtune_grpo.policy.model import DTYPES, build_model, token_rules
+from torchtune_grpo.policy.model import DTYPES, build_model, meta_model, token_rules
 from torchtune_grpo.rewards.build import build_reward_set
 from torchtune_grpo.training import distributed as D
 from torchtune_grpo.training.config import parse
@@ -48,7 +48,12 @@ from torchtune_grpo.training.interrupts import StopSignals
 from torchtune_grpo.training.run_lock import FolderLock
 from torchtune_grpo.training.schema import EVAL_KEYS, with_defaults
 from torchtune_grpo.training.settings import EvalSettings
-from torchtune_grpo.training.validation import validate_config
+from torchtune_grpo.training.validation import (
+    check_device,
+    check_input_files,
+    check_model_folder,
+    validate_config,
+)
 
 log = utils.get_logger("INFO")
 
@@ -93,6 +98,7 @@ def recipe_main(cfg: DictConfig) -> None:
         k=list(cfg.k), max_generated_tokens=cfg.max_generated_tokens,
         forward_batch_size=cfg.forward_batch_size, seed=cfg.seed,
     )
+    check_device(cfg.device)
     device = utils.get_device(cfg.device)
     world_size, rank = D.init_distributed(device)
     lock = None
@@ -111,6 +117,8 @@ def _evaluate_checkpoint(cfg: DictConfig, settings: EvalSettings, device: torch.
                          world_size: int, rank: int, stop: StopSignals) -> None:
     """Load ``cfg.checkpoint_dir``, evaluate it and write the results into it."""
     dtype = DTYPES[cfg.dtype]
+    check_input_files(cfg)  # truncated weights named before anything loads
+    check_model_folder(cfg, meta_model(cfg.model), cfg.checkpointer.get("checkpoint_dir"))
     tokenizer = config.instantiate(cfg.tokenizer)
     tool_generator = None
     if cfg.tools:  # before the dataset: the chat-template tool format renders prompts with tools

@@ -31,6 +31,11 @@ class DataError(UserError, ValueError):
     line (counted from 1) and the field."""
 
 
+class CheckpointError(UserError, ValueError):
+    """A checkpoint or model folder that cannot be used as asked: damaged, non-finite, another
+    model's, or another run's (a seed that differs on resume)."""
+
+
 class Interrupted(Exception):
     """The run was stopped by a signal before there was anything to save.
 

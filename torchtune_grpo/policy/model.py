@@ -22,6 +22,7 @@ from torchtune.modules.peft import (
     set_trainable_params,
 )
 
+from torchtune_grpo.errors import CheckpointError
 from torchtune_grpo.policy.forward import install_output_modes
 from torchtune_grpo.rollout.sampling import (
     allowed_token_mask,
@@ -45,7 +46,8 @@ def has_adapters(model: nn.Module) -> bool:
 
 def _check_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor],
                       adapter_names: set[str] = frozenset()) -> None:
-    """Raise a ValueError naming the first parameter whose name or shape does not match.
+    """Raise a :class:`~torchtune_grpo.errors.CheckpointError` naming the first parameter whose
+    name or shape does not match.
 
     Adapter parameters (``adapter_names``) may be absent: a base checkpoint has none.
     """
@@ -53,7 +55,7 @@ def _check_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor],
     missing = sorted(set(expected) - set(state_dict) - set(adapter_names))
     unexpected = sorted(set(state_dict) - set(expected))
     if missing or unexpected:
-        raise ValueError(
+        raise CheckpointError(
             "the checkpoint does not match the config's `model` (check `model` and "
             "`checkpointer.checkpoint_files`): "
             + (f"missing {missing[:5]} " if missing else "")
@@ -64,7 +66,7 @@ def _check_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor],
             continue
         got = tuple(state_dict[name].shape)
         if got != shape:
-            raise ValueError(
+            raise CheckpointError(
                 f"the checkpoint does not match the config's `model`: parameter {name!r} has "
                 f"shape {list(got)} in the checkpoint but {list(shape)} in the model"
             )

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from torchtune_grpo.algorithm.trajectory import Trajectory
+from torchtune_grpo.errors import UserError
 from torchtune_grpo.rollout.seeding import counter_uniform
 
 
@@ -70,7 +71,7 @@ def allowed_token_mask(tokenizer, vocab_size: int) -> torch.Tensor:
     allowed[ids] = True
     stops = [t for t in stop_token_ids(tokenizer) if t < vocab_size]
     if not stops:
-        raise ValueError(
+        raise UserError(
             f"none of the tokenizer's stop tokens {stop_token_ids(tokenizer)} fits in the "
             f"model's vocabulary of {vocab_size}: check `tokenizer` against `model`"
         )

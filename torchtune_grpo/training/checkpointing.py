@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from torchtune_grpo.errors import UserError, one_line
+from torchtune_grpo.errors import CheckpointError, UserError, one_line
 from torchtune_grpo.training.run_lock import is_locked
 from torchtune_grpo.training.step_folder import safetensors_problem
 
@@ -124,12 +124,12 @@ def check_finite(state_dict: dict[str, Any], where: str, *, action: str) -> None
         action: what is refused, e.g. ``"load"`` or ``"save"``.
 
     Raises:
-        ValueError: naming ``where``, the first offending tensors and their number.
+        CheckpointError: naming ``where``, the first offending tensors and their number.
     """
     bad = non_finite_tensors(state_dict)
     if bad:
         shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-        raise ValueError(
+        raise CheckpointError(
             f"refusing to {action} {where}: {len(bad)} weight tensor(s) hold NaN or infinite "
             f"values ({shown}); resume from an earlier step_N, or lower the learning rate")
 

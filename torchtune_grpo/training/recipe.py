@@ -69,7 +69,7 @@ from torchtune_grpo.training.settings import (
     EvalSettings,
     settings_from_config,
 )
-from torchtune_grpo.training.validation import validate_config
+from torchtune_grpo.training.validation import check_device, validate_config
 
 log = utils.get_logger("INFO")
 
@@ -117,6 +117,7 @@ class GRPORecipe(RecipeSetup, RecipeUpdate, RecipeCheckpoints, RecipeEvaluation)
         self.stop = StopSignals("the run", quiet=_rank_from_env() != 0).install()
         self.validate(cfg)
         self.cfg = cfg = with_defaults(cfg, {**RECIPE_KEYS, **self.EXTRA_KEYS})
+        check_device(cfg.device)
         self.device = utils.get_device(cfg.device)
         # process-wide settings of the device (CPU: the allocator keeps freed memory), before
         # the model and the step's tensors are allocated

@@ -10,6 +10,7 @@ import torch
 from omegaconf import OmegaConf
 from torchtune import training, utils
 
+from torchtune_grpo.errors import CheckpointError
 from torchtune_grpo.evaluation.results import EvalResult
 from torchtune_grpo.training.checkpointing import (
     check_finite,
@@ -61,7 +62,7 @@ class RecipeCheckpoints:
 
     def _load_recipe_state(self, state: dict[str, Any]) -> None:
         if state["seed"] != self.seed:
-            raise ValueError(
+            raise CheckpointError(
                 f"resume_from_checkpoint: {self.resume_dir} was trained with seed "
                 f"{state['seed']}, the config says {self.seed}; an exact resume needs the same seed"
             )
@@ -99,8 +100,8 @@ class RecipeCheckpoints:
         if not self.ranks.all_ranks_true(finite, self.device):
             if self.is_rank_zero:
                 check_finite(state, f"step_{self.step} to {cfg.output_dir}", action="save")
-            raise ValueError(f"refusing to save step_{self.step}: rank 0 found non-finite "
-                             "weights")
+            raise CheckpointError(f"refusing to save step_{self.step}: rank 0 found non-finite "
+                                  "weights")
         if self.is_rank_zero:
             checkpoint = {training.MODEL_KEY: state}
             if self.is_lora:

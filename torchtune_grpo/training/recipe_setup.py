@@ -40,7 +40,11 @@ from torchtune_grpo.training.settings import (
     settings_from_config,
 )
 from torchtune_grpo.training.step_folder import model_folder_files, write_missing_files
-from torchtune_grpo.training.validation import ConfigError, check_input_files
+from torchtune_grpo.training.validation import (
+    ConfigError,
+    check_input_files,
+    check_model_folder,
+)
 
 log = utils.get_logger("INFO")
 
@@ -89,6 +93,7 @@ class RecipeSetup:
         except (ValueError, TypeError, AssertionError) as e:  # the builder rejects its arguments
             raise ConfigError(f"config key 'model' ({cfg.model.get('_component_')}): "
                               f"{e}") from e
+        check_model_folder(cfg, shape)  # the base folder is the model the config builds
         self.max_seq_len = getattr(shape, "max_seq_len", None)
         self.is_lora = has_adapters(shape)
         del shape
