@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from torchtune_grpo.training.health import CONDITIONS, RunHealth
+from torchtune_grpo.training.health import CONDITIONS, INFO_CONDITIONS, RunHealth
 from torchtune_grpo.training.settings import HealthSettings, settings_from_config
 
 
@@ -32,7 +32,7 @@ def test_a_learning_run_raises_nothing():
     flags, said = _feed(health, rows)
     assert said == []
     assert all(v == 0.0 for f in flags for v in f.values())
-    assert set(flags[-1]) == {f"health/{name}" for name in CONDITIONS}
+    assert set(flags[-1]) == {f"health/{name}" for name in (*CONDITIONS, *INFO_CONDITIONS)}
     assert "no warnings" in health.summary()
 
 
@@ -47,6 +47,33 @@ def test_no_signal_fires_once_spans_and_clears():
     assert "group_size" in said[0] and "dynamic_sampling" in said[0]
     assert health.spans["no_signal"] == [[6, 8]]
     assert "no_signal: steps 6-8" in health.summary()
+
+
+def test_all_right_ties_are_the_task_solved_not_a_missing_signal():
+    """The quickstart from step ~22 on: every group tied because every completion was right
+    (success 0.97). That is said once, at INFO; it is not the no-signal warning, which needs
+    groups that tie without being all right."""
+    health = RunHealth(HealthSettings(window=3, no_signal_fraction=0.9))
+    rows = [_row(zero=0.5, success=0.3)] * 3 + [
+        {**_row(zero=1.0, success=0.97), "solved_group_fraction": 0.95}] * 10
+    flags, said = _feed(health, rows)
+    assert said == [] and health.spans["no_signal"] == []
+    assert [f["health/solved"] for f in flags][4:6] == [0.0, 1.0]
+    assert health.info_spans["solved"] == [[6, 13]]
+    assert "no warnings" in health.summary() and "solved on the training prompts from step 6" \
+        in health.summary()
+    # the same ties with every completion wrong: the warning
+    health = RunHealth(HealthSettings(window=3, no_signal_fraction=0.9))
+    rows = [_row(zero=0.5)] * 3 + [{**_row(zero=1.0, success=0.0),
+                                    "solved_group_fraction": 0.0}] * 10
+    flags, said = _feed(health, rows)
+    assert len(said) == 1 and "no learning signal: 100%" in said[0]
+    assert "all right in 0%" in said[0] and health.info_spans["solved"] == []
+    # every group tied, 40% all right and 60% all wrong: no gradient, and not solved: warned
+    health = RunHealth(HealthSettings(window=3, no_signal_fraction=0.9))
+    flags, said = _feed(health, [{**_row(zero=1.0), "solved_group_fraction": 0.4}] * 8)
+    assert len(said) == 1 and "all right in 40%" in said[0]
+    assert health.info_spans["solved"] == []
 
 
 def test_the_documented_failure_fires_length_collapse_and_hacking():

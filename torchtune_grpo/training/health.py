@@ -4,9 +4,12 @@ A GRPO run can look busy and learn nothing. Three patterns are common and each s
 step metrics long before a held-out evaluation would say so:
 
 - **no learning signal**: almost every group scored all its completions alike
-  (``zero_std_group_fraction`` near 1), so every advantage is 0 and the update does nothing.
-  The cure is data or sampling: larger ``group_size``, prompts the model solves sometimes
-  (``tune-grpo difficulty`` and a dataset's ``difficulty_file``), or ``dynamic_sampling``.
+  (``zero_std_group_fraction`` near 1) without being all right, so every advantage is 0 and
+  the update does nothing. The cure is data or sampling: larger ``group_size``, prompts the
+  model solves sometimes (``tune-grpo difficulty`` and a dataset's ``difficulty_file``), or
+  ``dynamic_sampling``. Groups whose completions are *all right* (``solved_group_fraction``)
+  tie too, but that is the task being solved, not a failure: when they are at least half of
+  the tied groups the run says so once, as information (``solved``), and does not warn.
 - **length collapse**: the mean response length falls to a fraction of where it started while
   the success rate does not rise: the policy is learning to say less, not to be right more
   often (the documented SmolLM2/GSM8K run: 144 -> 41 tokens, success flat).
@@ -32,15 +35,16 @@ from collections import deque
 
 from torchtune_grpo.training.settings import HealthSettings
 
-__all__ = ["CONDITIONS", "HealthSettings", "RunHealth"]
+__all__ = ["CONDITIONS", "INFO_CONDITIONS", "HealthSettings", "RunHealth"]
 
 #: The conditions, in the order they are reported, with the advice each warning gives.
 CONDITIONS = {
     "no_signal": (
         "no learning signal: {value:.0%} of the groups of the last {window} steps scored all "
-        "their completions alike (zero_std_group_fraction), so their advantages are 0. Raise "
-        "group_size, train on prompts the model solves sometimes (tune-grpo difficulty, then "
-        "the dataset's difficulty_file), or set dynamic_sampling."
+        "their completions alike (zero_std_group_fraction; all right in {solved:.0%}), so "
+        "their advantages are 0. Raise group_size, train on prompts the model solves "
+        "sometimes (tune-grpo difficulty, then the dataset's difficulty_file), or set "
+        "dynamic_sampling."
     ),
     "length_collapse": (
         "response length collapse: mean length {value:.1f} tokens over the last {window} "
@@ -52,6 +56,18 @@ CONDITIONS = {
         "possible reward hacking: reward/{component} rose {rise:+.3f} since the first steps "
         "while success_rate moved {gain:+.3f}. A term other than success is driving the "
         "update; lower its weight, gate it on a correct answer, or make it a penalty only."
+    ),
+}
+
+
+#: Conditions that are information, not a warning: logged once at INFO, never in the summary's
+#: warnings (a solved task is what training is for).
+INFO_CONDITIONS = {
+    "solved": (
+        "the task is solved on the training prompts: in {value:.0%} of the groups of the last "
+        "{window} steps every completion was right (solved_group_fraction), so those groups "
+        "tie and add no gradient. Further steps change little; evaluate, or move to harder "
+        "prompts."
     ),
 }
 
@@ -84,9 +100,14 @@ class RunHealth:
         self.gated_components = tuple(gated_components)
         self._first: list[dict[str, float]] = []
         self._recent: deque[dict[str, float]] = deque(maxlen=settings.window)
-        self._active: dict[str, bool] = {name: False for name in CONDITIONS}
+        self._active: dict[str, bool] = {name: False for name in (*CONDITIONS,
+                                                                   *INFO_CONDITIONS)}
         #: condition -> list of ``[first_step, last_step]`` spans where it held
         self.spans: dict[str, list[list[int]]] = {name: [] for name in CONDITIONS}
+        #: ``[first_step, last_step]`` spans of the information conditions (``solved``)
+        self.info_spans: dict[str, list[list[int]]] = {name: [] for name in INFO_CONDITIONS}
+        #: information messages that turned on at the last :meth:`update` (log them at INFO)
+        self.info: list[str] = []
         self._steps_seen = 0
 
     def _baseline(self, key: str) -> float | None:
@@ -104,8 +125,14 @@ class RunHealth:
         if len(self._recent) < s.window:
             return held
         zero = self._latest("zero_std_group_fraction")
+        solved = self._latest("solved_group_fraction") or 0.0
         if zero is not None and zero >= s.no_signal_fraction:
-            held["no_signal"] = CONDITIONS["no_signal"].format(value=zero, window=s.window)
+            if solved >= 0.5 * zero:  # the ties are mostly groups with every completion right
+                held["solved"] = INFO_CONDITIONS["solved"].format(value=solved,
+                                                                  window=s.window)
+            else:
+                held["no_signal"] = CONDITIONS["no_signal"].format(value=zero, solved=solved,
+                                                                  window=s.window)
         if self._steps_seen < 2 * s.window:
             return held
         success_now, success_then = self._latest("success_rate"), self._baseline("success_rate")
@@ -155,16 +182,21 @@ class RunHealth:
         self._recent.append(plain)
         self._steps_seen += 1
         held = self.check()
-        warnings = []
-        for name in CONDITIONS:
+        warnings: list[str] = []
+        self.info = []
+        for name in (*CONDITIONS, *INFO_CONDITIONS):
+            spans = self.spans if name in CONDITIONS else self.info_spans
+            said = warnings if name in CONDITIONS else self.info
             now = name in held
             if now and not self._active[name]:
-                warnings.append(f"step {step}: {held[name]}")
-                self.spans[name].append([step, step])
+                if not (name in INFO_CONDITIONS and spans[name]):  # information: said once
+                    said.append(f"step {step}: {held[name]}")
+                spans[name].append([step, step])
             elif now:
-                self.spans[name][-1][1] = step
+                spans[name][-1][1] = step
             self._active[name] = now
-        flags = {f"health/{name}": float(self._active[name]) for name in CONDITIONS}
+        flags = {f"health/{name}": float(self._active[name])
+                 for name in (*CONDITIONS, *INFO_CONDITIONS)}
         return flags, warnings
 
     def summary(self) -> str:
@@ -174,6 +206,12 @@ class RunHealth:
             if spans:
                 where = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
                 lines.append(f"  {name}: steps {where}")
+        solved = ""
+        if self.info_spans["solved"]:
+            solved = (f"; the task was solved on the training prompts from step "
+                      f"{self.info_spans['solved'][0][0]} (solved_group_fraction)")
         if not lines:
-            return "run health: no warnings (no_signal, length_collapse, reward_hacking)"
-        return "run health: these conditions held (see the warnings above):\n" + "\n".join(lines)
+            return ("run health: no warnings (no_signal, length_collapse, reward_hacking)"
+                    + solved)
+        return ("run health: these conditions held (see the warnings above):\n"
+                + "\n".join(lines) + solved)

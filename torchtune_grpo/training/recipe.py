@@ -306,6 +306,9 @@ class GRPORecipe(RecipeSetup, RecipeUpdate, RecipeCheckpoints, RecipeEvaluation)
             "response_length/mean": self._global_mean(traj.response_lengths.float()),
             "truncated_fraction": self._global_mean((~traj.stopped).float()),
             "zero_std_group_fraction": self._global_mean(adv.zero_std_groups.float()),
+            # groups whose completions were all right: tied, but solved (run health)
+            "solved_group_fraction": self._global_mean(
+                rewards.success.reshape(-1, self.group_size).all(1).float()),
         }
         for name, values in rewards.components.items():
             metrics[f"reward/{name}"] = self._global_mean(values.float())
@@ -369,6 +372,8 @@ class GRPORecipe(RecipeSetup, RecipeUpdate, RecipeCheckpoints, RecipeEvaluation)
             metrics.update(flags)
             for message in warnings if self.is_rank_zero else ():
                 log.warning(message)
+            for message in self.health.info if self.is_rank_zero else ():
+                log.info(message)
         self.log_metrics(metrics)
         preempted = not self.ranks.all_ranks_true(self.stop.requested is None, self.device)
         diverged = self.consecutive_skips >= cfg.max_consecutive_skipped_steps
