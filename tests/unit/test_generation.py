@@ -161,6 +161,9 @@ def test_generation_logprobs_equal_training_forward(tokenizer):
     m = traj.response_mask
     assert (logprobs[m] - traj.logprobs[m]).abs().max() < 1e-4
     assert torch.isfinite(entropy[m]).all()
+    # the model's outputs are not views: under FSDP2 they are the root module's outputs, which
+    # it hooks for backward (a view made torch warn "returned a view tensor" on every step)
+    assert logprobs._base is None and entropy._base is None
 
 
 def test_greedy_matches_stepwise_argmax_and_ignores_left_padding(tokenizer):

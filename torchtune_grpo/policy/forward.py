@@ -102,7 +102,7 @@ def _unembed(self: nn.Module, h: torch.Tensor):
         hidden = self.norm(h[:, mode.index])
     else:  # _ResponseLogProbs: position i predicts token i + 1.
         hidden = self.norm(h[:, mode.start : mode.start + mode.targets.shape[1]])
-    return chunked_token_logprobs(
+    logprobs, entropy = chunked_token_logprobs(
         hidden,
         self.output,
         mode.targets,
@@ -113,6 +113,14 @@ def _unembed(self: nn.Module, h: torch.Tensor):
         entropy_grad=mode.entropy_grad,
         keep_probs=mode.keep_probs,
     )
+    return _not_a_view(logprobs), None if entropy is None else _not_a_view(entropy)
+
+
+def _not_a_view(t: torch.Tensor) -> torch.Tensor:
+    """``t``, copied when it is a view (``[N, T]``: a few KB). Under FSDP2 these are the root
+    module's outputs, which it hooks for backward; an in-place op on a view output would
+    drop that hook, so torch warns on every view output. Same values, same gradient."""
+    return t.clone() if t._base is not None else t
 
 
 def install_output_modes(model: nn.Module) -> None:
