@@ -48,3 +48,16 @@ class CountingLengthReward:
         self.last_counts = {"long": n}
         CountingLengthReward.calls.append(n)
         return [float(len(c)) for c in completions]
+
+
+def slow_addition_dataset(tokenizer, marker: str, seconds: float = 60.0, **kwargs):
+    """The addition dataset, built slowly: writes ``marker`` then sleeps, so a test can signal
+    a run while it is setting up (before any model loads)."""
+    import time
+    from pathlib import Path
+
+    from torchtune_grpo.datasets import addition_dataset
+
+    Path(marker).write_text("setting up\n")
+    time.sleep(seconds)
+    return addition_dataset(tokenizer, **kwargs)

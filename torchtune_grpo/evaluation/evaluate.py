@@ -193,8 +193,7 @@ class EvalProgress:
         self._bar = (tqdm(total=total, initial=done, desc="eval", disable=not show)
                      if show and sys.stderr.isatty() else None)
         if show and self._bar is None:
-            _log.info(f"eval: {total} problems" + (f", {done} kept from an interrupted run"
-                                                     if done else ""))
+            _log.info(f"eval: {total} problems")
 
     def update(self, problems: int) -> None:
         """Rank 0 finished ``problems`` more (its own share)."""
@@ -301,6 +300,9 @@ def evaluate(
             for path in Path(partial_dir).glob("eval_samples.rank*.partial.jsonl"):
                 if not any(path == partial_samples_path(partial_dir, r) for r in range(world)):
                     path.unlink(missing_ok=True)
+    if done and rank == 0:
+        _log.info(f"eval: {len(done)} of {total} problems kept from an interrupted run of the "
+                  f"same evaluation in {partial_dir}; continuing")
     carried = [done[p] for p in range(rank, total, world) if p in done]
     mine = [p for p in range(rank, total, world) if p not in done]
     counts = ranks.all_reduce(torch.tensor([len(mine)], device=device), "max")
