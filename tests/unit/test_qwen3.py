@@ -251,3 +251,18 @@ def test_moe_weights_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="mlp.experts.0.up_proj.weight"):
         qwen3_hf_to_tune({"model.layers.0.mlp.experts.0.up_proj.weight": torch.zeros(1)},
                          tie_word_embeddings=False)
+
+
+def test_vllm_weight_names(folder, tmp_path):
+    """The vLLM engine's weight sync names every Qwen3 tensor as the HF folder does."""
+    from safetensors.torch import load_file
+
+    from torchtune_grpo.rollout.vllm_engine import hf_weight_items, torchtune_to_hf_converter
+
+    path, _, _ = folder
+    model, ckpt = _ours(path, tmp_path)
+    convert = torchtune_to_hf_converter(ckpt._model_type.name, ckpt._config)
+    ours = dict(hf_weight_items(model, convert))
+    theirs = load_file(str(path / "model.safetensors"))
+    assert ours.keys() == theirs.keys()
+    assert all(ours[k].equal(theirs[k]) for k in theirs)
