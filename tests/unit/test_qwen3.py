@@ -8,6 +8,7 @@ folder with :func:`hf_model` and :func:`hf_checkpointer` (model type derived fro
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -124,6 +125,24 @@ def test_cpu_decode_falls_back_to_plain_layers(folder, tmp_path):
         assert count == 7 * len(model.layers) + 1  # q, k, v, o, gate, up, down + output
         assert all("forward" not in layer.__dict__ for layer in model.layers)
         assert "forward" in model.layers[0].attn.q_proj.proj.__dict__
+
+
+def test_packed_training_forward_matches_padded(folder, tmp_path):
+    """Training-time log-probs with the rows packed end to end equal the padded rectangle's."""
+    from torchtune_grpo.policy.forward import micro_batch_logprobs
+
+    path, _, _ = folder
+    model, _ = _ours(path, tmp_path)
+    tokens, prompt_mask = _left_padded([0, 4, 7], 10, seed=4)
+    response = torch.randint(1, V, (3, 6), generator=torch.Generator().manual_seed(5))
+    response_mask = torch.arange(6)[None] < torch.tensor([6, 3, 5])[:, None]
+    full = torch.cat([tokens, response], dim=1)
+    with torch.no_grad():
+        padded, _ = micro_batch_logprobs(model, full, prompt_mask, response_mask, trim=False)
+        packed, _ = micro_batch_logprobs(model, full, prompt_mask, response_mask, pack=True)
+    assert padded[response_mask].abs().max() > 1.0
+    torch.testing.assert_close(packed[response_mask], padded[response_mask], atol=1e-5,
+                               rtol=1e-5)
 
 
 # ------------------------------------------------------------------------- save / reload
@@ -266,3 +285,34 @@ def test_vllm_weight_names(folder, tmp_path):
     theirs = load_file(str(path / "model.safetensors"))
     assert ours.keys() == theirs.keys()
     assert all(ours[k].equal(theirs[k]) for k in theirs)
+
+
+# ------------------------------------------------------------------------- the shipped config
+#: Qwen3-0.6B's config.json dimensions (the model the shipped config names; no download here).
+QWEN3_0_6B = dict(
+    architectures=["Qwen3ForCausalLM"], model_type="qwen3", attention_bias=False, head_dim=128,
+    hidden_act="silu", hidden_size=1024, intermediate_size=3072, max_position_embeddings=40960,
+    num_attention_heads=16, num_hidden_layers=28, num_key_value_heads=8, rms_norm_eps=1e-6,
+    rope_scaling=None, rope_theta=1_000_000, sliding_window=None, use_sliding_window=False,
+    tie_word_embeddings=True, vocab_size=151936, torch_dtype="bfloat16")
+CONFIG = Path(__file__).resolve().parents[2] / "configs/grpo/qwen3_0_6B_full_single_device.yaml"
+
+
+def test_shipped_config_validates_and_fits_its_gpu(tmp_path):
+    from tests.conftest import check_instantiates_offline
+    from torchtune_grpo.training.config import load_config
+    from torchtune_grpo.training.memory_estimate import GIB, estimate_memory, model_dims
+    from torchtune_grpo.training.validation import validate_config
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_0_6B))
+    cfg = load_config(str(CONFIG), [f"model_dir={tmp_path}"])
+    validate_config(cfg)
+    check_instantiates_offline(cfg, min_params=5e8)
+    dims = model_dims(cfg.model)
+    assert (dims.head_dim, dims.num_heads, dims.embed_dim) == (128, 16, 1024)
+    assert cfg.tokenizer.enable_thinking is True
+    assert cfg.rewards[0].think_tag == "think"
+    header = CONFIG.read_text().split("\n\n")[0]
+    assert "Hardware: 1 x 24 GB" in header
+    estimate = estimate_memory(cfg, 1, name="qwen3_0_6B")
+    assert estimate.peak_bytes < 0.75 * 24 * GIB, estimate.table()

@@ -256,9 +256,10 @@ def lora_qwen3(
             ``v_proj``, ``output_proj``).
         apply_lora_to_mlp: adapters on the three MLP projections too.
         apply_lora_to_output: an adapter on the output projection (untied models only).
-        vocab_size, num_layers, num_heads, num_kv_heads, embed_dim, intermediate_dim,
-            max_seq_len, head_dim, attn_dropout, norm_eps, rope_base, tie_word_embeddings:
-            as for :func:`qwen3`.
+        vocab_size: as for :func:`qwen3`, like ``num_layers``, ``num_heads``,
+            ``num_kv_heads``, ``embed_dim``, ``intermediate_dim``, ``max_seq_len``,
+            ``head_dim``, ``attn_dropout``, ``norm_eps``, ``rope_base`` and
+            ``tie_word_embeddings``.
         lora_rank: adapter rank ``r``.
         lora_alpha: adapter scale numerator (``alpha / r``).
         lora_dropout: dropout on the adapters' input.

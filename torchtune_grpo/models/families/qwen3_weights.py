@@ -162,10 +162,9 @@ class Qwen3HFCheckpointer:
             ``adapter_checkpoint``, ``recipe_checkpoint``, ``resume_from_checkpoint``) may be
             given only as false/None: the recipes resume from step folders.
 
-    Attributes:
-        _config: ``config.json``; ``_model_type``: :attr:`Qwen3ModelType.QWEN3`;
-        ``_output_dir``; ``_weight_map``: HF name -> 1-based shard id (``"0001"``), set by
-        :meth:`load_checkpoint`.
+    The attributes the recipes read are torchtune's: ``_config`` (``config.json``),
+    ``_model_type`` (:attr:`Qwen3ModelType.QWEN3`), ``_output_dir`` and ``_weight_map`` (HF
+    name -> 1-based shard id such as ``"0001"``, set by :meth:`load_checkpoint`).
     """
 
     def __init__(self, checkpoint_dir: str, checkpoint_files: list[str], output_dir: str,
