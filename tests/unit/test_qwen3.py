@@ -169,6 +169,38 @@ def test_save_reload_in_transformers(folder, tmp_path):
         assert value.equal(model.state_dict()[key]), key
 
 
+def test_sharded_bf16_folder_round_trip(folder, tmp_path):
+    """A folder in several safetensors shards loads; saving writes as many shards (an index
+    naming every tensor) in the weights' dtype, and transformers loads it."""
+    from safetensors import safe_open
+
+    path, ref, _ = folder
+    sharded = tmp_path / "sharded"
+    ref.to(torch.bfloat16).save_pretrained(sharded, max_shard_size="100KB")
+    ref.float()
+    shards = sorted(p.name for p in sharded.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    ckpt = hf_checkpointer(str(sharded), output_dir=str(tmp_path / "ckpt_out"))
+    state = ckpt.load_checkpoint()[training.MODEL_KEY]
+    assert all(v.dtype == torch.bfloat16 for v in state.values())
+    with training.set_default_dtype(torch.bfloat16):
+        hf_model(str(sharded)).load_state_dict(state)  # every name and shape fits the model
+    ckpt.save_checkpoint({training.MODEL_KEY: state}, epoch=2)
+    out = tmp_path / "ckpt_out" / "epoch_2"
+    written = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(written) == len(shards)
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index.values()) == set(written)
+    for name in written:
+        with safe_open(str(out / name), "pt") as f:
+            assert all(f.get_slice(k).get_dtype() == "BF16" for k in f.keys())
+            assert all(index[k] == name for k in f.keys())
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype="auto")
+    assert loaded.dtype == torch.bfloat16
+    for key, value in loaded.state_dict().items():  # a tied lm_head is the embedding
+        assert value.equal(ref.state_dict()[key].to(torch.bfloat16)), key
+
+
 # ------------------------------------------------------------------------- (d) LoRA
 def test_lora_merged_save_loads_in_transformers(folder, tmp_path):
     path, ref, case = folder
