@@ -120,6 +120,7 @@ def test_two_ranks_first_step_equals_one(qwen3_dir, tmp_path):
     one, two = first_step("one", 1), first_step("two", 2)
     assert_not_degenerate(one, two, weights=(qwen3_dir, one / "step_1"))
     (a,), (b,) = metrics(one), metrics(two)
+    print({k: (a[k], b[k]) for k in ("loss", "grad_norm", "entropy")})
     assert a["grad_norm"] > 0
     assert b["reward/mean"] == a["reward/mean"]
     assert b["response_length/mean"] == a["response_length/mean"]

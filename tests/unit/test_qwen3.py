@@ -7,6 +7,7 @@ folder with :func:`hf_model` and :func:`hf_checkpointer` (model type derived fro
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -176,8 +177,8 @@ def test_sharded_bf16_folder_round_trip(folder, tmp_path):
 
     path, ref, _ = folder
     sharded = tmp_path / "sharded"
-    ref.to(torch.bfloat16).save_pretrained(sharded, max_shard_size="100KB")
-    ref.float()
+    ref_bf16 = copy.deepcopy(ref).to(torch.bfloat16)  # the fixture's model stays float32
+    ref_bf16.save_pretrained(sharded, max_shard_size="100KB")
     shards = sorted(p.name for p in sharded.glob("model-*.safetensors"))
     assert len(shards) > 1
     ckpt = hf_checkpointer(str(sharded), output_dir=str(tmp_path / "ckpt_out"))
@@ -198,7 +199,7 @@ def test_sharded_bf16_folder_round_trip(folder, tmp_path):
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype="auto")
     assert loaded.dtype == torch.bfloat16
     for key, value in loaded.state_dict().items():  # a tied lm_head is the embedding
-        assert value.equal(ref.state_dict()[key].to(torch.bfloat16)), key
+        assert value.equal(ref_bf16.state_dict()[key]), key
 
 
 # ------------------------------------------------------------------------- (d) LoRA
