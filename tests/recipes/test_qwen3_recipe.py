@@ -143,3 +143,27 @@ def test_tune_run_trains_and_evaluates(qwen3_dir, tmp_path):
               "dataset.limit=8"], cwd=tmp_path, threads=2)
     result = json.loads((step / "eval_results.json").read_text())
     assert result["num_problems"] == 8 and "pass@1" in result["metrics"]
+
+
+def test_unsupported_field_is_one_line_before_any_weight(qwen3_dir, tmp_path):
+    """``use_sliding_window: true`` stops ``tune run`` with one ``error:`` line (exit 2) that
+    names the field, before any weight is read (the folder has none)."""
+    import shutil
+    import subprocess
+
+    from tests.recipes._helpers import recipe_env, tune_cmd
+
+    folder = tmp_path / "sliding"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(qwen3_dir / name, folder / name)
+    config = json.loads((qwen3_dir / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "use_sliding_window": True}))
+    proc = subprocess.run(
+        tune_cmd("run", "grpo_full_finetune_distributed", "--config", CONFIG,
+                 f"model_dir={folder}", f"output_dir={tmp_path / 'out'}", *SHORT),
+        cwd=tmp_path, env=recipe_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "use_sliding_window=true is not supported" in errors[0]
+    assert "Traceback" not in proc.stderr
