@@ -8,8 +8,10 @@ A config names the folder and nothing else about the architecture::
 
 :func:`hf_architecture` reads ``config.json`` and maps it onto torchtune's own component
 builders: ``LlamaForCausalLM`` onto :func:`torchtune.models.llama3_2.llama3_2` (and its LoRA
-twin), ``Qwen2ForCausalLM`` onto :func:`torchtune.models.qwen2.qwen2`. What those builders fix
-and a folder may change is set after building:
+twin), ``Qwen2ForCausalLM`` onto :func:`torchtune.models.qwen2.qwen2`, ``Qwen3ForCausalLM``
+onto this package's :func:`~torchtune_grpo.models.families.qwen3.qwen3` (torchtune 0.6.1 has
+none; see that module for its per-head q/k norms). What those builders fix and a folder may
+change is set after building:
 
 * **RoPE.** ``llama3_2`` always builds Llama 3's scaled RoPE with fixed frequency factors. A
   folder without ``rope_scaling`` (SmolLM2, Llama 2 style models) gets torchtune's plain
@@ -19,9 +21,10 @@ and a folder may change is set after building:
 * **Tied embeddings, head counts, QKV bias** are arguments of the builders already.
 
 Anything the builders cannot express (another architecture, another RoPE scaling, a
-``head_dim`` other than ``hidden_size / num_attention_heads``, sliding-window attention, biases
-in a Llama MLP) fails in :func:`hf_architecture`, before any weight is read, naming what the
-folder says and what is supported.
+``head_dim`` other than ``hidden_size / num_attention_heads`` outside Qwen3, sliding-window
+attention, biases in a Llama MLP or a Qwen3 attention) fails in :func:`hf_architecture`, before
+any weight is read, naming what the folder says and what is supported. Mixture-of-experts and
+vision architectures (``Qwen3MoeForCausalLM``, ``*ForConditionalGeneration``) are out of scope.
 """
 
 from __future__ import annotations
@@ -48,9 +51,19 @@ __all__ = [
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "LLAMA3_2"),
     "Qwen2ForCausalLM": ("qwen2", "QWEN2"),
+    "Qwen3ForCausalLM": ("qwen3", "QWEN3"),
 }
 #: ``model_type`` values of ``config.json`` accepted when ``architectures`` is missing.
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM"}
+
+
+def _out_of_scope(arch: str | None, model_type: str) -> bool:
+    """Mixture-of-experts and vision/multimodal architectures: never a plain decoder here."""
+    arch_parts = ("Moe", "VL", "Vision", "ConditionalGeneration", "Omni")
+    type_parts = ("moe", "_vl", "vision", "omni")
+    return (any(part in (arch or "") for part in arch_parts)
+            or any(part in model_type for part in type_parts))
 
 
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
@@ -83,9 +96,10 @@ class HFArchitecture:
     """What a ``config.json`` says, in torchtune's terms.
 
     Attributes:
-        architecture: the HF class name (``LlamaForCausalLM``, ``Qwen2ForCausalLM``).
-        family: ``"llama"`` or ``"qwen2"``: which torchtune builders make it.
-        model_type: the torchtune checkpointer's ``model_type`` (``LLAMA3_2``, ``QWEN2``).
+        architecture: the HF class name (``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
+            ``Qwen3ForCausalLM``).
+        family: ``"llama"``, ``"qwen2"`` or ``"qwen3"``: which builders make it.
+        model_type: the checkpointer's ``model_type`` (``LLAMA3_2``, ``QWEN2``, ``QWEN3``).
         builder_kwargs: arguments of the torchtune component builder (dimensions, head counts,
             ``rope_base``, ``norm_eps``, ``tie_word_embeddings``, ``max_seq_len``).
         rope: for the Llama family, ``None`` for plain RoPE, else the Llama 3 scaling
@@ -129,6 +143,11 @@ def hf_architecture(cfg: dict[str, Any], *, where: str = "config.json",
     """
     archs = list(cfg.get("architectures") or [])
     arch = archs[0] if archs else _MODEL_TYPES.get(str(cfg.get("model_type")))
+    if arch not in SUPPORTED_ARCHITECTURES and _out_of_scope(arch, str(cfg.get("model_type"))):
+        raise ValueError(
+            f"{where}: architectures={archs} (model_type={cfg.get('model_type')!r}) is out of "
+            "scope: mixture-of-experts and vision models are not supported; supported: "
+            f"{sorted(SUPPORTED_ARCHITECTURES)}")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"{where}: architectures={archs} (model_type={cfg.get('model_type')!r}) is not "
@@ -148,7 +167,7 @@ def hf_architecture(cfg: dict[str, Any], *, where: str = "config.json",
         raise ValueError(f"{where}: hidden_size {dim} is not a multiple of num_attention_heads "
                          f"{heads}")
     head_dim = cfg.get("head_dim")
-    if head_dim is not None and int(head_dim) != dim // heads:
+    if family != "qwen3" and head_dim is not None and int(head_dim) != dim // heads:
         raise ValueError(
             f"{where}: head_dim {head_dim} differs from hidden_size / num_attention_heads = "
             f"{dim // heads}; torchtune's {family} builder supports only the latter"
@@ -190,6 +209,11 @@ def hf_architecture(cfg: dict[str, Any], *, where: str = "config.json",
                 high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
                 old_context_len=int(scaling.get("original_max_position_embeddings", 8192)),
             )
+    elif family == "qwen3":
+        from torchtune_grpo.models.families.qwen3 import check_qwen3_config
+
+        kwargs["head_dim"] = check_qwen3_config(cfg, where=where, heads=heads,
+                                                rope_scaling=scaling)
     else:  # qwen2
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
@@ -203,7 +227,9 @@ def hf_architecture(cfg: dict[str, Any], *, where: str = "config.json",
 
 
 def hf_model_type(model_dir: str | Path) -> str:
-    """The torchtune checkpointer ``model_type`` of an HF folder (``LLAMA3_2``, ``QWEN2``).
+    """The torchtune checkpointer ``model_type`` of an HF folder (``LLAMA3_2``, ``QWEN2``,
+    ``QWEN3``: this package's :class:`~torchtune_grpo.models.families.qwen3_weights.
+    Qwen3HFCheckpointer`, torchtune has none).
 
     Raises:
         FileNotFoundError / ValueError: as :func:`read_hf_config` and :func:`hf_architecture`.
@@ -250,6 +276,10 @@ def hf_model(model_dir: str, max_seq_len: int | None = None) -> nn.Module:
         A :class:`torchtune.modules.TransformerDecoder`.
     """
     arch = _arch(model_dir, max_seq_len)
+    if arch.family == "qwen3":
+        from torchtune_grpo.models.families.qwen3 import qwen3
+
+        return qwen3(**arch.builder_kwargs)
     if arch.family == "qwen2":
         from torchtune.models.qwen2._component_builders import qwen2
 
@@ -290,6 +320,10 @@ def lora_hf_model(
     lora = dict(lora_attn_modules=list(lora_attn_modules), apply_lora_to_mlp=apply_lora_to_mlp,
                 apply_lora_to_output=apply_lora_to_output, lora_rank=lora_rank,
                 lora_alpha=lora_alpha, lora_dropout=lora_dropout, use_dora=use_dora)
+    if arch.family == "qwen3":
+        from torchtune_grpo.models.families.qwen3 import lora_qwen3
+
+        return lora_qwen3(**arch.builder_kwargs, **lora, quantize_base=quantize_base)
     if arch.family == "qwen2":
         from torchtune.models.qwen2._component_builders import lora_qwen2
 

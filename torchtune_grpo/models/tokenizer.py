@@ -97,12 +97,10 @@ def _resolve_paths(path: str | os.PathLike[str]) -> tuple[Path, Path]:
         raise FileNotFoundError(
             f"no tokenizer.json in {given}: `path` must be a Hugging Face model folder that "
             "holds tokenizer.json (the `tokenizers` fast-tokenizer file), or the path of that "
-            f"file.{hint}"
-        )
+            f"file.{hint}")
     raise FileNotFoundError(
         f"{given} does not exist: `path` must be a Hugging Face model folder that holds "
-        "tokenizer.json, or the path of a tokenizer.json file"
-    )
+        "tokenizer.json, or the path of a tokenizer.json file")
 
 
 # ---------------------------------------------------------------------------- the tokenizer
@@ -132,6 +130,9 @@ class HFTokenizer:
             never).
         chat_template: a jinja chat template that replaces the folder's, or the path of a file
             holding one (a string without ``{{``/``{%`` that names an existing file).
+        enable_thinking: passed to the chat template as ``enable_thinking`` (Qwen3's switch:
+            ``False`` renders an empty ``<think></think>`` block after the generation prompt);
+            ``None``: not passed, the template's default.
 
     Raises:
         FileNotFoundError: when there is no ``tokenizer.json`` at ``path``.
@@ -166,6 +167,7 @@ class HFTokenizer:
         path: str | os.PathLike[str],
         max_seq_len: int | None = None,
         chat_template: str | None = None,
+        enable_thinking: bool | None = None,
     ) -> None:
         if max_seq_len is not None and (
             isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len <= 0
@@ -243,6 +245,10 @@ class HFTokenizer:
         self.chat_template_source: str | None = source
         self._named_templates = named
         self._compiled: jinja2.Template | None = compile_chat_template(template, source)
+        #: variables every rendering gets (``enable_thinking``); ``apply_chat_template``'s
+        #: keyword arguments override them
+        self.template_variables: dict[str, Any] = (
+            {} if enable_thinking is None else {"enable_thinking": bool(enable_thinking)})
 
     # ------------------------------------------------------------------ helpers
     def _id_of(self, token: str | None) -> int | None:
@@ -258,11 +264,8 @@ class HFTokenizer:
             return False
         with_special = self._tokenizer.encode("a", add_special_tokens=True).ids
         plain = self._tokenizer.encode("a", add_special_tokens=False).ids
-        return (
-            len(with_special) > len(plain)
-            and with_special[0] == self.bos_id
-            and plain[:1] != [self.bos_id]
-        )
+        return (len(with_special) > len(plain) and with_special[0] == self.bos_id
+                and plain[:1] != [self.bos_id])
 
     def _require_template(self) -> jinja2.Template:
         """The compiled chat template, or a ``ValueError`` saying how to supply one."""
@@ -305,9 +308,8 @@ class HFTokenizer:
         """
         valid = self._valid_ids
         ids = [int(i) for i in token_ids]
-        return self._tokenizer.decode(
-            [i for i in ids if i in valid], skip_special_tokens=skip_special_tokens
-        )
+        return self._tokenizer.decode([i for i in ids if i in valid],
+                                      skip_special_tokens=skip_special_tokens)
 
     def ordinary_token_ids(self) -> list[int]:
         """Every id of the vocabulary that is not a special added token, sorted.
@@ -349,7 +351,7 @@ class HFTokenizer:
 
         The template sees ``messages``, ``tools``, ``add_generation_prompt``, the special-token
         strings ``bos_token``, ``eos_token``, ``pad_token``, ``unk_token`` (those the folder
-        defines) and ``kwargs`` (which override the token strings).
+        defines), ``template_variables`` and ``kwargs`` (which override the others).
 
         Args:
             messages: ``{"role": ..., "content": ...}`` dicts.
@@ -365,12 +367,9 @@ class HFTokenizer:
                 conversation (``raise_exception``).
         """
         template = self._require_template()
-        variables: dict[str, Any] = {
-            name: getattr(self, name)
-            for name in SPECIAL_TOKEN_NAMES
-            if getattr(self, name) is not None
-        }
-        variables.update(kwargs)
+        variables: dict[str, Any] = {name: getattr(self, name) for name in SPECIAL_TOKEN_NAMES
+                                     if getattr(self, name) is not None}
+        variables.update(self.template_variables, **kwargs)
         return render_chat_template(template, messages, tools, add_generation_prompt, variables)
 
     def tokenize_messages(
@@ -435,9 +434,8 @@ class HFTokenizer:
         if all(masked) or not any(masked):
             mask = [masked[0]] * len(tokens)
         else:
-            render_prefix = functools.partial(
-                self.apply_chat_template, add_generation_prompt=False, tools=self.tools
-            )
+            render_prefix = functools.partial(self.apply_chat_template,
+                                              add_generation_prompt=False, tools=self.tools)
             bounds = message_boundaries(dicts, text, render_prefix)
             mask = mask_by_message(encoding.offsets, bounds, masked)
 
@@ -474,7 +472,8 @@ class HFTokenizer:
 
 
 def hf_tokenizer(
-    path: str, max_seq_len: int | None = None, chat_template: str | None = None
+    path: str, max_seq_len: int | None = None, chat_template: str | None = None,
+    enable_thinking: bool | None = None,
 ) -> HFTokenizer:
     """Builder for configs: the tokenizer of a Hugging Face model folder.
 
@@ -492,8 +491,10 @@ def hf_tokenizer(
         max_seq_len: truncation length of ``tokenize_messages``, or ``None``.
         chat_template: a jinja chat template (or the path of a file holding one) that replaces
             the folder's.
+        enable_thinking: the chat template's ``enable_thinking`` (Qwen3); ``None``: not set.
 
     Returns:
         The :class:`HFTokenizer`.
     """
-    return HFTokenizer(path, max_seq_len=max_seq_len, chat_template=chat_template)
+    return HFTokenizer(path, max_seq_len=max_seq_len, chat_template=chat_template,
+                       enable_thinking=enable_thinking)

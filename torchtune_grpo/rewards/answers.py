@@ -11,6 +11,8 @@ that training rewards is one that evaluation counts correct, and the reverse:
 - :func:`extract_tagged`, :func:`extract_after_phrase` and :func:`extract_boxed` cut out the
   part of a completion that holds its final answer (``<answer>...</answer>``, the rest of the
   line after "The answer is", the last ``\\boxed{...}``).
+- :func:`after_thinking` drops a reasoning model's ``<think>...</think>`` block (Qwen3), so
+  the answer is read from what follows it only.
 
 Every function here runs in time linear in its input (the regular expressions have no nested
 quantifiers that could backtrack catastrophically on adversarial completions) and never raises
@@ -25,6 +27,7 @@ import math
 import re
 
 __all__ = [
+    "after_thinking",
     "extract_after_phrase",
     "extract_boxed",
     "extract_tagged",
@@ -381,3 +384,30 @@ def extract_boxed(text: str) -> str | None:
         elif token.endswith("{") and not token.startswith("\\{"):
             stack.append(match.end() if token != "{" else None)
     return None if best is None else best[1].strip()
+
+
+def after_thinking(text: str, tag: str = "think") -> str | None:
+    """The part of a completion after its reasoning block ``<tag>...</tag>``.
+
+    Reasoning models (Qwen3 in thinking mode) write ``<think>...</think>`` and then the answer;
+    numbers and answer phrases inside the reasoning are drafts, not answers.
+
+    Args:
+        text: a completion.
+        tag: the reasoning tag's name, without brackets.
+
+    Returns:
+        The text after the last ``</tag>`` when there is one; ``None`` when a ``<tag>`` was
+        opened and never closed (the reasoning did not finish: no answer); otherwise ``text``
+        unchanged (a completion without reasoning block). Tags match case-insensitively.
+    """
+    if not isinstance(text, str):
+        return None
+    close = None
+    for close in _literal_regex(f"</{tag}>").finditer(text):
+        pass
+    if close is not None:
+        return text[close.end() :]
+    if _literal_regex(f"<{tag}>").search(text):
+        return None
+    return text

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from torchtune_grpo.rewards.answers import (
+    after_thinking,
     extract_after_phrase,
     extract_tagged,
     numbers_match,
@@ -65,6 +66,10 @@ class NumericCorrectness:
       :func:`.extract_after_phrase`); without the phrase, ``fallback`` decides as above.
     - both ``None``: the last number of the whole completion.
 
+    With ``think_tag`` (``"think"`` for Qwen3's thinking mode) all of this reads only the text
+    after the completion's reasoning block (:func:`.after_thinking`); a completion whose
+    ``<think>`` never closes has no answer (0).
+
     Gold answers are parsed with :func:`.parse_number` too, so ``"1,000"`` and ``"1000"`` are the
     same gold answer. A gold answer without any number raises ``ValueError`` (the dataset does
     not fit this component). Completions never make it raise.
@@ -76,6 +81,7 @@ class NumericCorrectness:
         rel_tol: relative tolerance of the comparison (see :func:`.numbers_match`).
         answer_phrase: the phrase that introduces the final answer, for models asked to end
             with a sentence instead of a tag; needs ``answer_tag: null``.
+        think_tag: name of the reasoning block the answer follows (``None``: none).
 
     Raises:
         ValueError: on an unknown ``fallback``, an empty ``answer_tag``, or both
@@ -90,6 +96,7 @@ class NumericCorrectness:
         fallback: str = "none",
         rel_tol: float = 1e-6,
         answer_phrase: str | None = None,
+        think_tag: str | None = None,
     ) -> None:
         if fallback not in ("none", "last_number"):
             raise ValueError(
@@ -112,6 +119,7 @@ class NumericCorrectness:
                              f"got {answer_phrase!r}")
         self.answer_tag = answer_tag
         self.answer_phrase = answer_phrase
+        self.think_tag = think_tag or None
         self.fallback = fallback
         self.rel_tol = rel_tol
 
@@ -124,6 +132,10 @@ class NumericCorrectness:
         Returns:
             The extracted number, or ``None``.
         """
+        if self.think_tag is not None:
+            completion = after_thinking(completion, self.think_tag)
+            if completion is None:
+                return None
         if self.answer_tag is not None:
             content = extract_tagged(completion, self.answer_tag)
         elif self.answer_phrase is not None:

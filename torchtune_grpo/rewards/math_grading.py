@@ -21,7 +21,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from torchtune_grpo.rewards.answers import extract_boxed, last_number
+from torchtune_grpo.rewards.answers import after_thinking, extract_boxed, last_number
 from torchtune_grpo.rewards.grading_worker import (
     _KILL_GRACE_S,
     _Alarm,
@@ -123,6 +123,9 @@ class MathEquivalence:
         float_rounding: decimal places floats are rounded to (math-verify).
         numeric_precision: significant digits of numeric comparisons (math-verify).
         strict: math-verify's strict mode.
+        think_tag: read the answer only after the completion's ``<think_tag>...</think_tag>``
+            reasoning block (:func:`.after_thinking`; an unclosed block has no answer);
+            ``None``: the whole completion.
 
     Raises:
         ValueError: on an unknown ``fallback``/``isolation`` or a non-positive limit.
@@ -144,7 +147,9 @@ class MathEquivalence:
         float_rounding: int = 6,
         numeric_precision: int = 15,
         strict: bool = True,
+        think_tag: str | None = None,
     ) -> None:
+        self.think_tag = think_tag or None
         if fallback not in FALLBACKS:
             raise ValueError(
                 f"MathEquivalence: fallback must be one of {FALLBACKS}, got {fallback!r}"
@@ -229,6 +234,8 @@ class MathEquivalence:
 
     def _prediction(self, completion: str) -> str | None:
         """The raw predicted answer of one completion (box content or fallback)."""
+        if self.think_tag is not None:
+            completion = after_thinking(completion, self.think_tag)
         if not isinstance(completion, str):
             return None
         boxed = extract_boxed(completion)

@@ -54,8 +54,8 @@ def torchtune_to_hf_converter(model_type: str, hf_config: dict):
     """A function mapping a torchtune state dict (or part of one) to HF names and layouts.
 
     Args:
-        model_type (str): the checkpointer's ``model_type``; ``LLAMA3``, ``LLAMA3_2`` and
-            ``QWEN2`` (the families the shipped configs use) are supported.
+        model_type (str): the checkpointer's ``model_type``; ``LLAMA3``, ``LLAMA3_2``,
+            ``QWEN2`` and ``QWEN3`` are supported.
         hf_config (dict): the model's ``config.json``.
 
     Returns:
@@ -80,9 +80,13 @@ def torchtune_to_hf_converter(model_type: str, hf_config: dict):
         tied = bool(hf_config.get("tie_word_embeddings", False))
         return lambda sd: qwen2_tune_to_hf(sd, num_heads=heads, num_kv_heads=kv_heads, dim=dim,
                                            head_dim=head_dim, tie_word_embeddings=tied)
+    if model_type == "QWEN3":  # names only (torchtune_grpo.models.families.qwen3_weights)
+        from torchtune_grpo.models.families.qwen3_weights import qwen3_tune_to_hf
+
+        return qwen3_tune_to_hf
     raise ValueError(
         f"generator VLLMGenerator: checkpointer.model_type {model_type!r} has no weight "
-        "conversion here; supported: LLAMA3, LLAMA3_2, QWEN2"
+        "conversion here; supported: LLAMA3, LLAMA3_2, QWEN2, QWEN3"
     )
 
 

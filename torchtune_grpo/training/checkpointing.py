@@ -456,6 +456,10 @@ def hf_checkpointer(
         checkpoint_files = weight_files(folder)
     if output_dir is None:
         output_dir = tempfile.mkdtemp(prefix="grpo_ckpt_")
+    if model_type == "QWEN3":  # no torchtune ModelType: this package's, same interface
+        from torchtune_grpo.models.families.qwen3_weights import Qwen3HFCheckpointer
+
+        FullModelHFCheckpointer = Qwen3HFCheckpointer  # noqa: N806
     checkpointer = FullModelHFCheckpointer(
         checkpoint_dir=str(folder),
         checkpoint_files=list(checkpoint_files),

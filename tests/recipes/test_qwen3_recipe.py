@@ -1,0 +1,169 @@
+"""Qwen3 through the recipes: a tiny random ``Qwen3ForCausalLM`` folder written by
+``transformers`` (:mod:`tests.unit._qwen3_models`, with the ChatML test tokenizer) trained with
+the HF-folder config ``grpo/smollm2_arithmetic_cpu`` (``model_dir=...``, nothing else about the
+model), its step folder loaded back by ``transformers``; LoRA; two FSDP2 ranks; ``tune run``
+training and ``grpo_eval``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.recipes._helpers import (
+    LENGTH_REWARD,
+    LENGTH_REWARD_OVERRIDE,
+    assert_not_degenerate,
+    launch,
+    metrics,
+    run_tune,
+    train_metrics,
+)
+from tests.unit._qwen3_models import write_qwen3
+from torchtune_grpo.training.config import load_config
+
+transformers = pytest.importorskip("transformers")
+
+CONFIG = "grpo/smollm2_arithmetic_cpu"
+SHORT = ["num_steps=1", "batch_size=2", "group_size=4", "max_generated_tokens=8",
+         "save_every_n_steps=1", "progress_bar=false", "eval_every_n_steps=null",
+         "eval_at_start=false", "temperature=1.0", "optimizer.lr=1e-3", "model.max_seq_len=256",
+         "tokenizer.max_seq_len=256", "optimizer.fused=false", "forward_batch_size=4",
+         "dataset.limit=32"]
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    """A tied, ``head_dim`` 32 (not hidden/heads = 16) Qwen3 folder with a tokenizer."""
+    path = tmp_path_factory.mktemp("qwen3") / "tiny-qwen3"
+    write_qwen3(path, "tied_gqa_head_dim_32")
+    return path
+
+
+def _train(model_dir, out, *extra):
+    from torchtune_grpo.training.recipe import GRPORecipe
+
+    cfg = load_config(CONFIG, [f"model_dir={model_dir}", f"output_dir={out}", *SHORT, *extra])
+    cfg.rewards = LENGTH_REWARD
+    recipe = GRPORecipe(cfg)
+    recipe.setup()
+    try:
+        recipe.train()
+    finally:
+        recipe.cleanup()
+    return recipe
+
+
+def _check_in_transformers(recipe, step_dir, tol: float) -> None:
+    """``transformers`` loads ``step_dir``; its logits equal the trained policy's."""
+    from torchtune_grpo.algorithm.trajectory import attention_mask, position_ids
+
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        str(step_dir), dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(3)
+    tokens = torch.randint(1, 300, (2, 24), generator=generator)
+    mask = torch.arange(24)[None] >= torch.tensor([0, 7])[:, None]
+    recipe.model.eval()
+    with torch.no_grad():
+        ours = recipe.model(tokens, mask=attention_mask(mask), input_pos=position_ids(mask))
+        theirs = loaded(tokens, attention_mask=mask.long(),
+                        position_ids=position_ids(mask)).logits
+    diff = (ours - theirs).abs()[mask].max().item()
+    print(f"{step_dir}: max |logit diff| trained policy vs transformers = {diff:.3g}")
+    assert theirs.abs().max() > 1.0 and diff <= tol
+
+
+def test_one_step_saves_a_folder_transformers_loads(qwen3_dir, tmp_path):
+    """(c) One GRPO step on a Qwen3 folder; the step folder is HF Qwen3 in the input's dtype."""
+    out = tmp_path / "full"
+    recipe = _train(qwen3_dir, out)
+    step = out / "step_1"
+    assert (step / "CHECKPOINT_COMPLETE").is_file()
+    (moved,) = assert_not_degenerate(out, weights=(qwen3_dir, step))
+    assert any("q_norm" in k for k in moved) and any("k_norm" in k for k in moved)
+    assert json.loads((step / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    assert (step / "tokenizer.json").is_file()
+    _check_in_transformers(recipe, step, tol=1e-5)
+
+
+def test_lora_trains_and_merged_save_loads(qwen3_dir, tmp_path):
+    """(d) LoRA on every attention and MLP projection; the merged step folder loads in
+    ``transformers`` with the adapted policy's logits."""
+    out = tmp_path / "lora"
+    recipe = _train(qwen3_dir, out, "model._component_=torchtune_grpo.models.lora_hf_model",
+                    "model.lora_attn_modules=[q_proj,k_proj,v_proj,output_proj]",
+                    "model.apply_lora_to_mlp=true", "model.lora_rank=4", "model.lora_alpha=8",
+                    "optimizer.lr=1e-2")
+    assert recipe.is_lora
+    step = out / "step_1"
+    (moved,) = assert_not_degenerate(out, weights=(qwen3_dir, step))
+    assert not any("norm" in k or "embed" in k for k in moved)  # only adapted weights moved
+    assert any("q_proj" in k for k in moved)
+    assert (step / "adapter_model.safetensors").is_file()
+    _check_in_transformers(recipe, step, tol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_ranks_first_step_equals_one(qwen3_dir, tmp_path):
+    """(e) FSDP2 on two gloo ranks: the first step's loss and grad norm of one process."""
+    def first_step(name: str, nproc: int):
+        out = tmp_path / name
+        run_tune([*launch(nproc), "--config", CONFIG, f"model_dir={qwen3_dir}",
+                  f"output_dir={out}", *SHORT, "num_steps=1", "global_batch_size=4",
+                  "batch_size=null", "forward_batch_size=4", "loss.aggregation=token_mean",
+                  "loss.entropy_coeff=0.01", LENGTH_REWARD_OVERRIDE], cwd=tmp_path)
+        return out
+
+    one, two = first_step("one", 1), first_step("two", 2)
+    assert_not_degenerate(one, two, weights=(qwen3_dir, one / "step_1"))
+    (a,), (b,) = metrics(one), metrics(two)
+    print({k: (a[k], b[k]) for k in ("loss", "grad_norm", "entropy")})
+    assert a["grad_norm"] > 0
+    assert b["reward/mean"] == a["reward/mean"]
+    assert b["response_length/mean"] == a["response_length/mean"]
+    for key in ("loss", "grad_norm", "entropy"):
+        assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.slow
+def test_tune_run_trains_and_evaluates(qwen3_dir, tmp_path):
+    """The user's commands: ``tune run grpo_full_finetune_distributed --config ...
+    model_dir=<Qwen3 folder>`` and ``tune run grpo_eval checkpoint_dir=<step folder>``."""
+    out = tmp_path / "run"
+    run_tune(["run", "grpo_full_finetune_distributed", "--config", CONFIG,
+              f"model_dir={qwen3_dir}", f"output_dir={out}", *SHORT, "num_steps=2",
+              LENGTH_REWARD_OVERRIDE], cwd=tmp_path, threads=2)
+    assert [r["step"] for r in train_metrics(out)] == [1, 2]
+    step = out / "step_2"
+    run_tune(["run", "grpo_eval", "--config", "grpo/eval_smollm2_arithmetic",
+              f"checkpoint_dir={step}", "max_generated_tokens=8", "progress_bar=false",
+              "dataset.limit=8"], cwd=tmp_path, threads=2)
+    result = json.loads((step / "eval_results.json").read_text())
+    assert result["num_problems"] == 8 and "pass@1" in result["metrics"]
+
+
+def test_unsupported_field_is_one_line_before_any_weight(qwen3_dir, tmp_path):
+    """``use_sliding_window: true`` stops ``tune run`` with one ``error:`` line (exit 2) that
+    names the field, before any weight is read (the folder has none)."""
+    import shutil
+    import subprocess
+
+    from tests.recipes._helpers import recipe_env, tune_cmd
+
+    folder = tmp_path / "sliding"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(qwen3_dir / name, folder / name)
+    config = json.loads((qwen3_dir / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "use_sliding_window": True}))
+    proc = subprocess.run(
+        tune_cmd("run", "grpo_full_finetune_distributed", "--config", CONFIG,
+                 f"model_dir={folder}", f"output_dir={tmp_path / 'out'}", *SHORT),
+        cwd=tmp_path, env=recipe_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "use_sliding_window=true is not supported" in errors[0]
+    assert "Traceback" not in proc.stderr
