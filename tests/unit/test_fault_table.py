@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 import sys
 
+import grpo_eval
+import grpo_full_finetune_distributed as train_recipe
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import grpo_eval
-import grpo_full_finetune_distributed as train_recipe
 from torchtune_grpo.cli.main import main as tune_grpo
 from torchtune_grpo.quickstart.prepare import prepare_quickstart
 
