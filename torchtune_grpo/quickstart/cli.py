@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     path = prepare_quickstart(target,
                               warmup_steps=WARMUP_STEPS if args.warmup_steps is None
                               else args.warmup_steps,
-                              seed=args.seed, correct_fraction=args.correct_fraction)
+                              seed=args.seed, correct_fraction=args.correct_fraction,
+                              report_every_s=10.0)
     print(f"quickstart model and tokenizer written to {path}")
     print(f"held-out greedy success of this starting model: {heldout_success(path):.3f}")
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from pathlib import Path
 
 import torch
@@ -139,7 +140,7 @@ def heldout_success(checkpoint_dir: str | Path) -> float:
 
 def train_on_demonstrations(model, tokenizer, demonstrate, *, steps: int, batch_size: int,
                              lr: float, group_by_length: bool = False, drills=None,
-                             cosine: bool = False) -> None:
+                             cosine: bool = False, report_every_s: float | None = None) -> None:
     """Teacher-forced cross-entropy: ``demonstrate()`` gives ``(prompt ids, segments)``.
 
     ``segments`` is a list of ``(token ids, weight)``: the loss covers the tokens of the
@@ -149,11 +150,16 @@ def train_on_demonstrations(model, tokenizer, demonstrate, *, steps: int, batch_
     one forward per distinct sequence length (no padding: demonstrations of very different
     lengths cost what they hold). ``drills()``, if given, returns more ``(prompt ids, segments)``
     to add to each batch; ``cosine`` decays the learning rate to 0 along a half cosine.
+    ``report_every_s``: print ``warm-up: step k/N`` that often (None: silent).
     """
+    start = last = time.perf_counter()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: 0.5 * (1.0 + math.cos(math.pi * s / steps))) if cosine else None
-    for _ in range(steps):
+    for step in range(steps):
+        if report_every_s is not None and time.perf_counter() - last >= report_every_s:
+            last = time.perf_counter()
+            print(f"warm-up: step {step}/{steps} ({last - start:.0f} s)", flush=True)
         seqs, masks = [], []
         batch = [demonstrate() for _ in range(batch_size)] + (drills() if drills else [])
         for prompt, segments in batch:
@@ -193,8 +199,10 @@ def train_on_demonstrations(model, tokenizer, demonstrate, *, steps: int, batch_
 
 def supervised_warmup(model, tokenizer, problems, *, steps: int,
                       batch_size: int = WARMUP_BATCH_SIZE, lr: float = WARMUP_LR,
-                      correct_fraction: float = CORRECT_FRACTION, seed: int = 0) -> None:
-    """Teacher-forced cross-entropy on noisy demonstrations of ``problems``.
+                      correct_fraction: float = CORRECT_FRACTION, seed: int = 0,
+                      report_every_s: float | None = None) -> None:
+    """Teacher-forced cross-entropy on noisy demonstrations of ``problems``
+    (``report_every_s``: a progress line that often).
 
     Each sampled problem is shown with its right answer with probability
     ``correct_fraction`` and with :func:`echo_answer` otherwise; the loss covers the answer
@@ -212,12 +220,13 @@ def supervised_warmup(model, tokenizer, problems, *, steps: int,
         return encode_prompt(tokenizer, question), [(target, True)]
 
     train_on_demonstrations(model, tokenizer, demonstrate, steps=steps, batch_size=batch_size,
-                             lr=lr)
+                             lr=lr, report_every_s=report_every_s)
 
 
 def prepare_quickstart(output_dir: str | Path = DEFAULT_QUICKSTART_DIR, *,
                        warmup_steps: int = WARMUP_STEPS, seed: int = 0,
-                       correct_fraction: float = CORRECT_FRACTION) -> Path:
+                       correct_fraction: float = CORRECT_FRACTION,
+                       report_every_s: float | None = None) -> Path:
     """Write the quickstart's starting model (HF safetensors) and tokenizer into ``output_dir``.
 
     Deterministic for a given ``seed`` (and thread count).
@@ -228,6 +237,7 @@ def prepare_quickstart(output_dir: str | Path = DEFAULT_QUICKSTART_DIR, *,
         warmup_steps: supervised warm-up steps on the ``warmup`` split (0: random weights).
         seed: seed of the initial weights and the warm-up.
         correct_fraction: share of warm-up demonstrations that show the right answer.
+        report_every_s: print the warm-up's progress that often (None: silent).
 
     Returns:
         ``output_dir``.
@@ -238,5 +248,6 @@ def prepare_quickstart(output_dir: str | Path = DEFAULT_QUICKSTART_DIR, *,
     model = tiny_llama(**QUICKSTART_MODEL_DIMS)
     if warmup_steps:
         supervised_warmup(model, tokenizer, addition_problems("warmup"), steps=warmup_steps,
-                          correct_fraction=correct_fraction, seed=seed)
+                          correct_fraction=correct_fraction, seed=seed,
+                          report_every_s=report_every_s)
     return write_hf_checkpoint(model, output_dir, QUICKSTART_MODEL_DIMS)
