@@ -19,10 +19,8 @@ the weight-sync proof, resume and the measurements: ``docs/async.md``.
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import fields
 from functools import partial
 from typing import Any
@@ -52,6 +50,7 @@ from torchtune_grpo.training.async_transport import (
     last_sent_version,
 )
 from torchtune_grpo.training.batching import StepBatches, split_batch
+from torchtune_grpo.training.interrupts import StopSignals, signals_only_logged
 from torchtune_grpo.training.recipe import GRPORecipe, _world_size_from_env
 from torchtune_grpo.training.rollouts import (
     RolloutRuntime,
@@ -429,7 +428,7 @@ class RolloutWorker:
             raise RuntimeError("the rollout rank's model does not match the trainers' (parameter"
                                " names, shapes or dtypes differ)")
         k, version = int(self.cfg.max_staleness), 0
-        with self._ignore_sigterm():
+        with signals_only_logged(f"rollout rank {self.world.rank}"):
             for step in range(int(hello["start_step"]), int(self.cfg.num_steps)):
                 start = time.perf_counter()
                 while version < behavior_version(step, k):
@@ -464,17 +463,6 @@ class RolloutWorker:
             self.channel.send({"final": True}, dst=shard)
         self.channel.wait_sent()
 
-    @contextlib.contextmanager
-    def _ignore_sigterm(self) -> Iterator[None]:
-        """A preempted rollout rank keeps going until the trainers (which save first) send the
-        stop message: dying on SIGTERM would make torchrun kill them mid-save."""
-        previous = signal.signal(signal.SIGTERM, lambda *_: log.warning(
-            f"rollout rank {self.world.rank}: SIGTERM, stopping when the trainers do"))
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-
     def cleanup(self) -> None:
         """Close the engine and the process group."""
         try:
@@ -492,9 +480,14 @@ def run_async_recipe(cfg: DictConfig) -> None:
     filled = with_defaults(cfg, {**RECIPE_KEYS, **ASYNC_KEYS})
     world = init_world(utils.get_device(filled.device), float(filled.distributed_timeout_s),
                         int(filled.rollout_ranks))
-    role = (AsyncTrainer if world.roles.is_trainer(world.rank) else RolloutWorker)(cfg, world)
+    trainer = world.roles.is_trainer(world.rank)
+    # a rollout rank set up by Ctrl-C stops in one line, as the trainers do (their own)
+    stop = None if trainer else StopSignals("the rollout rank", quiet=True).install()
+    role = (AsyncTrainer if trainer else RolloutWorker)(cfg, world)
     try:
         role.setup()
         role.train()
     finally:
         role.cleanup()
+        if stop is not None:
+            stop.restore()

@@ -84,3 +84,23 @@ class StopSignals:
             log.warning(f"received {name}: stopping at the next point where the work done "
                         f"can be kept{extra}")
         self.requested = self.requested or name
+
+
+@contextlib.contextmanager
+def signals_only_logged(who: str) -> Iterator[None]:
+    """Within this block SIGINT and SIGTERM are logged and otherwise ignored: for a process
+    that must outlive a stop request until its peers finish (an asynchronous rollout rank
+    keeps serving the trainers while they save; dying would make torchrun kill them mid-save).
+
+    Args:
+        who: the process, for the log line (``"rollout rank 2"``).
+    """
+    def note(signum: int, _frame: Any) -> None:
+        log.warning(f"{who}: {signal.Signals(signum).name}, stopping when the trainers do")
+
+    previous = {sig: signal.signal(sig, note) for sig in _SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
