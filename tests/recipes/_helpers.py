@@ -105,10 +105,16 @@ def train_in_process(base: Path, out: Path, *overrides: str, rewards=None, confi
     cfg = quickstart_config(base, out, *overrides, config=config)
     if rewards is not None:
         cfg.rewards = rewards
-    recipe = GRPORecipe(cfg)
-    recipe.setup()
-    recipe.train()
-    recipe.cleanup()
+    return run_in_process(GRPORecipe(cfg))
+
+
+def run_in_process(recipe):
+    """Set up and train ``recipe``; clean up (lock, loggers, process group) even on failure."""
+    try:
+        recipe.setup()
+        recipe.train()
+    finally:
+        recipe.cleanup()
     return recipe
 
 

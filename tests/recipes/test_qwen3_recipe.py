@@ -18,6 +18,7 @@ from tests.recipes._helpers import (
     assert_not_degenerate,
     launch,
     metrics,
+    run_in_process,
     run_tune,
     train_metrics,
 )
@@ -47,13 +48,7 @@ def _train(model_dir, out, *extra):
 
     cfg = load_config(CONFIG, [f"model_dir={model_dir}", f"output_dir={out}", *SHORT, *extra])
     cfg.rewards = LENGTH_REWARD
-    recipe = GRPORecipe(cfg)
-    recipe.setup()
-    try:
-        recipe.train()
-    finally:
-        recipe.cleanup()
-    return recipe
+    return run_in_process(GRPORecipe(cfg))
 
 
 def _check_in_transformers(recipe, step_dir, tol: float) -> None:

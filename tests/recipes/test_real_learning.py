@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.recipes._helpers import assert_not_degenerate, metrics, model_weights
+from tests.recipes._helpers import assert_not_degenerate, metrics, model_weights, run_in_process
 from torchtune_grpo.evaluation.stats import wilson_interval
 from torchtune_grpo.training.config import load_config
 from torchtune_grpo.training.recipe import GRPORecipe
@@ -35,12 +35,7 @@ def _train(model_dir, out, *extra):
     cfg.dataset.operations = ["add"]
     cfg.eval_dataset.operations = ["add"]
     cfg.eval_dataset.limit = HELD_OUT
-    recipe = GRPORecipe(cfg)
-    recipe.setup()
-    try:
-        recipe.train()
-    finally:
-        recipe.cleanup()
+    run_in_process(GRPORecipe(cfg))
     evals = {int(r["step"]): r["eval/pass@1"] for r in metrics(out) if "eval/pass@1" in r}
     return evals[0], evals[STEPS]
 

@@ -14,7 +14,12 @@ import json
 import pytest
 import torch
 
-from tests.recipes._helpers import assert_not_degenerate, run_tune, train_metrics
+from tests.recipes._helpers import (
+    assert_not_degenerate,
+    run_in_process,
+    run_tune,
+    train_metrics,
+)
 from torchtune_grpo.training.config import load_config
 from torchtune_grpo.training.recipe import GRPORecipe
 
@@ -53,13 +58,7 @@ def _overrides(model_dir, out, data, *extra):
 def _train(model_dir, out, data, *extra) -> GRPORecipe:
     cfg = load_config("grpo/smollm2_gsm8k_cpu", _overrides(model_dir, out, data, *extra))
     cfg.rewards.append(LENGTH)
-    recipe = GRPORecipe(cfg)
-    recipe.setup()
-    try:
-        recipe.train()
-    finally:
-        recipe.cleanup()
-    return recipe
+    return run_in_process(GRPORecipe(cfg))
 
 
 def _assert_learned_something(out, base_dir, step_dir, *, lora: bool):
