@@ -48,10 +48,10 @@ from torchtune_grpo.training.interrupts import StopSignals
 from torchtune_grpo.training.run_lock import FolderLock
 from torchtune_grpo.training.schema import EVAL_KEYS, with_defaults
 from torchtune_grpo.training.settings import EvalSettings
+from torchtune_grpo.training.step_folder import check_model_folder
 from torchtune_grpo.training.validation import (
     check_device,
     check_input_files,
-    check_model_folder,
     validate_config,
 )
 

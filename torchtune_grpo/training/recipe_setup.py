@@ -39,11 +39,14 @@ from torchtune_grpo.training.settings import (
     HealthSettings,
     settings_from_config,
 )
-from torchtune_grpo.training.step_folder import model_folder_files, write_missing_files
+from torchtune_grpo.training.step_folder import (
+    check_model_folder,
+    model_folder_files,
+    write_missing_files,
+)
 from torchtune_grpo.training.validation import (
     ConfigError,
     check_input_files,
-    check_model_folder,
 )
 
 log = utils.get_logger("INFO")

@@ -14,6 +14,8 @@ step without them.
 :func:`check_step_folder` (``tune-grpo check-step DIR``) reads a folder without loading any
 weight and says whether it can be resumed, evaluated and loaded by transformers, and if not,
 what is missing or damaged: a truncated safetensors file is found from its header and its size.
+:func:`check_model_folder` checks, before any weight loads, that a model folder's
+``config.json`` describes the model that the config builds.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from omegaconf import DictConfig
+
+from torchtune_grpo.training.validation import ConfigError
 
 #: Files of a step folder that are not model files: the step's own, and weight indexes.
 NOT_MODEL_FILES = frozenset({"CHECKPOINT_COMPLETE", "recipe_state.pt", "eval_results.json",
@@ -271,3 +277,82 @@ def _check_weights(root: Path, problem: Any) -> None:
                     "with the adapters", "evaluate", "transformers")
         else:
             problem("no weight file (*.safetensors, *.bin or *.pt)")
+
+
+# ---------------------------------------------------------------------------- the model folder
+#: torchtune checkpointer ``model_type`` values whose weight converter fits each HF
+#: architecture (``config.json``'s ``architectures[0]``).
+_MODEL_TYPES_OF = {
+    "LlamaForCausalLM": {"LLAMA2", "LLAMA3", "LLAMA3_2"},
+    "Qwen2ForCausalLM": {"QWEN2"},
+    "MistralForCausalLM": {"MISTRAL"},
+    "GemmaForCausalLM": {"GEMMA"},
+    "Gemma2ForCausalLM": {"GEMMA2"},
+    "Phi3ForCausalLM": {"PHI3_MINI", "PHI4"},
+}
+#: Builders that read the folder's ``config.json`` themselves: nothing to cross-check.
+_READS_THE_FOLDER = ("torchtune_grpo.models.hf_model", "torchtune_grpo.models.lora_hf_model",
+                     "torchtune_grpo.models.builders.hf_model",
+                     "torchtune_grpo.models.builders.lora_hf_model")
+
+
+def check_model_folder(cfg: DictConfig, model: Any, folder: str | Path | None = None) -> None:
+    """Before any weight loads: the model folder's ``config.json`` describes the model that the
+    config builds (architecture, vocabulary, width, depth, heads).
+
+    A config that names a builder of its own (``torchtune.models.llama3_2.llama3_2``) would
+    otherwise load another family's folder as far as the names allow, or fail on a tokenizer
+    far from the cause.
+
+    Args:
+        cfg: the merged config (``model``, ``checkpointer``).
+        model: the config's model built on the meta device (its shape).
+        folder: the folder holding the weights (default ``checkpointer.checkpoint_dir``).
+
+    Raises:
+        ConfigError: naming the folder, what its ``config.json`` says and the config keys.
+    """
+    folder = Path(str(folder or cfg.checkpointer.get("checkpoint_dir") or "")).expanduser()
+    component = str(cfg.model.get("_component_", ""))
+    try:
+        hf = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # no config.json: not an HF folder; the checkpointer says what it needs
+    arch = (hf.get("architectures") or [hf.get("model_type", "?")])[0]
+    if component in _READS_THE_FOLDER:
+        return
+    model_type = str(cfg.checkpointer.get("model_type") or "")
+    builds = f"{component} (model._component_" + (
+        f", checkpointer.model_type={model_type})" if model_type else ")")
+    fitting = _MODEL_TYPES_OF.get(arch)
+    if model_type and (fitting is None or model_type not in fitting):
+        raise ConfigError(
+            f"model folder {folder} holds a {arch} (config.json), but the config builds "
+            f"{builds}; use model._component_=torchtune_grpo.models.hf_model with "
+            f"model.model_dir={folder} (it reads the folder), or point checkpointer at a "
+            f"folder of the configured model")
+    found = _model_dims(model)
+    wanted = {"vocab_size": hf.get("vocab_size"), "hidden_size": hf.get("hidden_size"),
+              "num_hidden_layers": hf.get("num_hidden_layers"),
+              "num_attention_heads": hf.get("num_attention_heads"),
+              "num_key_value_heads": hf.get("num_key_value_heads",
+                                            hf.get("num_attention_heads"))}
+    differ = [f"{key} {wanted[key]} (config.json) vs {found[key]}"
+              for key in wanted if wanted[key] is not None and found.get(key) is not None
+              and int(wanted[key]) != int(found[key])]
+    if differ:
+        raise ConfigError(
+            f"model folder {folder} ({arch}) does not match the model the config builds, "
+            f"{builds}: " + ", ".join(differ) + "; fix the `model` block or the folder")
+
+
+def _model_dims(model: Any) -> dict[str, int | None]:
+    """Vocabulary, width, depth and head counts of a torchtune decoder (meta device is fine)."""
+    layers = getattr(model, "layers", None)
+    attn = getattr(layers[0], "attn", None) if layers else None
+    emb = getattr(model, "tok_embeddings", None)
+    return {"vocab_size": getattr(emb, "num_embeddings", None),
+            "hidden_size": getattr(emb, "embedding_dim", None),
+            "num_hidden_layers": len(layers) if layers is not None else None,
+            "num_attention_heads": getattr(attn, "num_heads", None),
+            "num_key_value_heads": getattr(attn, "num_kv_heads", None)}
