@@ -28,7 +28,8 @@
 # Left out: matplotlib (with contourpy, fonttools, kiwisolver: 60 MiB unpacked, more than the
 # whole kit may be); only `tune-grpo plot` needs it, so plot the metric logs that the GPU check
 # writes under $OUT on another machine.
-#   the tests: hypothesis (+ attrs, sortedcontainers), pytest-timeout
+#   the tests: hypothesis (+ attrs, sortedcontainers), pytest-timeout, accelerate
+#     (transformers' GGUF loader, the reference of tests/unit/test_gguf_import.py)
 # vLLM is not in the kit (too big to carry); benchmarks/gpu.py skips it with the reason.
 #
 # The folder is rebuilt from scratch on every run; the script ends by printing the kit's size
@@ -73,6 +74,7 @@ PURE=(
     attrs==26.1.0
     sortedcontainers==2.4.0
     pytest-timeout==2.4.0
+    accelerate==1.16.0
 )
 # Compiled wheels, fetched for x86_64 Linux (glibc 2.28 or older tags) and Python $PYVER.
 COMPILED=(
