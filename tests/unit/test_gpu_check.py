@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _check(*args: str, kit: Path, out: Path, timeout: float = 240
            ) -> subprocess.CompletedProcess:
     """``bash scripts/gpu_check.sh ARGS`` with ``DEVICE_KIT=kit`` and ``--out out``."""
-    env = {**os.environ, "DEVICE_KIT": str(kit), "PYTHON": "python"}
+    env = {**os.environ, "DEVICE_KIT": str(kit), "PYTHON": sys.executable}
     return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), *args, "--out",
                            str(out)], capture_output=True, text=True, env=env, timeout=timeout)
 
