@@ -20,12 +20,14 @@
 #
 # Groups (why each package is here):
 #   torchtune's imports at `import torchtune` / `tune run`: torchtune, torchao (pure build: its
-#     C++/CUDA kernels are not used by this project), omegaconf, torchdata, datasets (+ dill,
-#     multiprocess, xxhash), Pillow (torchtune.data), psutil (torchtune.training),
-#     kagglehub (+ kagglesdk, protobuf: torchtune's CLI imports its `download` command)
+#     C++/CUDA kernels are not used by this project), omegaconf, datasets (+ dill, multiprocess,
+#     xxhash), psutil (torchtune.training), kagglehub (+ kagglesdk, protobuf: torchtune's CLI
+#     imports its `download` command); torchdata (declared by torchtune and this project,
+#     imported by torchtune's data utilities when called)
 #   this project's own dependencies: gguf, math-verify (+ latex2sympy2_extended,
 #     antlr4-python3-runtime)
-# Left out: matplotlib (with contourpy, fonttools, kiwisolver: 60 MiB unpacked, more than the
+# Left out: Pillow (20 MiB unpacked; torchtune imports it only for its vision models and
+# `load_image`, which this project does not use), matplotlib (with contourpy, fonttools, kiwisolver: 60 MiB unpacked, more than the
 # whole kit may be); only `tune-grpo plot` needs it, so plot the metric logs that the GPU check
 # writes under $OUT on another machine.
 #   the tests: hypothesis (+ attrs, sortedcontainers), pytest-timeout, accelerate
@@ -79,7 +81,6 @@ PURE=(
 # Compiled wheels, fetched for x86_64 Linux (glibc 2.28 or older tags) and Python $PYVER.
 COMPILED=(
     xxhash==4.1.0
-    pillow==13.0.0
     psutil==7.2.2
     protobuf==7.36.2
 )
