@@ -142,6 +142,16 @@ def test_summary_lists_every_part(tmp_path):
     assert [p["status"] for p in saved["parts"]] == ["ran", "skipped"]
 
 
+def test_shipped_configs_resolve_from_the_checkout():
+    """On ``PYTHONPATH`` without an install (the GPU machine), ``--config grpo/NAME`` reads the
+    checkout's own ``configs/``."""
+    from torchtune_grpo.training.config import resolve_config_path, shipped_config_dir
+
+    assert shipped_config_dir() == ROOT / "configs"
+    assert resolve_config_path("grpo/quickstart_cpu") == (
+        ROOT / "configs" / "grpo" / "quickstart_cpu.yaml")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--python-version", "twelve"], "--python-version must look like 3.12, got 'twelve'"),
     (["--bogus"], "unknown argument '--bogus'"),
