@@ -34,9 +34,18 @@ CONFIG_PACKAGE = "torchtune_grpo.configs"
 def shipped_config_dir() -> Path:
     """Folder of the shipped configs.
 
+    In a source checkout (``configs/`` beside ``torchtune_grpo/``, next to ``pyproject.toml``)
+    that folder is used, so a checkout on ``PYTHONPATH`` works without being installed (the
+    GPU check, ``scripts/gpu_check.sh``) and reads its own configs even when another checkout
+    is installed; otherwise the installed package ``torchtune_grpo.configs``.
+
     Returns:
-        The ``configs`` folder of the installed package.
+        The folder that holds ``grpo/<name>.yaml``.
     """
+    root = Path(__file__).resolve().parents[2]
+    source = root / "configs"
+    if (root / "pyproject.toml").is_file() and (source / "__init__.py").is_file():
+        return source
     return Path(str(importlib.resources.files(CONFIG_PACKAGE)))
 
 

@@ -139,6 +139,16 @@ def _fsdp_modules(models: tuple[nn.Module | None, ...]) -> list[nn.Module]:
     return found
 
 
+def _param_groups(state) -> list:
+    """The FSDP parameter groups of one FSDP2 state: torch 2.13 keeps a list
+    (``_fsdp_param_groups``), torch 2.11 one group or None (``_fsdp_param_group``)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
 @contextlib.contextmanager
 def gathered_for_inference(*models: nn.Module | None, enabled: bool = True) -> Iterator[None]:
     """All-gather the FSDP2-sharded ``models``' weights once and hold them for the block.
@@ -181,7 +191,7 @@ def gathered_for_inference(*models: nn.Module | None, enabled: bool = True) -> I
     for module in modules:
         state = module._get_fsdp_state()
         saved.append((state, state._auto_reshard_after_forward,
-                      [(g, g.post_forward_mesh_info) for g in state._fsdp_param_groups]))
+                      [(g, g.post_forward_mesh_info) for g in _param_groups(state)]))
     try:
         for module in modules:
             module.set_reshard_after_forward(False, recurse=False)
