@@ -30,7 +30,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from torchtune_grpo.training.validation import ConfigError
+from torchtune_grpo.errors import CheckpointError
 
 #: Files of a step folder that are not model files: the step's own, and weight indexes.
 NOT_MODEL_FILES = frozenset({"CHECKPOINT_COMPLETE", "recipe_state.pt", "eval_results.json",
@@ -310,7 +310,7 @@ def check_model_folder(cfg: DictConfig, model: Any, folder: str | Path | None = 
         folder: the folder holding the weights (default ``checkpointer.checkpoint_dir``).
 
     Raises:
-        ConfigError: naming the folder, what its ``config.json`` says and the config keys.
+        CheckpointError: naming the folder, what its ``config.json`` says and the config keys.
     """
     folder = Path(str(folder or cfg.checkpointer.get("checkpoint_dir") or "")).expanduser()
     component = str(cfg.model.get("_component_", ""))
@@ -326,7 +326,7 @@ def check_model_folder(cfg: DictConfig, model: Any, folder: str | Path | None = 
         f", checkpointer.model_type={model_type})" if model_type else ")")
     fitting = _MODEL_TYPES_OF.get(arch)
     if model_type and (fitting is None or model_type not in fitting):
-        raise ConfigError(
+        raise CheckpointError(
             f"model folder {folder} holds a {arch} (config.json), but the config builds "
             f"{builds}; use model._component_=torchtune_grpo.models.hf_model with "
             f"model.model_dir={folder} (it reads the folder), or point checkpointer at a "
@@ -341,7 +341,7 @@ def check_model_folder(cfg: DictConfig, model: Any, folder: str | Path | None = 
               for key in wanted if wanted[key] is not None and found.get(key) is not None
               and int(wanted[key]) != int(found[key])]
     if differ:
-        raise ConfigError(
+        raise CheckpointError(
             f"model folder {folder} ({arch}) does not match the model the config builds, "
             f"{builds}: " + ", ".join(differ) + "; fix the `model` block or the folder")
 
