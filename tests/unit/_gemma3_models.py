@@ -40,8 +40,10 @@ def gemma3_config(case: str, **extra):
     return cfg
 
 
-def write_gemma3(folder: Path, case: str = "tied_gqa_pattern", seed: int = 0):
-    """Write a random ``Gemma3ForCausalLM`` into ``folder`` with ``save_pretrained``.
+def write_gemma3(folder: Path, case: str = "tied_gqa_pattern", seed: int = 0,
+                 tokenizer: bool = False):
+    """Write a random ``Gemma3ForCausalLM`` (and, with ``tokenizer``, the ChatML test tokenizer)
+    into ``folder`` with ``save_pretrained``.
 
     Returns:
         The ``transformers`` model in eval mode, float32.
@@ -55,4 +57,8 @@ def write_gemma3(folder: Path, case: str = "tied_gqa_pattern", seed: int = 0):
             if "norm" in name:
                 param.uniform_(-0.5, 0.5)
     model.save_pretrained(folder)
+    if tokenizer:
+        from tests.unit._learned_models import write_chat_tokenizer
+
+        write_chat_tokenizer(Path(folder))
     return model
