@@ -271,3 +271,18 @@ def test_unsupported_fields_stop_with_one_line(change, message):
         hf_architecture(_config(**change), where="m/config.json")
     text = str(info.value)
     assert "\n" not in text and text.startswith("m/config.json: ")
+
+
+def test_vllm_weight_names(folder, tmp_path):
+    """The vLLM engine's weight sync names every Gemma 3 tensor as the HF folder does."""
+    from safetensors.torch import load_file
+
+    from torchtune_grpo.rollout.vllm_engine import hf_weight_items, torchtune_to_hf_converter
+
+    path, _, _ = folder
+    model, ckpt = _ours(path, tmp_path)
+    convert = torchtune_to_hf_converter(ckpt._model_type.name, ckpt._config)
+    ours = dict(hf_weight_items(model, convert))
+    theirs = load_file(str(path / "model.safetensors"))
+    assert ours.keys() == theirs.keys()
+    assert all(ours[k].equal(theirs[k]) for k in theirs)

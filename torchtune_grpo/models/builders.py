@@ -10,8 +10,9 @@ A config names the folder and nothing else about the architecture::
 builders: ``LlamaForCausalLM`` onto :func:`torchtune.models.llama3_2.llama3_2` (and its LoRA
 twin), ``Qwen2ForCausalLM`` onto :func:`torchtune.models.qwen2.qwen2`, ``Qwen3ForCausalLM``
 onto this package's :func:`~torchtune_grpo.models.families.qwen3.qwen3` (torchtune 0.6.1 has
-none; see that module for its per-head q/k norms). What those builders fix and a folder may
-change is set after building:
+none; see that module for its per-head q/k norms), ``Gemma3ForCausalLM`` onto
+:func:`~torchtune_grpo.models.families.gemma3.gemma3` (Gemma norms, sliding-window layers).
+What those builders fix and a folder may change is set after building:
 
 * **RoPE.** ``llama3_2`` always builds Llama 3's scaled RoPE with fixed frequency factors. A
   folder without ``rope_scaling`` (SmolLM2, Llama 2 style models) gets torchtune's plain
@@ -168,7 +169,8 @@ def hf_architecture(cfg: dict[str, Any], *, where: str = "config.json",
         raise ValueError(f"{where}: hidden_size {dim} is not a multiple of num_attention_heads "
                          f"{heads}")
     head_dim = cfg.get("head_dim")
-    if family not in ("qwen3", "gemma3") and head_dim is not None and int(head_dim) != dim // heads:
+    if (family not in ("qwen3", "gemma3") and head_dim is not None
+            and int(head_dim) != dim // heads):
         raise ValueError(
             f"{where}: head_dim {head_dim} differs from hidden_size / num_attention_heads = "
             f"{dim // heads}; torchtune's {family} builder supports only the latter"
@@ -213,8 +215,7 @@ def hf_architecture(cfg: dict[str, Any], *, where: str = "config.json",
     elif family == "gemma3":
         from torchtune_grpo.models.families.gemma3 import check_gemma3_config
 
-        kwargs.update(check_gemma3_config(cfg, where=where, heads=heads,
-                                          max_seq_len=kwargs["max_seq_len"]))
+        kwargs.update(check_gemma3_config(cfg, where=where, heads=heads))
         if tied is None:  # Gemma3TextConfig's default
             kwargs["tie_word_embeddings"] = True
     elif family == "qwen3":

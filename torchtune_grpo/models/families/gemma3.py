@@ -66,15 +66,13 @@ def _rope(params: Any, where: str, key: str) -> tuple[float, float]:
         else 1.0
 
 
-def check_gemma3_config(cfg: dict[str, Any], *, where: str, heads: int,
-                        max_seq_len: int) -> dict[str, Any]:
+def check_gemma3_config(cfg: dict[str, Any], *, where: str, heads: int) -> dict[str, Any]:
     """Refuse what this implementation does not compute; return the Gemma-only builder kwargs.
 
     Args:
         cfg: the parsed ``config.json``.
         where: how to name the file in messages.
         heads: ``num_attention_heads``.
-        max_seq_len: the context the model is built for.
 
     Returns:
         ``head_dim``, ``query_pre_attn_scalar``, ``sliding_window``, ``layer_types``,
