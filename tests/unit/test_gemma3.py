@@ -286,3 +286,36 @@ def test_vllm_weight_names(folder, tmp_path):
     theirs = load_file(str(path / "model.safetensors"))
     assert ours.keys() == theirs.keys()
     assert all(ours[k].equal(theirs[k]) for k in theirs)
+
+
+def test_cpu_decode_falls_back_to_plain_layers(folder, tmp_path):
+    """The fused CPU decode layer has no step for Gemma's norms: Gemma layers keep their own
+    forward (the window included), their inner linears decode on packed weights."""
+    from torchtune_grpo.backends.cpu_decode import _fusable, packed_linear_weights
+
+    path, _, _ = folder
+    model, _ = _ours(path, tmp_path)
+    assert not any(_fusable(layer, set()) for layer in model.layers)
+    with packed_linear_weights(model):
+        assert all("forward" not in layer.__dict__ for layer in model.layers)
+
+
+#: Gemma 3 1B's config.json dimensions (no download).
+GEMMA3_1B = dict(
+    architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_size=1152,
+    intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
+    head_dim=256, query_pre_attn_scalar=256, sliding_window=512, sliding_window_pattern=6,
+    rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, rope_scaling=None,
+    vocab_size=262144, max_position_embeddings=32768, hidden_activation="gelu_pytorch_tanh",
+    final_logit_softcapping=None, attn_logit_softcapping=None, rms_norm_eps=1e-6,
+    pad_token_id=0, eos_token_id=[1, 106], bos_token_id=2)
+
+
+def test_gemma3_1b_config_builds(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA3_1B))
+    with torch.device("meta"):
+        model = hf_model(str(tmp_path), max_seq_len=1024)
+    kinds = [type(layer).__name__ for layer in model.layers]
+    assert kinds.count("SlidingWindowLayer") == 22 and kinds[5] == "TransformerSelfAttentionLayer"
+    params = sum(p.numel() for p in model.parameters())
+    assert 0.95e9 < params < 1.05e9, params  # 1.0B, tied
