@@ -319,3 +319,26 @@ def test_gemma3_1b_config_builds(tmp_path):
     assert kinds.count("SlidingWindowLayer") == 22 and kinds[5] == "TransformerSelfAttentionLayer"
     params = sum(p.numel() for p in model.parameters())
     assert 0.95e9 < params < 1.05e9, params  # 1.0B, tied
+
+
+def test_bf16_embedding_and_norms_bitwise(folder, tmp_path):
+    """In bf16 the scaled embedding (factor rounded to bf16) and the float32 Gemma norms give
+    exactly transformers' values."""
+    import copy
+
+    path, ref, _ = folder
+    model, _ = _ours(path, tmp_path)
+    ours, theirs = model.to(torch.bfloat16), copy.deepcopy(ref).to(torch.bfloat16)
+    tokens, _ = _left_padded([0], 16)
+    with torch.no_grad():
+        emb = ours.tok_embeddings(tokens)
+        assert emb.dtype == torch.bfloat16
+        assert emb.equal(theirs.model.embed_tokens(tokens))
+        x = torch.randn(2, 5, SMALL["hidden_size"], dtype=torch.bfloat16)
+        pairs = [(ours.layers[0].sa_norm, theirs.model.layers[0].input_layernorm),
+                 (ours.layers[0].sa_scale, theirs.model.layers[0].post_attention_layernorm),
+                 (ours.layers[0].mlp_norm, theirs.model.layers[0].pre_feedforward_layernorm),
+                 (ours.layers[0].mlp_scale, theirs.model.layers[0].post_feedforward_layernorm),
+                 (ours.norm, theirs.model.norm)]
+        for mine, hf in pairs:
+            assert mine(x).equal(hf(x))
