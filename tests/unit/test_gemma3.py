@@ -9,6 +9,7 @@ folder with :func:`hf_model` and :func:`hf_checkpointer` (model type derived fro
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -142,6 +143,28 @@ def test_greedy_generation_matches_transformers(folder, tmp_path, packed):
         assert len(ours_ids) >= 16, row  # well past the window of 8
         assert ours_ids == hf_ids[: len(ours_ids)], row
         assert len(ours_ids) == len(hf_ids) or ours_ids[-1] == eos and hf_ids[-1] == eos, row
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="torch.compile on CPU needs a C++ compiler")
+def test_compiled_static_decode_matches_transformers(folder, tmp_path):
+    """The compiled static decode (mask over the whole buffer, ``torch.compile``): the window
+    is computed inside the graph, tokens still equal ``transformers.generate``."""
+    path, ref, _ = folder
+    model, _ = _ours(path, tmp_path)
+    tokens, mask = _left_padded([0, 3, 9], 12, seed=2)
+    eos, new = V - 1, 24
+    traj = generate_trajectory(
+        model, tokens, mask, group_size=1, forward_batch_size=3, max_generated_tokens=new,
+        temperature=0.0, top_k=None, stop_tokens=torch.tensor([eos]), pad_id=0,
+        compile_decode=True, packed_weights=False)
+    with torch.no_grad():
+        out = ref.generate(tokens, attention_mask=mask.long(), max_new_tokens=new,
+                           do_sample=False, eos_token_id=eos, pad_token_id=0)
+    for ours_row, hf_row in zip(traj.response_tokens.tolist(), out[:, 12:].tolist()):
+        n = min(len(ours_row), len(hf_row))
+        assert n >= 16 and ours_row[:n] == hf_row[:n]
 
 
 def test_packed_training_forward_matches_padded(folder, tmp_path):

@@ -224,6 +224,8 @@ class SlidingWindowLayer(TransformerSelfAttentionLayer):
                 raise ValueError(f"sliding-window layer: mask type {type(mask).__name__} is "
                                  "not supported (bool tensors, packed segments)")
             return window_mask(dense, self.window)
+        if torch.compiler.is_compiling():  # a traced graph computes it; no Python state
+            return window_mask(mask, self.window)
         memo = self._memo.get("mask")
         if memo is None or memo[0] is not mask or memo[1] != mask._version:
             memo = (mask, mask._version, window_mask(mask, self.window))
