@@ -10,8 +10,9 @@ A config names the folder and nothing else about the architecture::
 builders: ``LlamaForCausalLM`` onto :func:`torchtune.models.llama3_2.llama3_2` (and its LoRA
 twin), ``Qwen2ForCausalLM`` onto :func:`torchtune.models.qwen2.qwen2`, ``Qwen3ForCausalLM``
 onto this package's :func:`~torchtune_grpo.models.families.qwen3.qwen3` (torchtune 0.6.1 has
-none; see that module for its per-head q/k norms). What those builders fix and a folder may
-change is set after building:
+none; see that module for its per-head q/k norms), ``Gemma3ForCausalLM`` onto
+:func:`~torchtune_grpo.models.families.gemma3.gemma3` (Gemma norms, sliding-window layers).
+What those builders fix and a folder may change is set after building:
 
 * **RoPE.** ``llama3_2`` always builds Llama 3's scaled RoPE with fixed frequency factors. A
   folder without ``rope_scaling`` (SmolLM2, Llama 2 style models) gets torchtune's plain
@@ -52,10 +53,11 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "LLAMA3_2"),
     "Qwen2ForCausalLM": ("qwen2", "QWEN2"),
     "Qwen3ForCausalLM": ("qwen3", "QWEN3"),
+    "Gemma3ForCausalLM": ("gemma3", "GEMMA3"),
 }
 #: ``model_type`` values of ``config.json`` accepted when ``architectures`` is missing.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM"}
+                "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def _out_of_scope(arch: str | None, model_type: str) -> bool:
@@ -167,7 +169,8 @@ def hf_architecture(cfg: dict[str, Any], *, where: str = "config.json",
         raise ValueError(f"{where}: hidden_size {dim} is not a multiple of num_attention_heads "
                          f"{heads}")
     head_dim = cfg.get("head_dim")
-    if family != "qwen3" and head_dim is not None and int(head_dim) != dim // heads:
+    if (family not in ("qwen3", "gemma3") and head_dim is not None
+            and int(head_dim) != dim // heads):
         raise ValueError(
             f"{where}: head_dim {head_dim} differs from hidden_size / num_attention_heads = "
             f"{dim // heads}; torchtune's {family} builder supports only the latter"
@@ -176,7 +179,7 @@ def hf_architecture(cfg: dict[str, Any], *, where: str = "config.json",
         raise ValueError(f"{where}: num_attention_heads {heads} is not a multiple of "
                          f"num_key_value_heads {kv_heads}")
     act = cfg.get("hidden_act", "silu")
-    if act != "silu":
+    if act != "silu" and family != "gemma3":  # Gemma 3: hidden_activation, checked below
         raise ValueError(f"{where}: hidden_act {act!r} is not supported (only 'silu')")
     theta, scaling = _rope_settings(cfg)
     tied = cfg.get("tie_word_embeddings")
@@ -209,6 +212,12 @@ def hf_architecture(cfg: dict[str, Any], *, where: str = "config.json",
                 high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
                 old_context_len=int(scaling.get("original_max_position_embeddings", 8192)),
             )
+    elif family == "gemma3":
+        from torchtune_grpo.models.families.gemma3 import check_gemma3_config
+
+        kwargs.update(check_gemma3_config(cfg, where=where, heads=heads))
+        if tied is None:  # Gemma3TextConfig's default
+            kwargs["tie_word_embeddings"] = True
     elif family == "qwen3":
         from torchtune_grpo.models.families.qwen3 import check_qwen3_config
 
@@ -276,6 +285,10 @@ def hf_model(model_dir: str, max_seq_len: int | None = None) -> nn.Module:
         A :class:`torchtune.modules.TransformerDecoder`.
     """
     arch = _arch(model_dir, max_seq_len)
+    if arch.family == "gemma3":
+        from torchtune_grpo.models.families.gemma3 import gemma3
+
+        return gemma3(**arch.builder_kwargs)
     if arch.family == "qwen3":
         from torchtune_grpo.models.families.qwen3 import qwen3
 
@@ -320,6 +333,10 @@ def lora_hf_model(
     lora = dict(lora_attn_modules=list(lora_attn_modules), apply_lora_to_mlp=apply_lora_to_mlp,
                 apply_lora_to_output=apply_lora_to_output, lora_rank=lora_rank,
                 lora_alpha=lora_alpha, lora_dropout=lora_dropout, use_dora=use_dora)
+    if arch.family == "gemma3":
+        from torchtune_grpo.models.families.gemma3 import lora_gemma3
+
+        return lora_gemma3(**arch.builder_kwargs, **lora, quantize_base=quantize_base)
     if arch.family == "qwen3":
         from torchtune_grpo.models.families.qwen3 import lora_qwen3
 

@@ -55,7 +55,7 @@ def torchtune_to_hf_converter(model_type: str, hf_config: dict):
 
     Args:
         model_type (str): the checkpointer's ``model_type``; ``LLAMA3``, ``LLAMA3_2``,
-            ``QWEN2`` and ``QWEN3`` are supported.
+            ``QWEN2``, ``QWEN3`` and ``GEMMA3`` are supported.
         hf_config (dict): the model's ``config.json``.
 
     Returns:
@@ -84,9 +84,13 @@ def torchtune_to_hf_converter(model_type: str, hf_config: dict):
         from torchtune_grpo.models.families.qwen3_weights import qwen3_tune_to_hf
 
         return qwen3_tune_to_hf
+    if model_type == "GEMMA3":  # names only (torchtune_grpo.models.families.gemma3_weights)
+        from torchtune_grpo.models.families.gemma3_weights import gemma3_tune_to_hf
+
+        return gemma3_tune_to_hf
     raise ValueError(
         f"generator VLLMGenerator: checkpointer.model_type {model_type!r} has no weight "
-        "conversion here; supported: LLAMA3, LLAMA3_2, QWEN2, QWEN3"
+        "conversion here; supported: LLAMA3, LLAMA3_2, QWEN2, QWEN3, GEMMA3"
     )
 
 

@@ -460,6 +460,10 @@ def hf_checkpointer(
         from torchtune_grpo.models.families.qwen3_weights import Qwen3HFCheckpointer
 
         FullModelHFCheckpointer = Qwen3HFCheckpointer  # noqa: N806
+    elif model_type == "GEMMA3":  # likewise (torchtune_grpo.models.families.gemma3_weights)
+        from torchtune_grpo.models.families.gemma3_weights import Gemma3HFCheckpointer
+
+        FullModelHFCheckpointer = Gemma3HFCheckpointer  # noqa: N806
     checkpointer = FullModelHFCheckpointer(
         checkpoint_dir=str(folder),
         checkpoint_files=list(checkpoint_files),
@@ -469,5 +473,6 @@ def hf_checkpointer(
     )
     # torchtune's Qwen2 converter reads this key unconditionally; transformers treats a
     # missing one as untied
-    checkpointer._config.setdefault("tie_word_embeddings", False)
+    # (Gemma 3 defaults to tied: its checkpointer reads a missing key as true)
+    checkpointer._config.setdefault("tie_word_embeddings", model_type == "GEMMA3")
     return checkpointer

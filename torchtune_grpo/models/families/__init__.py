@@ -8,4 +8,8 @@ folder's ``config.json``; nothing here reads weights.
 * :mod:`~torchtune_grpo.models.families.qwen3`: ``Qwen3ForCausalLM`` (dense Qwen3), per-head
   RMSNorm on queries and keys before RoPE;
   :mod:`~torchtune_grpo.models.families.qwen3_weights` its weights.
+* :mod:`~torchtune_grpo.models.families.gemma3`: ``Gemma3ForCausalLM`` (Gemma 3 text): Gemma
+  norms, q/k norms before RoPE, sliding-window and global layers with their own RoPE bases
+  (:mod:`~torchtune_grpo.models.families.gemma3_layers`);
+  :mod:`~torchtune_grpo.models.families.gemma3_weights` its weights.
 """

@@ -1,0 +1,244 @@
+"""The parts of a Gemma 3 decoder that torchtune 0.6.1 does not have (or has wrong).
+
+* :class:`GemmaRMSNorm`: RMSNorm with the scale stored as an offset from 1, ``x * (1 + w)``,
+  computed in float32 and cast back.
+* :class:`ScaledEmbedding`: token embedding times ``sqrt(hidden_size)``, the factor rounded to
+  the embedding's dtype first (as ``transformers`` does).
+* :class:`GemmaRoPE`: rotate-half rotary embedding with its own base (one instance for the
+  global layers, one for the sliding layers) and optional linear position scaling.
+* :class:`GemmaHeadNormProjection`: a query/key projection followed by the per-head Gemma
+  RMSNorm and a constant factor. The factor turns SDPA's ``head_dim ** -0.5`` into Gemma's
+  ``query_pre_attn_scalar ** -0.5`` (RoPE is linear, so scaling before it is the same).
+* :class:`SlidingWindowLayer`: a torchtune layer whose attention only sees the last
+  ``window`` keys of each query (see :func:`window_mask`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torchtune.modules import TransformerSelfAttentionLayer
+
+__all__ = [
+    "GemmaHeadNormProjection",
+    "GemmaRMSNorm",
+    "GemmaRoPE",
+    "ScaledEmbedding",
+    "SlidingWindowLayer",
+    "window_mask",
+]
+
+
+class GemmaRMSNorm(nn.Module):
+    """``y = x / rms(x) * (1 + scale)`` over the last axis, in float32, cast back to ``x``'s dtype.
+
+    Args:
+        dim: channels normalised.
+        eps: added to the mean square.
+
+    Attributes:
+        scale: ``[dim]``, the HF ``weight`` as stored (an offset from 1; zeros = identity scale).
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.scale = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., dim] -> [..., dim]``."""
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.scale.float())).type_as(x)
+
+
+class ScaledEmbedding(nn.Embedding):
+    """``nn.Embedding`` whose output is multiplied by ``scale`` (``sqrt(hidden_size)``).
+
+    The factor is rounded to the weight's dtype before the product (bf16: 48.0 for 2304 wide
+    rather than 48.0000...), which is what ``transformers`` computes. The weight is the plain
+    table, so a tied output projection reads it unscaled.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, scale: float,
+                 padding_idx: int | None = None) -> None:
+        super().__init__(num_embeddings, embedding_dim, padding_idx=padding_idx)
+        self.scale = float(scale)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``[b, s]`` ids -> ``[b, s, D]``."""
+        factor = torch.tensor(self.scale, dtype=torch.float32).to(self.weight.dtype)
+        return super().forward(tokens) * factor.to(self.weight.device)
+
+
+class GemmaRoPE(nn.Module):
+    """Rotate-half rotary embedding (the first and second halves of each head form the pairs).
+
+    Args:
+        dim: ``head_dim``.
+        max_seq_len: positions cached.
+        base: ``theta`` (``rope_theta`` for global layers, ``rope_local_base_freq`` for sliding).
+        position_scale: linear RoPE scaling factor (positions divided by it); 1: none.
+    """
+
+    def __init__(self, dim: int, max_seq_len: int, base: float,
+                 position_scale: float = 1.0) -> None:
+        super().__init__()
+        self.dim, self.base, self.position_scale = dim, base, position_scale
+        self.max_seq_len = max_seq_len
+        self.rope_init()
+
+    def rope_init(self) -> None:
+        """(Re)build the cos/sin cache (torchtune calls this after meta-device init)."""
+        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.int64)
+                                        .float() / self.dim))
+        inv_freq = inv_freq / self.position_scale
+        angles = torch.arange(self.max_seq_len, dtype=torch.float32)[:, None] * inv_freq[None]
+        angles = torch.cat([angles, angles], dim=-1)  # [L, dim]
+        self.register_buffer("cache", torch.cat([angles.cos(), angles.sin()], dim=-1),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [b, s, heads, dim]`` rotated by ``input_pos [b, s]`` (None: ``0..s-1``)."""
+        s, d = x.shape[1], x.shape[-1]
+        cache = self.cache[:s] if input_pos is None else self.cache[input_pos]
+        cache = cache.view(-1, s, 1, 2 * d)
+        cos, sin = cache[..., :d].to(x.dtype), cache[..., d:].to(x.dtype)
+        x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+        return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).type_as(x)
+
+
+class GemmaHeadNormProjection(nn.Module):
+    """A query or key projection, then the per-head Gemma RMSNorm, then a constant factor.
+
+    Args:
+        proj: ``[..., in_dim] -> [..., heads * head_dim]`` (``nn.Linear`` or LoRA/DoRA).
+        head_dim: channels per head.
+        eps: the norm's epsilon.
+        factor: multiplies the normalised output (queries: ``sqrt(head_dim /
+            query_pre_attn_scalar)``; keys: 1).
+
+    Attributes:
+        proj: as given; ``norm``: the :class:`GemmaRMSNorm` (``norm.scale [head_dim]``).
+    """
+
+    def __init__(self, proj: nn.Module, head_dim: int, eps: float, factor: float = 1.0) -> None:
+        super().__init__()
+        self.proj = proj
+        self.head_dim = head_dim
+        self.factor = float(factor)
+        self.norm = GemmaRMSNorm(head_dim, eps=eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[b, s, in_dim] -> [b, s, heads * head_dim]``."""
+        y = self.norm(self.proj(x).unflatten(-1, (-1, self.head_dim))).flatten(-2)
+        return y if self.factor == 1.0 else y * self.factor
+
+
+def _dense_segments(mask: object, device: torch.device) -> torch.Tensor | None:
+    """The ``[1, S, S]`` bool mask of a packed-row mask object (``lengths`` or ``blocks``)."""
+    if hasattr(mask, "lengths"):
+        parts = [torch.ones(n, n, dtype=torch.bool).tril() for n in mask.lengths]
+        return torch.block_diag(*parts).to(device)[None]
+    if hasattr(mask, "blocks"):
+        sizes = [n for p, sufs in mask.blocks for n in (p, *sufs)]
+        total = sum(sizes)
+        out = torch.zeros(total, total, dtype=torch.bool)
+        start = 0
+        for prefix, suffixes in mask.blocks:
+            out[start : start + prefix, start : start + prefix] = torch.ones(
+                prefix, prefix, dtype=torch.bool).tril()
+            at = start + prefix
+            for n in suffixes:
+                out[at : at + n, start : start + prefix] = True
+                out[at : at + n, at : at + n] = torch.ones(n, n, dtype=torch.bool).tril()
+                at += n
+            start = at
+        return out.to(device)[None]
+    return None
+
+
+def _longest_sequence(mask: object) -> int:
+    if hasattr(mask, "lengths"):
+        return max(mask.lengths, default=0)
+    return max((p + max(sufs, default=0) for p, sufs in mask.blocks), default=0)
+
+
+def window_mask(mask: torch.Tensor, window: int) -> torch.Tensor:
+    """Keep, in each query row of ``mask``, only its ``window`` rightmost allowed keys.
+
+    Every mask this package builds lets a query see the tokens of its own sequence up to itself,
+    in position order (left padding, packed segments, shared prompts, the decode span); the
+    rightmost ``window`` of them are exactly the keys whose position is within ``window - 1``
+    of the query's, which is Gemma's sliding window (``q - k < sliding_window``).
+
+    Args:
+        mask: ``[b, s, S]`` bool, True where query ``i`` may attend to key ``j``.
+        window: ``sliding_window``.
+
+    Returns:
+        ``[b, s, S]`` bool.
+    """
+    if mask.shape[-1] <= window:
+        return mask
+    from_right = mask.flip(-1).cumsum(-1, dtype=torch.int32).flip(-1)
+    return mask & (from_right <= window)
+
+
+class SlidingWindowLayer(TransformerSelfAttentionLayer):
+    """torchtune's self-attention layer whose attention sees the last ``window`` keys only.
+
+    The layer narrows the mask it receives with :func:`window_mask` (a packed-row mask object is
+    made dense first when one of its sequences is longer than the window; no mask means causal)
+    and runs torchtune's layer forward with it. The attention module stays torchtune's, so the
+    native engine's cached attention, packed forwards and LoRA see the narrowed mask. The
+    narrowed mask is made once per mask tensor and shared by the sliding layers of a model
+    (``memo``).
+
+    Args:
+        window: ``sliding_window``.
+        memo: a dict shared by the model's sliding layers.
+        **layer: ``TransformerSelfAttentionLayer``'s arguments.
+    """
+
+    def __init__(self, *, window: int, memo: dict, **layer: nn.Module) -> None:
+        super().__init__(**layer)
+        self.window = int(window)
+        self._memo = memo
+
+    def _narrow(self, x: torch.Tensor, mask: object) -> object:
+        if mask is None:
+            s = x.shape[1]
+            if s <= self.window:
+                return None
+            i = torch.arange(s, device=x.device)
+            causal = (i[:, None] >= i[None]) & (i[:, None] - i[None] < self.window)
+            return causal.expand(x.shape[0], s, s)
+        if not isinstance(mask, torch.Tensor):
+            if _longest_sequence(mask) <= self.window:
+                return mask
+            dense = _dense_segments(mask, x.device)
+            if dense is None:
+                raise ValueError(f"sliding-window layer: mask type {type(mask).__name__} is "
+                                 "not supported (bool tensors, packed segments)")
+            return window_mask(dense, self.window)
+        if torch.compiler.is_compiling():  # a traced graph computes it; no Python state
+            return window_mask(mask, self.window)
+        memo = self._memo.get("mask")
+        if memo is None or memo[0] is not mask or memo[1] != mask._version:
+            memo = (mask, mask._version, window_mask(mask, self.window))
+            self._memo["mask"] = memo
+        return memo[2]
+
+    def forward(self, x: torch.Tensor, *, mask: object = None,
+                input_pos: torch.Tensor | None = None, **kwargs: object) -> torch.Tensor:
+        """``[b, s, D] -> [b, s, D]``; ``mask [b, s, S]`` bool (or a packed-row mask, or None)."""
+        return super().forward(x, mask=self._narrow(x, mask), input_pos=input_pos, **kwargs)
+
+
+def query_factor(head_dim: int, query_pre_attn_scalar: float) -> float:
+    """The factor that makes SDPA's ``head_dim ** -0.5`` Gemma's ``query_pre_attn_scalar **
+    -0.5``."""
+    return math.sqrt(head_dim / query_pre_attn_scalar)
