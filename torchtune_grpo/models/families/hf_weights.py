@@ -1,0 +1,286 @@
+"""HF <-> torchtune weight names of the families this package builds itself, and the
+checkpointer that reads and writes their HF folders.
+
+torchtune 0.6.1's ``FullModelHFCheckpointer`` converts names through its own model types; the
+families of :mod:`torchtune_grpo.models.families` have none there. Each gives a
+:class:`WeightNames` table (global names and per-layer suffixes), and
+:class:`HFFamilyCheckpointer` does the rest the same way for all: shards as the input was split,
+the index file, PEFT adapter files, copied config and tokenizer files. Tensors keep their
+values, shapes and dtype: the families here need no permutation.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["FamilyModelType", "HFFamilyCheckpointer", "WeightNames"]
+
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_TUNE_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_PEFT_PARTS = ((".lora_a.weight", ".lora_A.weight"), (".lora_b.weight", ".lora_B.weight"),
+               (".magnitude", ".lora_magnitude_vector"))
+
+
+class FamilyModelType(enum.Enum):
+    """The checkpointers' model types (torchtune's ``ModelType`` has none of these); ``.name``
+    is what :class:`~torchtune_grpo.rollout.protocol.GenerationContext` carries."""
+
+    QWEN3 = "qwen3"
+    GEMMA3 = "gemma3"
+
+
+@dataclass(frozen=True)
+class WeightNames:
+    """A family's HF weight names and their torchtune names.
+
+    Attributes:
+        family: the family, for messages (``"Qwen3"``).
+        model_type: its :class:`FamilyModelType` name (``"QWEN3"``).
+        global_names: HF name -> torchtune name outside the layers.
+        layer_names: suffix after ``model.layers.{i}.`` -> suffix after ``layers.{i}.``.
+        tied_by_default: ``tie_word_embeddings`` when ``config.json`` does not say.
+        not_part: how a foreign weight is described (``"part of a dense Qwen3ForCausalLM
+            (no biases, no experts)"``).
+    """
+
+    family: str
+    model_type: str
+    global_names: dict[str, str]
+    layer_names: dict[str, str]
+    tied_by_default: bool
+    not_part: str
+    _to_hf_layer: dict[str, str] = field(init=False, repr=False)
+    _to_hf_global: dict[str, str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_to_hf_layer", {v: k for k, v in self.layer_names.items()})
+        object.__setattr__(self, "_to_hf_global", {v: k for k, v in self.global_names.items()})
+
+    def hf_name(self, tune_key: str) -> str:
+        """The HF name of the torchtune weight ``tune_key``.
+
+        Raises:
+            ValueError: it has none (a LoRA weight: merge adapters first).
+        """
+        match = _TUNE_LAYER.match(tune_key)
+        if match and match.group(2) in self._to_hf_layer:
+            return f"model.layers.{match.group(1)}.{self._to_hf_layer[match.group(2)]}"
+        if tune_key in self._to_hf_global:
+            return self._to_hf_global[tune_key]
+        raise ValueError(f"{self.family} weights: no HF name for the torchtune weight "
+                         f"{tune_key!r}")
+
+    def hf_to_tune(self, state_dict: dict[str, torch.Tensor], *, tie_word_embeddings: bool,
+                   where: str = "the checkpoint") -> dict[str, torch.Tensor]:
+        """HF weights -> torchtune names (tensors unchanged).
+
+        Args:
+            state_dict: HF name -> tensor (all shards merged).
+            tie_word_embeddings: drop ``lm_head.weight`` (the output is the embedding table).
+            where: how to name the source in messages.
+
+        Raises:
+            ValueError: a weight the family does not have, naming it.
+        """
+        out = {}
+        for key, value in state_dict.items():
+            if key.endswith("rotary_emb.inv_freq") or (tie_word_embeddings
+                                                       and key == "lm_head.weight"):
+                continue
+            match = _HF_LAYER.match(key)
+            if match and match.group(2) in self.layer_names:
+                out[f"layers.{match.group(1)}.{self.layer_names[match.group(2)]}"] = value
+            elif key in self.global_names:
+                out[self.global_names[key]] = value
+            else:
+                raise ValueError(f"{where}: weight {key!r} is not {self.not_part}; is "
+                                 "config.json's architecture right?")
+        return out
+
+    def tune_to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """torchtune weights -> HF names (tensors unchanged; no LoRA keys)."""
+        return {self.hf_name(key): value for key, value in state_dict.items()}
+
+    def tune_to_peft_adapter(self, adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """torchtune LoRA/DoRA adapter weights -> PEFT names for the HF base model:
+        ``layers.{i}.attn.q_proj.proj.lora_a.weight`` ->
+        ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` (``lora_b`` ->
+        ``lora_B``, DoRA's ``magnitude`` -> ``lora_magnitude_vector``)."""
+        out = {}
+        for key, value in adapter.items():
+            for tune_part, peft_part in _PEFT_PARTS:
+                if key.endswith(tune_part):
+                    base = self.hf_name(key[: -len(tune_part)] + ".weight")
+                    out["base_model.model." + base[: -len(".weight")] + peft_part] = value
+                    break
+            else:
+                raise ValueError(f"{self.family} adapter: {key!r} is not a LoRA/DoRA weight")
+        return out
+
+
+class HFFamilyCheckpointer:
+    """Reads and writes an HF folder of a family in torchtune names, like torchtune's
+    ``FullModelHFCheckpointer`` (the same files, shard names, index, adapter files and copied
+    config/tokenizer files).
+
+    Args:
+        names: the family's :class:`WeightNames`.
+        checkpoint_dir: the HF folder (``config.json`` and the weight files).
+        checkpoint_files: weight file names in it (sharded ``*.safetensors`` or ``*.bin``).
+        output_dir: where :meth:`save_checkpoint` writes ``epoch_{epoch}/``.
+        model_type: the family's (``names.model_type``; another is an error).
+        safe_serialization: write ``*.safetensors`` (else ``*.bin``).
+        **unsupported: torchtune's resume arguments (``should_load_recipe_state``,
+            ``adapter_checkpoint``, ``recipe_checkpoint``, ``resume_from_checkpoint``) may be
+            given only as false/None: the recipes resume from step folders.
+
+    The attributes the recipes read are torchtune's: ``_config`` (``config.json``),
+    ``_model_type`` (a :class:`FamilyModelType`), ``_output_dir`` and ``_weight_map`` (HF
+    name -> 1-based shard id such as ``"0001"``, set by :meth:`load_checkpoint`).
+    """
+
+    def __init__(self, names: WeightNames, checkpoint_dir: str, checkpoint_files: list[str],
+                 output_dir: str, model_type: str | None = None,
+                 safe_serialization: bool = True, **unsupported: Any) -> None:
+        from torchtune.training.checkpointing._utils import check_outdir_not_in_ckptdir
+
+        self.names = names
+        if model_type is not None and str(model_type).upper() != names.model_type:
+            raise ValueError(f"{names.family} checkpointer: model_type {model_type!r}; only "
+                             f"{names.model_type}")
+        given = sorted(k for k, v in unsupported.items() if v)
+        if given:
+            raise ValueError(f"checkpointer: {given} not supported for {names.family} folders "
+                             "(resume with resume_from_checkpoint at the top level of the "
+                             "config)")
+        self._checkpoint_dir = Path(checkpoint_dir)
+        self._checkpoint_files = list(checkpoint_files)
+        self._output_dir = Path(output_dir)
+        check_outdir_not_in_ckptdir(ckpt_dir=self._checkpoint_dir, out_dir=self._output_dir)
+        self._output_dir.mkdir(parents=True, exist_ok=True)
+        self._safe_serialization = safe_serialization
+        self._model_type = FamilyModelType[names.model_type]
+        self._config: dict[str, Any] = json.loads((self._checkpoint_dir / "config.json")
+                                                  .read_text())
+        self._weight_map: dict[str, str] | None = None
+        repo = self._checkpoint_dir / "original_repo_id.json"
+        self.repo_id = json.loads(repo.read_text()).get("repo_id") if repo.is_file() else None
+
+    @property
+    def _tied(self) -> bool:
+        return bool(self._config.get("tie_word_embeddings", self.names.tied_by_default))
+
+    def load_checkpoint(self) -> dict[str, Any]:
+        """``{"model": torchtune-named weights}`` from every checkpoint file, shards merged."""
+        from torchtune import training
+        from torchtune.training.checkpointing._utils import safe_torch_load
+
+        merged: dict[str, torch.Tensor] = {}
+        self._weight_map = {}
+        for index, name in enumerate(sorted(self._checkpoint_files)):
+            path = self._checkpoint_dir / name
+            if not path.is_file():
+                raise FileNotFoundError(f"checkpoint file {path} not found")
+            for key, value in safe_torch_load(path).items():
+                if not isinstance(value, torch.Tensor):
+                    raise ValueError(f"{path}: {key!r} is not a tensor")
+                self._weight_map[key] = f"{index + 1:04}"
+                merged[key] = value
+        model = self.names.hf_to_tune(merged, tie_word_embeddings=self._tied,
+                                      where=str(self._checkpoint_dir))
+        return {training.MODEL_KEY: model}
+
+    def _write(self, tensors: dict[str, torch.Tensor], path: Path) -> Path:
+        from safetensors.torch import save_file
+
+        if self._safe_serialization:
+            path = path.with_suffix(".safetensors")
+            save_file(tensors, str(path), metadata={"format": "pt"})
+        else:
+            path = path.with_suffix(".bin")
+            torch.save(tensors, path)
+        return path
+
+    def _save_model(self, weights: dict[str, torch.Tensor], folder: Path) -> None:
+        """HF-named shards as the input was split, and their index file."""
+        from torchtune.training.checkpointing._utils import (
+            SAFETENSOR_INDEX_FNAME,
+            SHARD_FNAME,
+            TORCH_INDEX_FNAME,
+        )
+
+        hf = self.names.tune_to_hf(weights)
+        shard_of = self._weight_map or {key: "0001" for key in hf}
+        missing = sorted(set(hf) - set(shard_of))
+        if missing:
+            raise ValueError(f"{self.names.family} checkpointer: {missing[:3]} were not in the "
+                             "loaded checkpoint; the model does not match its config.json")
+        shards: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in hf.items():
+            shards.setdefault(shard_of[key], {})[key] = value
+        total = sum(v.numel() * v.element_size() for v in hf.values())
+        index: dict[str, str] = {}
+        for number, shard in enumerate(sorted(shards), start=1):
+            name = SHARD_FNAME.format(cpt_idx=f"{number}".zfill(5),
+                                      num_shards=f"{len(shards)}".zfill(5))
+            written = self._write(shards[shard], folder / name)
+            index.update({key: written.name for key in shards[shard]})
+        index_name = SAFETENSOR_INDEX_FNAME if self._safe_serialization else TORCH_INDEX_FNAME
+        (folder / index_name).write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": index}, indent=2))
+
+    def save_checkpoint(self, state_dict: dict[str, Any], epoch: int,
+                        intermediate_checkpoint: bool = False, adapter_only: bool = False
+                        ) -> None:
+        """Write ``output_dir/epoch_{epoch}/`` as ``FullModelHFCheckpointer`` does.
+
+        Args:
+            state_dict: ``"model"`` (torchtune names), and for LoRA ``"adapter"`` and
+                ``"adapter_config"``; other keys are recipe state.
+            epoch: the folder's number.
+            intermediate_checkpoint: also write the remaining keys to
+                ``output_dir/recipe_state/recipe_state.pt``.
+            adapter_only: write the adapter files only.
+
+        Raises:
+            ValueError: ``adapter_only`` without adapter weights.
+        """
+        from torchtune import training
+        from torchtune.models.convert_weights import tune_to_peft_adapter_config
+        from torchtune.training.checkpointing._utils import (
+            ADAPTER_CONFIG_FNAME,
+            ADAPTER_MODEL_FNAME,
+            RECIPE_STATE_DIRNAME,
+            SUFFIXES_TO_NOT_COPY,
+            copy_files,
+        )
+
+        folder = self._output_dir / f"epoch_{epoch}"
+        folder.mkdir(parents=True, exist_ok=True)
+        if not adapter_only:
+            self._save_model(state_dict[training.MODEL_KEY], folder)
+        if training.ADAPTER_KEY in state_dict:
+            adapter = state_dict[training.ADAPTER_KEY]
+            torch.save(adapter, (folder / ADAPTER_MODEL_FNAME).with_suffix(".pt"))
+            self._write(self.names.tune_to_peft_adapter(adapter), folder / ADAPTER_MODEL_FNAME)
+        elif adapter_only:
+            raise ValueError("adapter_only: the state dict holds no adapter weights")
+        if training.ADAPTER_CONFIG in state_dict:
+            config = tune_to_peft_adapter_config(
+                adapter_config=dict(state_dict[training.ADAPTER_CONFIG]),
+                base_model_name_or_path=self.repo_id)
+            (folder / f"{ADAPTER_CONFIG_FNAME}.json").write_text(json.dumps(config))
+        copy_files(self._checkpoint_dir, folder, ignore_suffixes=SUFFIXES_TO_NOT_COPY)
+        if intermediate_checkpoint:
+            rest = {k: v for k, v in state_dict.items() if k not in (
+                training.MODEL_KEY, training.ADAPTER_KEY, training.ADAPTER_CONFIG)}
+            path = self._output_dir / RECIPE_STATE_DIRNAME / "recipe_state.pt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(rest, path)
