@@ -38,8 +38,12 @@ class StopSignals:
     def __init__(self, what: str = "the run", *, quiet: bool = False) -> None:
         self.what = what
         self.quiet = quiet
-        #: the name of the first signal received while deferred (``"SIGTERM"``), or None
+        #: why the run should stop at its next save point: the first signal received while
+        #: deferred (``"SIGTERM"``) or the reason given to :meth:`request`; None to go on
         self.requested: str | None = None
+        #: a signal was received (what makes an evaluation stop early; a :meth:`request`
+        #: lets it finish)
+        self.signalled = False
         self._deferring = 0
         self._previous: dict[int, Any] = {}
 
@@ -59,7 +63,8 @@ class StopSignals:
         self._previous.clear()
 
     def request(self, reason: str = "request") -> None:
-        """Ask the run to stop at the next point where it can save (as a signal does)."""
+        """Ask the run to stop after the current step, saving it (a time budget, say); unlike
+        a signal, an evaluation in progress still finishes."""
         self.requested = self.requested or reason
 
     @contextlib.contextmanager
@@ -84,6 +89,7 @@ class StopSignals:
             log.warning(f"received {name}: stopping at the next point where the work done "
                         f"can be kept{extra}")
         self.requested = self.requested or name
+        self.signalled = True
 
 
 @contextlib.contextmanager

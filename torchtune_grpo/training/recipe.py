@@ -376,12 +376,15 @@ class GRPORecipe(RecipeSetup, RecipeUpdate, RecipeCheckpoints, RecipeEvaluation)
                 log.info(message)
         self.log_metrics(metrics)
         preempted = not self.ranks.all_ranks_true(self.stop.requested is None, self.device)
+        # a signal (not a time budget's request): evaluations are skipped or cut short
+        signalled = preempted and not self.ranks.all_ranks_true(not self.stop.signalled,
+                                                                self.device)
         diverged = self.consecutive_skips >= cfg.max_consecutive_skipped_steps
         last = self.step == cfg.num_steps
         evaluated, eval_note = None, ""
         if self.eval_dataset is not None and cfg.eval_every_n_steps and (
                 self.step % cfg.eval_every_n_steps == 0 or last):
-            if preempted:
+            if signalled:
                 eval_note = "its evaluation was skipped"
             else:
                 try:

@@ -39,7 +39,7 @@ class RecipeEvaluation:
             gather_weights=self.cfg.rollout_gather_weights,
             tool_generator=self.eval_tool_generator, ranks=self.ranks,
             progress=self.cfg.progress_bar, partial_dir=partial_dir, fingerprint=fingerprint,
-            should_stop=lambda: self.stop.requested is not None,
+            should_stop=lambda: self.stop.signalled,
         )
         metrics = {f"eval/{k}": v for k, v in result.metrics.items()}
         metrics["eval/problems_per_second"] = len(result.samples) / max(result.seconds, 1e-9)
