@@ -308,6 +308,8 @@ def save_step_checkpoint(
                     "writing into it")
                 continue
             _remove_step(old)
+    for doomed in output_dir.glob(".step_*.deleting"):  # a deletion a crash cut short
+        shutil.rmtree(doomed, ignore_errors=True)
     return final
 
 
