@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torchtune import config, training, utils
+from torchtune import config, utils
 
 from torchtune_grpo.errors import Interrupted
 from torchtune_grpo.evaluation.evaluate import (
@@ -45,6 +45,7 @@ from torchtune_grpo.rewards.build import build_reward_set
 from torchtune_grpo.training import distributed as D
 from torchtune_grpo.training.config import parse
 from torchtune_grpo.training.interrupts import StopSignals
+from torchtune_grpo.training.recipe_setup import load_weights
 from torchtune_grpo.training.run_lock import FolderLock
 from torchtune_grpo.training.schema import EVAL_KEYS, with_defaults
 from torchtune_grpo.training.settings import EvalSettings
@@ -130,7 +131,7 @@ def _evaluate_checkpoint(cfg: DictConfig, settings: EvalSettings, device: torch.
     dataset = config.instantiate(cfg.dataset, tokenizer=tokenizer)
     rewards = build_reward_set(cfg.rewards)
     checkpointer = config.instantiate(cfg.checkpointer)
-    state_dict = checkpointer.load_checkpoint()[training.MODEL_KEY]
+    state_dict = load_weights(checkpointer)
     model = build_model(cfg.model, state_dict, device=device, dtype=dtype,
                         world_size=world_size, trainable=False)
     del state_dict

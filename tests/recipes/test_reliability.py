@@ -37,9 +37,22 @@ def test_missing_input_files_name_the_key(base_model, tmp_path):
 
 
 def test_checkpoint_of_another_shape_names_the_parameter(base_model, tmp_path):
-    with pytest.raises(ValueError, match=r"'tok_embeddings.weight' has shape \[320, 64\] in the "
-                                         r"checkpoint but \[320, 128\]"):
-        _setup(base_model, tmp_path, "model.embed_dim=128", "model.num_heads=8")
+    # the folder's config.json already says so, before any weight loads
+    with pytest.raises(ValueError, match=r"hidden_size 64 \(config.json\) vs 128, "
+                                         r"num_attention_heads 4 \(config.json\) vs 8"):
+        _setup(base_model, tmp_path / "a", "model.embed_dim=128", "model.num_heads=8")
+    # a config.json that lies about the weights: the load names the parameter
+    import json
+    import shutil
+
+    lying = tmp_path / "lying"
+    shutil.copytree(base_model, lying)
+    config = json.loads((lying / "config.json").read_text())
+    config.update(hidden_size=128, num_attention_heads=8)
+    (lying / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"cannot load the weights in {lying} .*: do its "
+                                         r"config.json and weight files belong together"):
+        _setup(lying, tmp_path / "b", "model.embed_dim=128", "model.num_heads=8")
 
 
 def test_generation_beyond_context_is_rejected_before_loading(base_model, tmp_path):

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
 from torchtune import config, training, utils
 
 from torchtune_grpo.datasets import collate_prompts
+from torchtune_grpo.errors import CheckpointError, one_line
 from torchtune_grpo.policy.logprobs import auto_chunk_size
 from torchtune_grpo.policy.model import build_model, has_adapters, meta_model, token_rules
 from torchtune_grpo.rewards.build import build_reward_set
@@ -50,6 +52,22 @@ from torchtune_grpo.training.validation import (
 )
 
 log = utils.get_logger("INFO")
+
+
+def load_weights(checkpointer: Any) -> dict[str, torch.Tensor]:
+    """The model weights a torchtune checkpointer loads (torchtune names).
+
+    Raises:
+        CheckpointError: the files do not load as the folder's ``config.json`` describes them
+            (a weight of another shape than the converter expects, a corrupt file), naming the
+            folder; a missing file stays a ``FileNotFoundError``.
+    """
+    try:
+        return checkpointer.load_checkpoint()[training.MODEL_KEY]
+    except (RuntimeError, ValueError, KeyError) as exc:
+        folder = getattr(checkpointer, "_checkpoint_dir", "the checkpoint")
+        raise CheckpointError(f"cannot load the weights in {folder} ({one_line(str(exc))}): "
+                              "do its config.json and weight files belong together?") from exc
 
 
 class RecipeSetup:
@@ -162,7 +180,7 @@ class RecipeSetup:
         if self.resume_dir is None or self.is_lora:
             # a LoRA step folder holds merged weights: rebuild base + saved adapters instead
             self.checkpointer = base_checkpointer
-            state_dict = base_state = self.checkpointer.load_checkpoint()[training.MODEL_KEY]
+            state_dict = base_state = load_weights(self.checkpointer)
             check_finite(state_dict, f"the weights in {cfg.checkpointer.get('checkpoint_dir')}",
                          action="load")
             if self.resume_dir is not None:
@@ -172,9 +190,9 @@ class RecipeSetup:
                 cfg.checkpointer, checkpoint_dir=str(self.resume_dir),
                 checkpoint_files=weight_files(self.resume_dir),
             )
-            state_dict = self.checkpointer.load_checkpoint()[training.MODEL_KEY]
+            state_dict = load_weights(self.checkpointer)
             check_finite(state_dict, f"the weights in {self.resume_dir}", action="load")
-            base_state = (base_checkpointer.load_checkpoint()[training.MODEL_KEY]
+            base_state = (load_weights(base_checkpointer)
                           if needs_reference else None)
         self.model = self._build_model(state_dict, trainable=True, adapter_state=adapter_state)
         if cfg.compile:
