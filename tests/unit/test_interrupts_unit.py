@@ -36,7 +36,8 @@ def test_deferred_signals_are_recorded_and_a_second_ctrl_c_stops_at_once():
 
 
 def test_a_request_stops_the_loop_but_is_not_a_signal():
-    """A time budget (benchmarks/ablate.py) asks the loop to stop; evaluations still finish."""
+    """A time budget (`python -m benchmarks.ablate`) asks the loop to stop; evaluations still
+    finish."""
     stop = StopSignals()
     stop.request("budget")
     assert stop.requested == "budget" and not stop.signalled
