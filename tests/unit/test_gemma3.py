@@ -93,7 +93,7 @@ def test_no_mask_forward_matches(folder, tmp_path):
                                       "no_window", "no_embed_scale", "one_rope_base"])
 def test_broken_variants_are_caught(folder, tmp_path, breakage):
     """The parity check discriminates each guard: breaking one moves logits by far more."""
-    from torchtune_grpo.models.families import gemma3_layers as gl
+    from torchtune_grpo.models.families import layers as gl
 
     path, ref, _ = folder
     model, _ = _ours(path, tmp_path)

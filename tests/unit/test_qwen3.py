@@ -298,10 +298,10 @@ def test_unsupported_field_stops_before_weights(tmp_path):
 
 
 def test_moe_weights_are_refused_by_name(tmp_path):
-    from torchtune_grpo.models.families.qwen3_weights import qwen3_hf_to_tune
+    from torchtune_grpo.models.families.qwen3 import QWEN3_NAMES
 
     with pytest.raises(ValueError, match="mlp.experts.0.up_proj.weight"):
-        qwen3_hf_to_tune({"model.layers.0.mlp.experts.0.up_proj.weight": torch.zeros(1)},
+        QWEN3_NAMES.hf_to_tune({"model.layers.0.mlp.experts.0.up_proj.weight": torch.zeros(1)},
                          tie_word_embeddings=False)
 
 

@@ -37,6 +37,13 @@ from typing import Any
 
 from torch import nn
 
+from torchtune_grpo.models.families import (
+    FAMILY_MODULES,
+    HF_MODEL_TYPES,
+    MODEL_TYPES,
+    family_module,
+)
+
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "HFArchitecture",
@@ -49,15 +56,15 @@ __all__ = [
 
 #: ``architectures[0]`` of a supported ``config.json`` -> (family, torchtune checkpointer
 #: ``model_type``). The model type picks torchtune's HF <-> torchtune weight converter.
+#: The families of :mod:`torchtune_grpo.models.families` are named by their module.
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "LLAMA3_2"),
     "Qwen2ForCausalLM": ("qwen2", "QWEN2"),
-    "Qwen3ForCausalLM": ("qwen3", "QWEN3"),
-    "Gemma3ForCausalLM": ("gemma3", "GEMMA3"),
+    **{arch: (module.rsplit(".", 1)[1], MODEL_TYPES[arch])
+       for arch, module in FAMILY_MODULES.items()},
 }
 #: ``model_type`` values of ``config.json`` accepted when ``architectures`` is missing.
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", **HF_MODEL_TYPES}
 
 
 def _out_of_scope(arch: str | None, model_type: str) -> bool:
@@ -168,9 +175,9 @@ def hf_architecture(cfg: dict[str, Any], *, where: str = "config.json",
     if dim % heads:
         raise ValueError(f"{where}: hidden_size {dim} is not a multiple of num_attention_heads "
                          f"{heads}")
+    ours = arch in FAMILY_MODULES  # a family of this package checks the rest itself
     head_dim = cfg.get("head_dim")
-    if (family not in ("qwen3", "gemma3") and head_dim is not None
-            and int(head_dim) != dim // heads):
+    if not ours and head_dim is not None and int(head_dim) != dim // heads:
         raise ValueError(
             f"{where}: head_dim {head_dim} differs from hidden_size / num_attention_heads = "
             f"{dim // heads}; torchtune's {family} builder supports only the latter"
@@ -179,7 +186,7 @@ def hf_architecture(cfg: dict[str, Any], *, where: str = "config.json",
         raise ValueError(f"{where}: num_attention_heads {heads} is not a multiple of "
                          f"num_key_value_heads {kv_heads}")
     act = cfg.get("hidden_act", "silu")
-    if act != "silu" and family != "gemma3":  # Gemma 3: hidden_activation, checked below
+    if act != "silu" and not ours:
         raise ValueError(f"{where}: hidden_act {act!r} is not supported (only 'silu')")
     theta, scaling = _rope_settings(cfg)
     tied = cfg.get("tie_word_embeddings")
@@ -212,17 +219,9 @@ def hf_architecture(cfg: dict[str, Any], *, where: str = "config.json",
                 high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
                 old_context_len=int(scaling.get("original_max_position_embeddings", 8192)),
             )
-    elif family == "gemma3":
-        from torchtune_grpo.models.families.gemma3 import check_gemma3_config
-
-        kwargs.update(check_gemma3_config(cfg, where=where, heads=heads))
-        if tied is None:  # Gemma3TextConfig's default
-            kwargs["tie_word_embeddings"] = True
-    elif family == "qwen3":
-        from torchtune_grpo.models.families.qwen3 import check_qwen3_config
-
-        kwargs["head_dim"] = check_qwen3_config(cfg, where=where, heads=heads,
-                                                rope_scaling=scaling)
+    elif ours:
+        kwargs.update(family_module(arch).check_config(cfg, where=where, heads=heads,
+                                                       rope_scaling=scaling))
     else:  # qwen2
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
@@ -237,8 +236,8 @@ def hf_architecture(cfg: dict[str, Any], *, where: str = "config.json",
 
 def hf_model_type(model_dir: str | Path) -> str:
     """The torchtune checkpointer ``model_type`` of an HF folder (``LLAMA3_2``, ``QWEN2``,
-    ``QWEN3``: this package's :class:`~torchtune_grpo.models.families.qwen3_weights.
-    Qwen3HFCheckpointer`, torchtune has none).
+    ``QWEN3``, ``GEMMA3``: this package's families, whose checkpointers torchtune does not
+    have; see :mod:`torchtune_grpo.models.families`).
 
     Raises:
         FileNotFoundError / ValueError: as :func:`read_hf_config` and :func:`hf_architecture`.
@@ -285,14 +284,8 @@ def hf_model(model_dir: str, max_seq_len: int | None = None) -> nn.Module:
         A :class:`torchtune.modules.TransformerDecoder`.
     """
     arch = _arch(model_dir, max_seq_len)
-    if arch.family == "gemma3":
-        from torchtune_grpo.models.families.gemma3 import gemma3
-
-        return gemma3(**arch.builder_kwargs)
-    if arch.family == "qwen3":
-        from torchtune_grpo.models.families.qwen3 import qwen3
-
-        return qwen3(**arch.builder_kwargs)
+    if arch.architecture in FAMILY_MODULES:
+        return family_module(arch.architecture).build(**arch.builder_kwargs)
     if arch.family == "qwen2":
         from torchtune.models.qwen2._component_builders import qwen2
 
@@ -333,14 +326,9 @@ def lora_hf_model(
     lora = dict(lora_attn_modules=list(lora_attn_modules), apply_lora_to_mlp=apply_lora_to_mlp,
                 apply_lora_to_output=apply_lora_to_output, lora_rank=lora_rank,
                 lora_alpha=lora_alpha, lora_dropout=lora_dropout, use_dora=use_dora)
-    if arch.family == "gemma3":
-        from torchtune_grpo.models.families.gemma3 import lora_gemma3
-
-        return lora_gemma3(**arch.builder_kwargs, **lora, quantize_base=quantize_base)
-    if arch.family == "qwen3":
-        from torchtune_grpo.models.families.qwen3 import lora_qwen3
-
-        return lora_qwen3(**arch.builder_kwargs, **lora, quantize_base=quantize_base)
+    if arch.architecture in FAMILY_MODULES:
+        return family_module(arch.architecture).build_lora(
+            **arch.builder_kwargs, **lora, quantize_base=quantize_base)
     if arch.family == "qwen2":
         from torchtune.models.qwen2._component_builders import lora_qwen2
 

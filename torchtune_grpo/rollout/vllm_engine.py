@@ -80,17 +80,14 @@ def torchtune_to_hf_converter(model_type: str, hf_config: dict):
         tied = bool(hf_config.get("tie_word_embeddings", False))
         return lambda sd: qwen2_tune_to_hf(sd, num_heads=heads, num_kv_heads=kv_heads, dim=dim,
                                            head_dim=head_dim, tie_word_embeddings=tied)
-    if model_type == "QWEN3":  # names only (torchtune_grpo.models.families.qwen3_weights)
-        from torchtune_grpo.models.families.qwen3_weights import qwen3_tune_to_hf
+    from torchtune_grpo.models.families import MODEL_TYPES, family_for_model_type
 
-        return qwen3_tune_to_hf
-    if model_type == "GEMMA3":  # names only (torchtune_grpo.models.families.gemma3_weights)
-        from torchtune_grpo.models.families.gemma3_weights import gemma3_tune_to_hf
-
-        return gemma3_tune_to_hf
+    family = family_for_model_type(model_type)  # this package's families: their names
+    if family is not None:
+        return family.NAMES.tune_to_hf
     raise ValueError(
         f"generator VLLMGenerator: checkpointer.model_type {model_type!r} has no weight "
-        "conversion here; supported: LLAMA3, LLAMA3_2, QWEN2, QWEN3, GEMMA3"
+        f"conversion here; supported: LLAMA3, LLAMA3_2, QWEN2, {', '.join(MODEL_TYPES.values())}"
     )
 
 

@@ -458,14 +458,15 @@ def hf_checkpointer(
         checkpoint_files = weight_files(folder)
     if output_dir is None:
         output_dir = tempfile.mkdtemp(prefix="grpo_ckpt_")
-    if model_type == "QWEN3":  # no torchtune ModelType: this package's, same interface
-        from torchtune_grpo.models.families.qwen3_weights import Qwen3HFCheckpointer
+    from torchtune_grpo.models.families import family_for_model_type
 
-        FullModelHFCheckpointer = Qwen3HFCheckpointer  # noqa: N806
-    elif model_type == "GEMMA3":  # likewise (torchtune_grpo.models.families.gemma3_weights)
-        from torchtune_grpo.models.families.gemma3_weights import Gemma3HFCheckpointer
+    family = family_for_model_type(model_type)  # no torchtune ModelType: this package's
+    if family is not None:
+        from functools import partial
 
-        FullModelHFCheckpointer = Gemma3HFCheckpointer  # noqa: N806
+        from torchtune_grpo.models.families.hf_weights import HFFamilyCheckpointer
+
+        FullModelHFCheckpointer = partial(HFFamilyCheckpointer, family.NAMES)  # noqa: N806
     checkpointer = FullModelHFCheckpointer(
         checkpoint_dir=str(folder),
         checkpoint_files=list(checkpoint_files),
@@ -476,5 +477,6 @@ def hf_checkpointer(
     # torchtune's Qwen2 converter reads this key unconditionally; transformers treats a
     # missing one as untied
     # (Gemma 3 defaults to tied: its checkpointer reads a missing key as true)
-    checkpointer._config.setdefault("tie_word_embeddings", model_type == "GEMMA3")
+    checkpointer._config.setdefault("tie_word_embeddings",
+                                    family is not None and family.NAMES.tied_by_default)
     return checkpointer

@@ -1,15 +1,67 @@
 """Model families that torchtune 0.6.1 lacks or gets wrong, built from torchtune's modules.
 
-Each family is a module of component builders (plain and LoRA) plus the config checks that
-:func:`torchtune_grpo.models.hf_architecture` calls, and a module with its HF <-> torchtune
-weight names and checkpointer. :func:`torchtune_grpo.models.hf_model` dispatches to them from a
-folder's ``config.json``; nothing here reads weights.
+Each family is one module that gives, for :func:`torchtune_grpo.models.hf_model` and the
+checkpointer, the same interface:
+
+* ``ARCHITECTURE``: the HF class it builds (``config.json``'s ``architectures[0]``);
+* ``check_config(cfg, *, where, heads, rope_scaling) -> dict``: refuses, in one line naming the
+  field, what it does not compute, and returns the builder arguments beyond the common ones
+  (``vocab_size``, ``num_layers``, ``num_heads``, ``num_kv_heads``, ``embed_dim``,
+  ``intermediate_dim``, ``max_seq_len``, ``rope_base``, ``norm_eps``,
+  ``tie_word_embeddings``);
+* ``build(**kwargs)`` and ``build_lora(lora_attn_modules, ..., **kwargs)``: the decoder, made
+  by :func:`~torchtune_grpo.models.families.decoder.build_decoder` from a
+  :class:`~torchtune_grpo.models.families.decoder.DecoderSpec`;
+* ``NAMES``: its :class:`~torchtune_grpo.models.families.hf_weights.WeightNames` (HF <->
+  torchtune weight names; ``NAMES.model_type`` is the checkpointer's ``model_type``).
+
+:data:`FAMILY_MODULES` lists them; :func:`family_module` imports one on first use (nothing
+here reads weights).
 
 * :mod:`~torchtune_grpo.models.families.qwen3`: ``Qwen3ForCausalLM`` (dense Qwen3), per-head
-  RMSNorm on queries and keys before RoPE;
-  :mod:`~torchtune_grpo.models.families.qwen3_weights` its weights.
+  RMSNorm on queries and keys before RoPE.
 * :mod:`~torchtune_grpo.models.families.gemma3`: ``Gemma3ForCausalLM`` (Gemma 3 text): Gemma
-  norms, q/k norms before RoPE, sliding-window and global layers with their own RoPE bases
-  (:mod:`~torchtune_grpo.models.families.gemma3_layers`);
-  :mod:`~torchtune_grpo.models.families.gemma3_weights` its weights.
+  norms, q/k norms before RoPE, sliding-window and global layers with their own RoPE bases.
 """
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+__all__ = ["FAMILY_MODULES", "HF_MODEL_TYPES", "family_for_model_type", "family_module"]
+
+#: HF architecture -> the module that builds it.
+FAMILY_MODULES: dict[str, str] = {
+    "Qwen3ForCausalLM": "torchtune_grpo.models.families.qwen3",
+    "Gemma3ForCausalLM": "torchtune_grpo.models.families.gemma3",
+}
+#: ``config.json``'s ``model_type`` -> architecture, for configs without ``architectures``.
+HF_MODEL_TYPES: dict[str, str] = {
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+}
+#: The checkpointer ``model_type`` of each architecture (``NAMES.model_type``, known without
+#: importing the module).
+MODEL_TYPES: dict[str, str] = {
+    "Qwen3ForCausalLM": "QWEN3",
+    "Gemma3ForCausalLM": "GEMMA3",
+}
+
+
+def family_module(architecture: str) -> ModuleType:
+    """The family module of ``architecture`` (one of :data:`FAMILY_MODULES`).
+
+    Raises:
+        KeyError: not a family of this package.
+    """
+    return importlib.import_module(FAMILY_MODULES[architecture])
+
+
+def family_for_model_type(model_type: str) -> ModuleType | None:
+    """The family module whose checkpointer ``model_type`` is ``model_type`` (``"QWEN3"``), or
+    ``None`` for torchtune's own model types."""
+    for arch, kind in MODEL_TYPES.items():
+        if kind == str(model_type).upper():
+            return family_module(arch)
+    return None

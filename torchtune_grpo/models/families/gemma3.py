@@ -2,58 +2,104 @@
 
 What differs from a Llama layer, and where it lives here:
 
-* **Norms.** Gemma's RMSNorm multiplies by ``1 + w`` in float32 (:class:`~.gemma3_layers.
-  GemmaRMSNorm`), and a layer has four: ``input_layernorm`` (torchtune ``sa_norm``),
+* **Norms.** Gemma's RMSNorm multiplies by ``1 + w`` in float32
+  (:class:`~.layers.GemmaRMSNorm`), and a layer has four: ``input_layernorm`` (``sa_norm``),
   ``post_attention_layernorm`` (``sa_scale``: applied to the attention output before the
   residual add), ``pre_feedforward_layernorm`` (``mlp_norm``) and ``post_feedforward_layernorm``
   (``mlp_scale``). torchtune's ``TransformerSelfAttentionLayer`` computes exactly
   ``h = x + sa_scale(attn(sa_norm(x)))``, ``out = h + mlp_scale(mlp(mlp_norm(h)))``.
 * **QK-norm before RoPE and the attention scale.** As for Qwen3, the per-head norms are part of
-  the query/key projections (:class:`~.gemma3_layers.GemmaHeadNormProjection`), so every path
+  the query/key projections (:class:`~.layers.NormedProjection`), so every path
   that runs torchtune's attention (training, packed forwards, the native KV-cache engine, LoRA)
   applies them before RoPE. The query projection also multiplies by ``sqrt(head_dim /
   query_pre_attn_scalar)``, turning SDPA's default scale into ``query_pre_attn_scalar ** -0.5``.
 * **Sliding and global layers.** ``layer_types`` (or ``sliding_window_pattern``: every
   ``pattern``-th layer global) picks each layer's kind; sliding layers see the last
-  ``sliding_window`` keys (:class:`~.gemma3_layers.SlidingWindowLayer`) and rotate with
+  ``sliding_window`` keys (:class:`~.layers.SlidingWindowLayer`) and rotate with
   ``rope_local_base_freq``, global layers with ``rope_theta`` (and linear scaling if any).
 * **Embeddings** are multiplied by ``sqrt(hidden_size)`` (rounded to the table's dtype), the
   output projection is the (unscaled) table when tied, and the MLP is gated GELU-tanh.
 
 Logit and attention soft-capping are null in Gemma 3; a config that sets them is refused.
+
+The whole decoder is :func:`~.decoder.build_decoder`'s (``norm="gemma"``,
+``placement="sandwich"``, ``qk_norm="head"``). Weights (:data:`GEMMA3_NAMES`,
+:func:`Gemma3HFCheckpointer`) map one to one, tensors unchanged (the Gemma norms store the
+offset from 1 on both sides, both RoPEs rotate halves):
+
+================================================== =========================================
+HF (``Gemma3ForCausalLM``)                         torchtune
+================================================== =========================================
+``model.embed_tokens.weight``                      ``tok_embeddings.weight``
+``model.layers.{i}.self_attn.q_proj.weight``       ``layers.{i}.attn.q_proj.proj.weight``
+``model.layers.{i}.self_attn.q_norm.weight``       ``layers.{i}.attn.q_proj.norm.scale``
+``model.layers.{i}.self_attn.k_proj.weight``       ``layers.{i}.attn.k_proj.proj.weight``
+``model.layers.{i}.self_attn.k_norm.weight``       ``layers.{i}.attn.k_proj.norm.scale``
+``model.layers.{i}.self_attn.v_proj.weight``       ``layers.{i}.attn.v_proj.weight``
+``model.layers.{i}.self_attn.o_proj.weight``       ``layers.{i}.attn.output_proj.weight``
+``model.layers.{i}.mlp.gate_proj.weight``          ``layers.{i}.mlp.w1.weight``
+``model.layers.{i}.mlp.down_proj.weight``          ``layers.{i}.mlp.w2.weight``
+``model.layers.{i}.mlp.up_proj.weight``            ``layers.{i}.mlp.w3.weight``
+``model.layers.{i}.input_layernorm``               ``layers.{i}.sa_norm.scale``
+``model.layers.{i}.post_attention_layernorm``      ``layers.{i}.sa_scale.scale``
+``model.layers.{i}.pre_feedforward_layernorm``     ``layers.{i}.mlp_norm.scale``
+``model.layers.{i}.post_feedforward_layernorm``    ``layers.{i}.mlp_scale.scale``
+``model.norm.weight``                              ``norm.scale``
+``lm_head.weight`` (untied only)                   ``output.weight``
+================================================== =========================================
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import partial
 from typing import Any
 
-from torch import nn
-from torchtune.modules import (
-    FeedForward,
-    MultiHeadAttention,
-    TiedLinear,
-    TransformerDecoder,
-    TransformerSelfAttentionLayer,
-)
-from torchtune.modules.common_utils import reparametrize_as_dtype_state_dict_post_hook
-from torchtune.modules.peft import DoRALinear, LoRALinear
+from torchtune.modules import TransformerDecoder
 
-from torchtune_grpo.models.families.gemma3_layers import (
-    GemmaHeadNormProjection,
-    GemmaRMSNorm,
-    GemmaRoPE,
-    ScaledEmbedding,
-    SlidingWindowLayer,
-    query_factor,
+from torchtune_grpo.models.families.decoder import (
+    DecoderSpec,
+    build_decoder,
+    build_lora_decoder,
 )
+from torchtune_grpo.models.families.hf_weights import HFFamilyCheckpointer, WeightNames
+from torchtune_grpo.models.families.layers import query_factor
 
-__all__ = ["check_gemma3_config", "gemma3", "lora_gemma3"]
+__all__ = ["GEMMA3_NAMES", "Gemma3HFCheckpointer", "check_gemma3_config", "gemma3",
+           "lora_gemma3"]
 
 GEMMA3_ARCHITECTURE = "Gemma3ForCausalLM"
-LORA_ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "output_proj")
 _ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
+
+_GLOBAL = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.scale",
+    "lm_head.weight": "output.weight",
+}
+_LAYER = {  # suffix after model.layers.{i}. -> suffix after layers.{i}.
+    "self_attn.q_proj.weight": "attn.q_proj.proj.weight",
+    "self_attn.q_norm.weight": "attn.q_proj.norm.scale",
+    "self_attn.k_proj.weight": "attn.k_proj.proj.weight",
+    "self_attn.k_norm.weight": "attn.k_proj.norm.scale",
+    "self_attn.v_proj.weight": "attn.v_proj.weight",
+    "self_attn.o_proj.weight": "attn.output_proj.weight",
+    "mlp.gate_proj.weight": "mlp.w1.weight",
+    "mlp.down_proj.weight": "mlp.w2.weight",
+    "mlp.up_proj.weight": "mlp.w3.weight",
+    "input_layernorm.weight": "sa_norm.scale",
+    "post_attention_layernorm.weight": "sa_scale.scale",
+    "pre_feedforward_layernorm.weight": "mlp_norm.scale",
+    "post_feedforward_layernorm.weight": "mlp_scale.scale",
+}
+
+#: This family's names (:class:`~torchtune_grpo.models.families.hf_weights.WeightNames`).
+GEMMA3_NAMES = WeightNames(
+    family="Gemma 3", model_type="GEMMA3", global_names=_GLOBAL, layer_names=_LAYER,
+    tied_by_default=True, not_part="part of a text-only Gemma3ForCausalLM")
+
+
+def Gemma3HFCheckpointer(**kwargs: Any) -> HFFamilyCheckpointer:  # noqa: N802 - stands for a class
+    """The checkpointer of Gemma 3 HF folders (what ``hf_checkpointer`` returns for
+    ``model_type: GEMMA3``): :class:`HFFamilyCheckpointer` with :data:`GEMMA3_NAMES`."""
+    return HFFamilyCheckpointer(GEMMA3_NAMES, **kwargs)
 
 
 def _rope(params: Any, where: str, key: str) -> tuple[float, float]:
@@ -136,56 +182,27 @@ def check_gemma3_config(cfg: dict[str, Any], *, where: str, heads: int) -> dict[
                 else None)
 
 
-def _decoder(*, vocab_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
-             embed_dim: int, intermediate_dim: int, max_seq_len: int, head_dim: int,
-             query_pre_attn_scalar: float, sliding_window: int | None, layer_types: list[str],
-             rope_base: float, rope_scale: float, local_rope_base: float, norm_eps: float,
-             tie_word_embeddings: bool, attn_dropout: float, pad_id: int | None,
-             linear: Callable[[str, int, int], nn.Module],
-             output: Callable[[int, int], nn.Module] | None) -> TransformerDecoder:
-    """The decoder, every projection made by ``linear(torchtune_name, in, out)``."""
+def _spec(*, vocab_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+          embed_dim: int, intermediate_dim: int, max_seq_len: int, head_dim: int,
+          query_pre_attn_scalar: float, sliding_window: int | None, layer_types: list[str],
+          rope_base: float = 1_000_000.0, rope_scale: float = 1.0,
+          local_rope_base: float = 10_000.0, norm_eps: float = 1e-6,
+          tie_word_embeddings: bool = True, attn_dropout: float = 0.0,
+          pad_id: int | None = None) -> DecoderSpec:
     if len(layer_types) != num_layers:
         raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
-    ropes = {"full_attention": GemmaRoPE(head_dim, max_seq_len, rope_base, rope_scale),
-             "sliding_attention": GemmaRoPE(head_dim, max_seq_len, local_rope_base)}
-    factor = query_factor(head_dim, query_pre_attn_scalar)
-    memo: dict = {}
-    layers = nn.ModuleList()
-    for kind in layer_types:
-        attn = MultiHeadAttention(
-            embed_dim=embed_dim, num_heads=num_heads, num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            q_proj=GemmaHeadNormProjection(linear("q_proj", embed_dim, num_heads * head_dim),
-                                           head_dim, norm_eps, factor),
-            k_proj=GemmaHeadNormProjection(linear("k_proj", embed_dim, num_kv_heads * head_dim),
-                                           head_dim, norm_eps),
-            v_proj=linear("v_proj", embed_dim, num_kv_heads * head_dim),
-            output_proj=linear("output_proj", num_heads * head_dim, embed_dim),
-            pos_embeddings=ropes[kind], q_norm=None, k_norm=None, kv_cache=None,
-            max_seq_len=max_seq_len, attn_dropout=attn_dropout,
-        )
-        mlp = FeedForward(gate_proj=linear("w1", embed_dim, intermediate_dim),
-                          down_proj=linear("w2", intermediate_dim, embed_dim),
-                          up_proj=linear("w3", embed_dim, intermediate_dim),
-                          activation=nn.GELU(approximate="tanh"))
-        parts = dict(attn=attn, mlp=mlp, sa_norm=GemmaRMSNorm(embed_dim, norm_eps),
-                     sa_scale=GemmaRMSNorm(embed_dim, norm_eps),
-                     mlp_norm=GemmaRMSNorm(embed_dim, norm_eps),
-                     mlp_scale=GemmaRMSNorm(embed_dim, norm_eps))
-        if kind == "sliding_attention" and sliding_window is not None:
-            layers.append(SlidingWindowLayer(window=sliding_window, memo=memo, **parts))
-        else:
-            layers.append(TransformerSelfAttentionLayer(**parts))
-    tok_embeddings = ScaledEmbedding(vocab_size, embed_dim, embed_dim**0.5, padding_idx=pad_id)
-    if tie_word_embeddings:
-        head: nn.Module = TiedLinear(tok_embeddings)
-    elif output is not None:
-        head = output(embed_dim, vocab_size)
-    else:
-        head = nn.Linear(embed_dim, vocab_size, bias=False)
-    return TransformerDecoder(tok_embeddings=tok_embeddings, layers=layers,
-                              max_seq_len=max_seq_len, num_heads=num_heads, head_dim=head_dim,
-                              norm=GemmaRMSNorm(embed_dim, norm_eps), output=head)
+    sliding = [kind == "sliding_attention" for kind in layer_types]
+    return DecoderSpec(
+        vocab_size=vocab_size, num_layers=num_layers, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, embed_dim=embed_dim, intermediate_dim=intermediate_dim,
+        max_seq_len=max_seq_len, head_dim=head_dim, norm_eps=norm_eps, norm="gemma",
+        placement="sandwich", qk_norm="head",
+        query_factor=query_factor(head_dim, query_pre_attn_scalar),
+        rope_bases=tuple(local_rope_base if s else rope_base for s in sliding),
+        rope_scales=tuple(1.0 if s else rope_scale for s in sliding),
+        sliding_windows=tuple(sliding_window if s else None for s in sliding),
+        activation="gelu_tanh", embed_scale=embed_dim**0.5,
+        tie_word_embeddings=tie_word_embeddings, pad_id=pad_id, attn_dropout=attn_dropout)
 
 
 def gemma3(
@@ -225,9 +242,7 @@ def gemma3(
         A :class:`~torchtune.modules.TransformerDecoder`: tokens ``[b, s]`` -> logits
         ``[b, s, V]``.
     """
-    return _decoder(**{k: v for k, v in locals().items()},
-                    linear=lambda _n, d_in, d_out: nn.Linear(d_in, d_out, bias=False),
-                    output=None)
+    return build_decoder(_spec(**locals()))
 
 
 def lora_gemma3(
@@ -242,7 +257,8 @@ def lora_gemma3(
     quantize_base: bool = False,
     **model: Any,
 ) -> TransformerDecoder:
-    """:func:`gemma3` with LoRA (or DoRA) adapters on the named projections.
+    """:func:`gemma3` with LoRA (or DoRA) adapters on the named projections
+    (:func:`~.decoder.build_lora_decoder`).
 
     Args:
         lora_attn_modules: ``q_proj``, ``k_proj``, ``v_proj``, ``output_proj`` (one or more).
@@ -254,30 +270,23 @@ def lora_gemma3(
     Raises:
         ValueError: no or unknown ``lora_attn_modules``; an output adapter on tied embeddings.
     """
-    unknown = sorted(set(lora_attn_modules) - set(LORA_ATTN_MODULES))
-    if not lora_attn_modules or unknown:
-        raise ValueError(f"lora_attn_modules {list(lora_attn_modules)}: name one or more of "
-                         f"{list(LORA_ATTN_MODULES)}")
-    if apply_lora_to_output and model.get("tie_word_embeddings", True):
-        raise ValueError("apply_lora_to_output is incompatible with tied embeddings "
-                         "(tie_word_embeddings: true): the output projection is the embedding")
-    adapter_cls = DoRALinear if use_dora else LoRALinear
-    adapted = set(lora_attn_modules) | ({"w1", "w2", "w3"} if apply_lora_to_mlp else set())
-    make_adapter = partial(adapter_cls, rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout)
+    return build_lora_decoder(
+        _spec(**model), lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output,
+        lora_rank=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+        use_dora=use_dora, quantize_base=quantize_base)
 
-    def linear(name: str, d_in: int, d_out: int) -> nn.Module:
-        if name in adapted:
-            return make_adapter(d_in, d_out, quantize_base=quantize_base)
-        return nn.Linear(d_in, d_out, bias=False)
 
-    defaults = dict(rope_base=1_000_000.0, rope_scale=1.0, local_rope_base=10_000.0,
-                    norm_eps=1e-6, tie_word_embeddings=True, attn_dropout=0.0, pad_id=None)
-    decoder = _decoder(**{**defaults, **model}, linear=linear,
-                       output=(lambda d_in, d_out: make_adapter(d_in, d_out))
-                       if apply_lora_to_output else None)
-    if quantize_base:
-        decoder._register_state_dict_hook(partial(
-            reparametrize_as_dtype_state_dict_post_hook,
-            dtype=decoder.tok_embeddings.weight.dtype, offload_to_cpu=True))
-    return decoder
+#: The interface :mod:`torchtune_grpo.models.families` asks of a family module.
+ARCHITECTURE = GEMMA3_ARCHITECTURE
+NAMES = GEMMA3_NAMES
+build, build_lora = gemma3, lora_gemma3
 
+
+def check_config(cfg: dict[str, Any], *, where: str, heads: int,
+                 rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
+    """The Gemma 3 builder arguments beyond the common ones (:func:`check_gemma3_config`;
+    ``tie_word_embeddings`` defaults to true). ``rope_scaling`` is read per layer kind there."""
+    extra = check_gemma3_config(cfg, where=where, heads=heads)
+    if cfg.get("tie_word_embeddings") is None:
+        extra["tie_word_embeddings"] = True
+    return extra

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from torchtune_grpo.models.families import MODEL_TYPES
+
 __all__ = ["FamilyModelType", "HFFamilyCheckpointer", "WeightNames"]
 
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -28,12 +30,12 @@ _PEFT_PARTS = ((".lora_a.weight", ".lora_A.weight"), (".lora_b.weight", ".lora_B
                (".magnitude", ".lora_magnitude_vector"))
 
 
-class FamilyModelType(enum.Enum):
-    """The checkpointers' model types (torchtune's ``ModelType`` has none of these); ``.name``
-    is what :class:`~torchtune_grpo.rollout.protocol.GenerationContext` carries."""
-
-    QWEN3 = "qwen3"
-    GEMMA3 = "gemma3"
+#: The checkpointers' model types (torchtune's ``ModelType`` has none of these), one per entry
+#: of :data:`~torchtune_grpo.models.families.MODEL_TYPES` (``FamilyModelType.QWEN3.value ==
+#: "qwen3"``); ``.name`` is what :class:`~torchtune_grpo.rollout.protocol.GenerationContext`
+#: carries.
+FamilyModelType = enum.Enum(  # type: ignore[misc]
+    "FamilyModelType", {kind: kind.lower() for kind in MODEL_TYPES.values()})
 
 
 @dataclass(frozen=True)

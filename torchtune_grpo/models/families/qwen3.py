@@ -9,7 +9,8 @@ torchtune 0.6.1's :class:`~torchtune.modules.MultiHeadAttention` has ``q_norm``/
 applies them after the rotary embedding (torchtune issue #2809); RMSNorm does not commute with
 a rotation once its scale is not uniform, so that order gives other logits. Here the attention
 module is torchtune's own, with ``q_norm = k_norm = None``, and the norm is part of the query
-and key projections instead (:class:`HeadNormProjection`: linear, then the per-head RMSNorm).
+and key projections instead (:class:`~.layers.NormedProjection`: linear, then the per-head
+RMSNorm), built by :func:`~.decoder.build_decoder` with ``qk_norm="head"``.
 Every consumer of the attention module (torchtune's forward, the native engine's grouped-query
 attention in :mod:`torchtune_grpo.rollout.kv_cache`, packed training forwards) calls
 ``q_proj(x)`` / ``k_proj(x)`` and rotates what they return, so all of them compute Qwen3's
@@ -21,34 +22,76 @@ decode through the layer's own forward, each inner ``nn.Linear`` on oneDNN-packe
 
 :func:`check_qwen3_config` is what :func:`torchtune_grpo.models.hf_architecture` asks of a
 Qwen3 ``config.json``; :func:`qwen3` and :func:`lora_qwen3` build the model.
+
+Weights (:data:`QWEN3_NAMES`, :func:`Qwen3HFCheckpointer`): HF names map one to one onto
+torchtune's, tensors unchanged (rotate-half RoPE on both sides, no q/k permutation):
+
+============================================== ===========================================
+HF (``Qwen3ForCausalLM``)                      torchtune
+============================================== ===========================================
+``model.embed_tokens.weight``                  ``tok_embeddings.weight``
+``model.layers.{i}.self_attn.q_proj.weight``   ``layers.{i}.attn.q_proj.proj.weight``
+``model.layers.{i}.self_attn.q_norm.weight``   ``layers.{i}.attn.q_proj.norm.scale``
+``model.layers.{i}.self_attn.k_proj.weight``   ``layers.{i}.attn.k_proj.proj.weight``
+``model.layers.{i}.self_attn.k_norm.weight``   ``layers.{i}.attn.k_proj.norm.scale``
+``model.layers.{i}.self_attn.v_proj.weight``   ``layers.{i}.attn.v_proj.weight``
+``model.layers.{i}.self_attn.o_proj.weight``   ``layers.{i}.attn.output_proj.weight``
+``model.layers.{i}.mlp.gate_proj.weight``      ``layers.{i}.mlp.w1.weight``
+``model.layers.{i}.mlp.down_proj.weight``      ``layers.{i}.mlp.w2.weight``
+``model.layers.{i}.mlp.up_proj.weight``        ``layers.{i}.mlp.w3.weight``
+``model.layers.{i}.input_layernorm.weight``    ``layers.{i}.sa_norm.scale``
+``model.layers.{i}.post_attention_layernorm``  ``layers.{i}.mlp_norm.scale``
+``model.norm.weight``                          ``norm.scale``
+``lm_head.weight`` (untied only)               ``output.weight``
+============================================== ===========================================
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import partial
 from typing import Any
 
-import torch
-from torch import nn
-from torchtune.models.qwen2._positional_embeddings import Qwen2RotaryPositionalEmbeddings
-from torchtune.modules import (
-    FeedForward,
-    MultiHeadAttention,
-    RMSNorm,
-    TiedLinear,
-    TransformerDecoder,
-    TransformerSelfAttentionLayer,
-)
-from torchtune.modules.common_utils import reparametrize_as_dtype_state_dict_post_hook
-from torchtune.modules.peft import DoRALinear, LoRALinear
+from torchtune.modules import TransformerDecoder
 
-__all__ = ["HeadNormProjection", "check_qwen3_config", "lora_qwen3", "qwen3"]
+from torchtune_grpo.models.families.decoder import (
+    DecoderSpec,
+    build_decoder,
+    build_lora_decoder,
+)
+from torchtune_grpo.models.families.hf_weights import HFFamilyCheckpointer, WeightNames
+
+__all__ = ["QWEN3_NAMES", "Qwen3HFCheckpointer", "check_qwen3_config", "lora_qwen3", "qwen3"]
 
 #: The HF class this module builds.
 QWEN3_ARCHITECTURE = "Qwen3ForCausalLM"
-#: Attention modules LoRA may adapt (torchtune's names).
-LORA_ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "output_proj")
+
+_GLOBAL = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.scale",
+    "lm_head.weight": "output.weight",
+}
+_LAYER = {  # suffix after model.layers.{i}. -> suffix after layers.{i}.
+    "self_attn.q_proj.weight": "attn.q_proj.proj.weight",
+    "self_attn.q_norm.weight": "attn.q_proj.norm.scale",
+    "self_attn.k_proj.weight": "attn.k_proj.proj.weight",
+    "self_attn.k_norm.weight": "attn.k_proj.norm.scale",
+    "self_attn.v_proj.weight": "attn.v_proj.weight",
+    "self_attn.o_proj.weight": "attn.output_proj.weight",
+    "mlp.gate_proj.weight": "mlp.w1.weight",
+    "mlp.down_proj.weight": "mlp.w2.weight",
+    "mlp.up_proj.weight": "mlp.w3.weight",
+    "input_layernorm.weight": "sa_norm.scale",
+    "post_attention_layernorm.weight": "mlp_norm.scale",
+}
+#: This family's names (:class:`~torchtune_grpo.models.families.hf_weights.WeightNames`).
+QWEN3_NAMES = WeightNames(
+    family="Qwen3", model_type="QWEN3", global_names=_GLOBAL, layer_names=_LAYER,
+    tied_by_default=False, not_part="part of a dense Qwen3ForCausalLM (no biases, no experts)")
+
+
+def Qwen3HFCheckpointer(**kwargs: Any) -> HFFamilyCheckpointer:  # noqa: N802 - stands for a class
+    """The checkpointer of Qwen3 HF folders (what ``hf_checkpointer`` returns for
+    ``model_type: QWEN3``): :class:`HFFamilyCheckpointer` with :data:`QWEN3_NAMES`."""
+    return HFFamilyCheckpointer(QWEN3_NAMES, **kwargs)
 
 
 def check_qwen3_config(cfg: dict[str, Any], *, where: str, heads: int,
@@ -70,6 +113,9 @@ def check_qwen3_config(cfg: dict[str, Any], *, where: str, heads: int,
             ``use_sliding_window: true`` or a sliding ``layer_types`` entry,
             ``attention_bias: true``, ``hidden_act`` other than ``silu``.
     """
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act {cfg['hidden_act']!r} is not supported for "
+                         f"{QWEN3_ARCHITECTURE}; supported: 'silu'")
     if rope_scaling is not None:
         kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
         raise ValueError(f"{where}: rope_scaling type {kind!r} is not supported for "
@@ -93,90 +139,16 @@ def check_qwen3_config(cfg: dict[str, Any], *, where: str, heads: int,
     return int(head_dim)
 
 
-class HeadNormProjection(nn.Module):
-    """A query or key projection followed by Qwen3's per-head RMSNorm.
-
-    ``y = proj(x)`` is viewed as ``[..., heads, head_dim]`` and each head is RMS-normalised over
-    its ``head_dim`` channels with one learned ``[head_dim]`` scale shared by the heads, then
-    flattened back. The attention module rotates the result, so the norm precedes RoPE.
-
-    Args:
-        proj: the projection, ``[..., in_dim] -> [..., heads * head_dim]`` (``nn.Linear``,
-            or a LoRA/DoRA linear).
-        head_dim: channels per head.
-        eps: the RMSNorm epsilon (``rms_norm_eps``).
-
-    Attributes:
-        proj: as given (state-dict prefix ``proj.``).
-        norm: the :class:`~torchtune.modules.RMSNorm` (``norm.scale``: ``[head_dim]``).
-    """
-
-    def __init__(self, proj: nn.Module, head_dim: int, eps: float) -> None:
-        super().__init__()
-        self.proj = proj
-        self.head_dim = head_dim
-        self.norm = RMSNorm(head_dim, eps=eps)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[b, s, in_dim] -> [b, s, heads * head_dim]``, each head normalised."""
-        y = self.proj(x)
-        return self.norm(y.unflatten(-1, (-1, self.head_dim))).flatten(-2)
-
-
-def _mlp(dim: int, hidden: int, linear: Callable[[str, int, int], nn.Module]) -> FeedForward:
-    return FeedForward(gate_proj=linear("w1", dim, hidden), down_proj=linear("w2", hidden, dim),
-                       up_proj=linear("w3", dim, hidden))
-
-
-def _decoder(*, vocab_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
-             embed_dim: int, intermediate_dim: int, max_seq_len: int, head_dim: int,
-             rope_base: float, norm_eps: float, tie_word_embeddings: bool, attn_dropout: float,
-             linear: Callable[[str, int, int], nn.Module],
-             output: Callable[[int, int], nn.Module] | None) -> TransformerDecoder:
-    """The decoder, every projection made by ``linear(torchtune_name, in, out)``."""
-    rope = Qwen2RotaryPositionalEmbeddings(dim=head_dim, max_seq_len=max_seq_len, base=rope_base)
-    layers = nn.ModuleList()
-    for _ in range(num_layers):
-        attn = MultiHeadAttention(
-            embed_dim=embed_dim,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            q_proj=HeadNormProjection(linear("q_proj", embed_dim, num_heads * head_dim),
-                                      head_dim, norm_eps),
-            k_proj=HeadNormProjection(linear("k_proj", embed_dim, num_kv_heads * head_dim),
-                                      head_dim, norm_eps),
-            v_proj=linear("v_proj", embed_dim, num_kv_heads * head_dim),
-            output_proj=linear("output_proj", num_heads * head_dim, embed_dim),
-            pos_embeddings=rope,
-            q_norm=None,  # in q_proj / k_proj: before RoPE
-            k_norm=None,
-            kv_cache=None,
-            max_seq_len=max_seq_len,
-            attn_dropout=attn_dropout,
-        )
-        layers.append(TransformerSelfAttentionLayer(
-            attn=attn,
-            mlp=_mlp(embed_dim, intermediate_dim, linear),
-            sa_norm=RMSNorm(embed_dim, eps=norm_eps),
-            mlp_norm=RMSNorm(embed_dim, eps=norm_eps),
-        ))
-    tok_embeddings = nn.Embedding(vocab_size, embed_dim)
-    if tie_word_embeddings:
-        head: nn.Module = TiedLinear(tok_embeddings)
-    elif output is not None:
-        head = output(embed_dim, vocab_size)
-    else:
-        head = nn.Linear(embed_dim, vocab_size, bias=False)
-    return TransformerDecoder(
-        tok_embeddings=tok_embeddings,
-        layers=layers,
-        max_seq_len=max_seq_len,
-        num_heads=num_heads,
-        head_dim=head_dim,
-        norm=RMSNorm(embed_dim, eps=norm_eps),
-        output=head,
-    )
+def _spec(*, vocab_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+          embed_dim: int, intermediate_dim: int, max_seq_len: int, head_dim: int | None = None,
+          attn_dropout: float = 0.0, norm_eps: float = 1e-6, rope_base: float = 1_000_000.0,
+          tie_word_embeddings: bool = False) -> DecoderSpec:
+    return DecoderSpec(
+        vocab_size=vocab_size, num_layers=num_layers, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, embed_dim=embed_dim, intermediate_dim=intermediate_dim,
+        max_seq_len=max_seq_len, head_dim=head_dim or embed_dim // num_heads,
+        rope_bases=(float(rope_base),) * num_layers, norm_eps=norm_eps, qk_norm="head",
+        tie_word_embeddings=tie_word_embeddings, attn_dropout=attn_dropout)
 
 
 def qwen3(
@@ -213,14 +185,7 @@ def qwen3(
         A :class:`~torchtune.modules.TransformerDecoder`: tokens ``[b, s]`` -> logits
         ``[b, s, V]``.
     """
-    return _decoder(
-        vocab_size=vocab_size, num_layers=num_layers, num_heads=num_heads,
-        num_kv_heads=num_kv_heads, embed_dim=embed_dim, intermediate_dim=intermediate_dim,
-        max_seq_len=max_seq_len, head_dim=head_dim or embed_dim // num_heads,
-        rope_base=rope_base, norm_eps=norm_eps, tie_word_embeddings=tie_word_embeddings,
-        attn_dropout=attn_dropout,
-        linear=lambda _name, d_in, d_out: nn.Linear(d_in, d_out, bias=False), output=None,
-    )
+    return build_decoder(_spec(**locals()))
 
 
 def lora_qwen3(
@@ -228,78 +193,48 @@ def lora_qwen3(
     apply_lora_to_mlp: bool = False,
     apply_lora_to_output: bool = False,
     *,
-    vocab_size: int,
-    num_layers: int,
-    num_heads: int,
-    num_kv_heads: int,
-    embed_dim: int,
-    intermediate_dim: int,
-    max_seq_len: int,
-    head_dim: int | None = None,
-    attn_dropout: float = 0.0,
-    norm_eps: float = 1e-6,
-    rope_base: float = 1_000_000.0,
-    tie_word_embeddings: bool = False,
     lora_rank: int,
     lora_alpha: float,
     lora_dropout: float = 0.0,
     use_dora: bool = False,
     quantize_base: bool = False,
+    **model: Any,
 ) -> TransformerDecoder:
-    """:func:`qwen3` with LoRA (or DoRA) adapters, as torchtune's ``lora_qwen2`` places them.
-
-    The adapted query/key projections keep their per-head norm after the adapter's sum
-    (``HeadNormProjection(LoRALinear)``), so a merged checkpoint is the plain model's.
+    """:func:`qwen3` with LoRA (or DoRA) adapters, as torchtune's ``lora_qwen2`` places them
+    (:func:`~.decoder.build_lora_decoder`; the adapted query/key projections keep their
+    per-head norm after the adapter's sum, so a merged checkpoint is the plain model's).
 
     Args:
         lora_attn_modules: attention projections that get adapters (``q_proj``, ``k_proj``,
             ``v_proj``, ``output_proj``).
         apply_lora_to_mlp: adapters on the three MLP projections too.
         apply_lora_to_output: an adapter on the output projection (untied models only).
-        vocab_size: as for :func:`qwen3`, like ``num_layers``, ``num_heads``,
-            ``num_kv_heads``, ``embed_dim``, ``intermediate_dim``, ``max_seq_len``,
-            ``head_dim``, ``attn_dropout``, ``norm_eps``, ``rope_base`` and
-            ``tie_word_embeddings``.
         lora_rank: adapter rank ``r``.
         lora_alpha: adapter scale numerator (``alpha / r``).
         lora_dropout: dropout on the adapters' input.
         use_dora: DoRA instead of LoRA.
         quantize_base: NF4-quantize the adapted layers' frozen base weights.
-
-    Returns:
-        A :class:`~torchtune.modules.TransformerDecoder`: tokens ``[b, s]`` -> logits
-        ``[b, s, V]``.
+        **model: :func:`qwen3`'s arguments.
 
     Raises:
         ValueError: no or unknown ``lora_attn_modules``; ``apply_lora_to_output`` with tied
             embeddings.
     """
-    unknown = sorted(set(lora_attn_modules) - set(LORA_ATTN_MODULES))
-    if not lora_attn_modules or unknown:
-        raise ValueError(f"lora_attn_modules {list(lora_attn_modules)}: name one or more of "
-                         f"{list(LORA_ATTN_MODULES)}")
-    if apply_lora_to_output and tie_word_embeddings:
-        raise ValueError("apply_lora_to_output is incompatible with tied embeddings "
-                         "(tie_word_embeddings: true): the output projection is the embedding")
-    adapter_cls = DoRALinear if use_dora else LoRALinear
-    adapted = set(lora_attn_modules) | ({"w1", "w2", "w3"} if apply_lora_to_mlp else set())
-    make_adapter = partial(adapter_cls, rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout)
+    return build_lora_decoder(
+        _spec(**model), lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output,
+        lora_rank=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+        use_dora=use_dora, quantize_base=quantize_base)
 
-    def linear(name: str, d_in: int, d_out: int) -> nn.Module:
-        if name in adapted:
-            return make_adapter(d_in, d_out, quantize_base=quantize_base)
-        return nn.Linear(d_in, d_out, bias=False)
 
-    model = _decoder(
-        vocab_size=vocab_size, num_layers=num_layers, num_heads=num_heads,
-        num_kv_heads=num_kv_heads, embed_dim=embed_dim, intermediate_dim=intermediate_dim,
-        max_seq_len=max_seq_len, head_dim=head_dim or embed_dim // num_heads,
-        rope_base=rope_base, norm_eps=norm_eps, tie_word_embeddings=tie_word_embeddings,
-        attn_dropout=attn_dropout, linear=linear,
-        output=(lambda d_in, d_out: make_adapter(d_in, d_out)) if apply_lora_to_output else None,
-    )
-    if quantize_base:  # as torchtune's LoRA builders: full-precision weights in the state dict
-        model._register_state_dict_hook(partial(
-            reparametrize_as_dtype_state_dict_post_hook,
-            dtype=model.tok_embeddings.weight.dtype, offload_to_cpu=True))
-    return model
+#: The interface :mod:`torchtune_grpo.models.families` asks of a family module.
+ARCHITECTURE = QWEN3_ARCHITECTURE
+NAMES = QWEN3_NAMES
+build, build_lora = qwen3, lora_qwen3
+
+
+def check_config(cfg: dict[str, Any], *, where: str, heads: int,
+                 rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
+    """The Qwen3 builder arguments beyond the common ones (``head_dim``), or a one-line
+    ``ValueError`` (:func:`check_qwen3_config`)."""
+    return {"head_dim": check_qwen3_config(cfg, where=where, heads=heads,
+                                           rope_scaling=rope_scaling)}

@@ -1,14 +1,17 @@
-"""The parts of a Gemma 3 decoder that torchtune 0.6.1 does not have (or has wrong).
+"""Decoder parts the families need and torchtune 0.6.1 does not have (or has wrong).
 
 * :class:`GemmaRMSNorm`: RMSNorm with the scale stored as an offset from 1, ``x * (1 + w)``,
   computed in float32 and cast back.
 * :class:`ScaledEmbedding`: token embedding times ``sqrt(hidden_size)``, the factor rounded to
   the embedding's dtype first (as ``transformers`` does).
-* :class:`GemmaRoPE`: rotate-half rotary embedding with its own base (one instance for the
-  global layers, one for the sliding layers) and optional linear position scaling.
-* :class:`GemmaHeadNormProjection`: a query/key projection followed by the per-head Gemma
-  RMSNorm and a constant factor. The factor turns SDPA's ``head_dim ** -0.5`` into Gemma's
-  ``query_pre_attn_scalar ** -0.5`` (RoPE is linear, so scaling before it is the same).
+* :class:`HalfRoPE`: Hugging Face's rotate-half rotary embedding (the first and second halves
+  of the rotated channels form the pairs), with its own base, optional linear position
+  scaling and optional partial rotation (the first ``rotary_dim`` channels of each head).
+* :class:`NormedProjection`: a query/key projection followed by a norm (per head, or over the
+  whole projection) and a constant factor, so that the norm runs before RoPE wherever
+  torchtune's attention (or the native engine's) calls ``q_proj``/``k_proj``. The factor turns
+  SDPA's ``head_dim ** -0.5`` into another attention scale (Gemma's
+  ``query_pre_attn_scalar ** -0.5``; RoPE is linear, so scaling before it is the same).
 * :class:`SlidingWindowLayer`: a torchtune layer whose attention only sees the last
   ``window`` keys of each query (see :func:`window_mask`).
 """
@@ -22,11 +25,12 @@ from torch import nn
 from torchtune.modules import TransformerSelfAttentionLayer
 
 __all__ = [
-    "GemmaHeadNormProjection",
     "GemmaRMSNorm",
-    "GemmaRoPE",
+    "HalfRoPE",
+    "NormedProjection",
     "ScaledEmbedding",
     "SlidingWindowLayer",
+    "query_factor",
     "window_mask",
 ]
 
@@ -73,67 +77,81 @@ class ScaledEmbedding(nn.Embedding):
         return super().forward(tokens) * factor.to(self.weight.device)
 
 
-class GemmaRoPE(nn.Module):
-    """Rotate-half rotary embedding (the first and second halves of each head form the pairs).
+class HalfRoPE(nn.Module):
+    """Hugging Face's rotate-half rotary embedding: channel ``i`` of the rotated part pairs with
+    channel ``i + rotary_dim / 2``.
 
     Args:
         dim: ``head_dim``.
         max_seq_len: positions cached.
-        base: ``theta`` (``rope_theta`` for global layers, ``rope_local_base_freq`` for sliding).
+        base: ``theta``.
         position_scale: linear RoPE scaling factor (positions divided by it); 1: none.
+        rotary_dim: channels rotated, from the first (``partial_rotary_factor * head_dim``);
+            ``None``: all. The others pass through unchanged.
     """
 
-    def __init__(self, dim: int, max_seq_len: int, base: float,
-                 position_scale: float = 1.0) -> None:
+    def __init__(self, dim: int, max_seq_len: int, base: float, position_scale: float = 1.0,
+                 rotary_dim: int | None = None) -> None:
         super().__init__()
         self.dim, self.base, self.position_scale = dim, base, position_scale
+        self.rotary_dim = dim if rotary_dim is None else int(rotary_dim)
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= dim:
+            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and in 1..{dim}")
         self.max_seq_len = max_seq_len
         self.rope_init()
 
     def rope_init(self) -> None:
         """(Re)build the cos/sin cache (torchtune calls this after meta-device init)."""
-        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.int64)
-                                        .float() / self.dim))
+        r = self.rotary_dim
+        inv_freq = 1.0 / (self.base ** (torch.arange(0, r, 2, dtype=torch.int64).float() / r))
         inv_freq = inv_freq / self.position_scale
         angles = torch.arange(self.max_seq_len, dtype=torch.float32)[:, None] * inv_freq[None]
-        angles = torch.cat([angles, angles], dim=-1)  # [L, dim]
+        angles = torch.cat([angles, angles], dim=-1)  # [L, rotary_dim]
         self.register_buffer("cache", torch.cat([angles.cos(), angles.sin()], dim=-1),
                              persistent=False)
 
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
         """``x [b, s, heads, dim]`` rotated by ``input_pos [b, s]`` (None: ``0..s-1``)."""
-        s, d = x.shape[1], x.shape[-1]
+        s, r = x.shape[1], self.rotary_dim
         cache = self.cache[:s] if input_pos is None else self.cache[input_pos]
-        cache = cache.view(-1, s, 1, 2 * d)
-        cos, sin = cache[..., :d].to(x.dtype), cache[..., d:].to(x.dtype)
-        x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-        return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).type_as(x)
+        cache = cache.view(-1, s, 1, 2 * r)
+        cos, sin = cache[..., :r].to(x.dtype), cache[..., r:].to(x.dtype)
+        rot, rest = (x, None) if r == x.shape[-1] else (x[..., :r], x[..., r:])
+        x1, x2 = rot[..., : r // 2], rot[..., r // 2 :]
+        out = (rot * cos + torch.cat((-x2, x1), dim=-1) * sin).type_as(x)
+        return out if rest is None else torch.cat((out, rest), dim=-1)
 
 
-class GemmaHeadNormProjection(nn.Module):
-    """A query or key projection, then the per-head Gemma RMSNorm, then a constant factor.
+class NormedProjection(nn.Module):
+    """A query or key projection, then a norm, then a constant factor.
 
     Args:
         proj: ``[..., in_dim] -> [..., heads * head_dim]`` (``nn.Linear`` or LoRA/DoRA).
-        head_dim: channels per head.
-        eps: the norm's epsilon.
-        factor: multiplies the normalised output (queries: ``sqrt(head_dim /
-            query_pre_attn_scalar)``; keys: 1).
+        norm: the norm (``None``: none, only the factor); it normalises each head's
+            ``head_dim`` channels (Qwen3, Gemma 3) or, with ``head_dim=None``, the whole
+            projection (OLMo 2).
+        head_dim: channels per head, or ``None`` for a norm over the whole projection.
+        factor: multiplies the output (queries: ``sqrt(head_dim / query_pre_attn_scalar)``
+            for Gemma; 1 otherwise).
 
     Attributes:
-        proj: as given; ``norm``: the :class:`GemmaRMSNorm` (``norm.scale [head_dim]``).
+        proj: as given (state-dict prefix ``proj.``); ``norm``: as given (``norm.scale``).
     """
 
-    def __init__(self, proj: nn.Module, head_dim: int, eps: float, factor: float = 1.0) -> None:
+    def __init__(self, proj: nn.Module, norm: nn.Module | None, head_dim: int | None,
+                 factor: float = 1.0) -> None:
         super().__init__()
         self.proj = proj
         self.head_dim = head_dim
         self.factor = float(factor)
-        self.norm = GemmaRMSNorm(head_dim, eps=eps)
+        self.norm = norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[b, s, in_dim] -> [b, s, heads * head_dim]``."""
-        y = self.norm(self.proj(x).unflatten(-1, (-1, self.head_dim))).flatten(-2)
+        y = self.proj(x)
+        if self.norm is not None:
+            y = (self.norm(y) if self.head_dim is None
+                 else self.norm(y.unflatten(-1, (-1, self.head_dim))).flatten(-2))
         return y if self.factor == 1.0 else y * self.factor
 
 
