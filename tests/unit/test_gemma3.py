@@ -1,9 +1,9 @@
-"""Gemma 3 (text) against ``transformers``: logits, greedy decoding, save/reload, LoRA, configs.
-
-Every case writes a tiny random ``Gemma3ForCausalLM`` with ``save_pretrained``
-(:mod:`tests.unit._gemma3_models`: wide weights, every norm weight off 0, ``sliding_window`` 8
-shorter than the sequences, ``query_pre_attn_scalar`` != ``head_dim``) and builds ours from the
-folder with :func:`hf_model` and :func:`hf_checkpointer` (model type derived from config.json).
+"""Gemma 3 (text), what is Gemma 3's own: a broken variant of each guard (norm offset, norm
+order, attention scale, window, embedding scale, RoPE bases), the compiled decode, config
+refusals, vLLM names, the CPU decode fallback, bf16. The parity every family shares (logits,
+greedy decoding, save/reload, LoRA) is ``tests/unit/test_family_parity.py``, on the Gemma 3
+cases of :mod:`tests.unit._family_zoo` (``sliding_window`` 8 shorter than the rows,
+``query_pre_attn_scalar`` != ``head_dim``).
 """
 
 from __future__ import annotations
@@ -16,79 +16,27 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from torchtune import training  # noqa: E402
-from torchtune.modules.peft import get_adapter_state_dict, get_merged_lora_ckpt  # noqa: E402
 
-from tests.unit._gemma3_models import CASES, SMALL, gemma3_config, write_gemma3  # noqa: E402
-from torchtune_grpo.algorithm.trajectory import attention_mask, position_ids  # noqa: E402
-from torchtune_grpo.models import hf_architecture, hf_model, hf_model_type, lora_hf_model  # noqa: E402
+from tests.unit._family_zoo import CASES, SMALL, write_model  # noqa: E402
+from tests.unit.test_family_parity import left_padded, logit_diff  # noqa: E402
+from tests.unit.test_family_parity import ours as built  # noqa: E402
+from torchtune_grpo.models import hf_architecture, hf_model, hf_model_type  # noqa: E402
 from torchtune_grpo.rollout.native import generate_trajectory  # noqa: E402
-from torchtune_grpo.training.checkpointing import hf_checkpointer  # noqa: E402
 
 V = SMALL["vocab_size"]
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+FAMILY = [case for case in CASES if case.architecture.lower().startswith("gemma3")]
+
+
+@pytest.fixture(scope="module", params=FAMILY, ids=[case.name for case in FAMILY])
 def folder(request, tmp_path_factory):
-    """``(folder, transformers model, case)``, one per case of :data:`CASES`."""
-    path = tmp_path_factory.mktemp("gemma3") / request.param
-    return path, write_gemma3(path, request.param), request.param
-
-
-def _ours(path, tmp_path, **kwargs):
-    model = hf_model(str(path), **kwargs)
-    ckpt = hf_checkpointer(str(path), output_dir=str(tmp_path / "ckpt_out"))
-    model.load_state_dict(ckpt.load_checkpoint()[training.MODEL_KEY])
-    return model.eval(), ckpt
-
-
-def _left_padded(starts: list[int], length: int, seed: int = 1):
-    """``tokens [n, length]`` with row ``i`` padded (id 0) before ``starts[i]``, its mask."""
-    generator = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(3, V, (len(starts), length), generator=generator)
-    mask = torch.arange(length)[None] >= torch.tensor(starts)[:, None]
-    return tokens.masked_fill(~mask, 0), mask
-
-
-def _hf_logits(ref, tokens, mask):
-    with torch.no_grad():
-        return ref(tokens, attention_mask=mask.long(), position_ids=position_ids(mask)).logits
-
-
-def _logit_diff(model, ref, tokens, mask) -> float:
-    with torch.no_grad():
-        got = model(tokens, mask=attention_mask(mask), input_pos=position_ids(mask))
-    return (got - _hf_logits(ref, tokens, mask)).abs()[mask].max().item()
+    """``(folder, transformers model, case)``, one per gemma3 case of the family zoo."""
+    path = tmp_path_factory.mktemp("gemma3") / request.param.name
+    return path, write_model(path, request.param), request.param
 
 
 # ------------------------------------------------------------------------- (a) logits
-def test_logits_match_transformers_left_padded(folder, tmp_path):
-    """Rows of 40, 35 and 23 real tokens: every one longer than the sliding window (8)."""
-    path, ref, case = folder
-    model, _ = _ours(path, tmp_path)
-    tokens, mask = _left_padded([0, 5, 17], 40)
-    with torch.no_grad():
-        got = model(tokens, mask=attention_mask(mask), input_pos=position_ids(mask))
-    want = _hf_logits(ref, tokens, mask)
-    diff = (got - want).abs()[mask].max().item()
-    print(f"{case}: max |logit diff| vs transformers = {diff:.3g}")
-    assert want[mask].abs().max() > 3.0  # not degenerate
-    assert diff <= 1e-4
-    tied = CASES[case]["tie_word_embeddings"]
-    assert ("output.weight" in dict(model.named_parameters())) == (not tied)
-
-
-def test_no_mask_forward_matches(folder, tmp_path):
-    """Without a mask (plain causal), the sliding layers build their own windowed mask."""
-    path, ref, _ = folder
-    model, _ = _ours(path, tmp_path)
-    tokens, mask = _left_padded([0, 0], 30, seed=3)
-    with torch.no_grad():
-        got = model(tokens)
-        want = ref(tokens).logits
-    assert (got - want).abs().max() <= 1e-4
-
-
 @pytest.mark.parametrize("breakage", ["norm_without_one", "swap_ff_norms", "head_dim_scale",
                                       "no_window", "no_embed_scale", "one_rope_base"])
 def test_broken_variants_are_caught(folder, tmp_path, breakage):
@@ -96,9 +44,9 @@ def test_broken_variants_are_caught(folder, tmp_path, breakage):
     from torchtune_grpo.models.families import layers as gl
 
     path, ref, _ = folder
-    model, _ = _ours(path, tmp_path)
-    tokens, mask = _left_padded([0, 5, 17], 40)
-    assert _logit_diff(model, ref, tokens, mask) <= 1e-4
+    model, _ = built(path, tmp_path)
+    tokens, mask = left_padded([0, 5, 17], 40)
+    assert logit_diff(model, ref, tokens, mask) <= 1e-4
     if breakage == "norm_without_one":
         for module in model.modules():
             if isinstance(module, gl.GemmaRMSNorm):
@@ -118,33 +66,10 @@ def test_broken_variants_are_caught(folder, tmp_path, breakage):
     else:
         for layer in model.layers:
             layer.attn.pos_embeddings = model.layers[1].attn.pos_embeddings
-    assert _logit_diff(model, ref, tokens, mask) > 0.05
+    assert logit_diff(model, ref, tokens, mask) > 0.05
 
 
 # ------------------------------------------------------------------------- (b) greedy decoding
-@pytest.mark.parametrize("packed", [True, False], ids=["packed_weights", "plain_linear"])
-def test_greedy_generation_matches_transformers(folder, tmp_path, packed):
-    path, ref, _ = folder
-    model, _ = _ours(path, tmp_path)
-    tokens, mask = _left_padded([0, 3, 9], 12, seed=2)
-    eos, new = V - 1, 64
-    traj = generate_trajectory(
-        model, tokens, mask, group_size=1, forward_batch_size=3, max_generated_tokens=new,
-        temperature=0.0, top_k=None, stop_tokens=torch.tensor([eos]), pad_id=0,
-        packed_weights=packed)
-    with torch.no_grad():
-        out = ref.generate(tokens, attention_mask=mask.long(), max_new_tokens=new,
-                           do_sample=False, eos_token_id=eos, pad_token_id=0)
-    theirs = out[:, tokens.shape[1]:].tolist()
-    for row, (ours_row, row_mask, hf_row) in enumerate(zip(
-            traj.response_tokens.tolist(), traj.response_mask.tolist(), theirs)):
-        ours_ids = [t for t, m in zip(ours_row, row_mask) if m]
-        hf_ids = hf_row[: hf_row.index(eos) + 1] if eos in hf_row else hf_row
-        assert len(ours_ids) >= 16, row  # well past the window of 8
-        assert ours_ids == hf_ids[: len(ours_ids)], row
-        assert len(ours_ids) == len(hf_ids) or ours_ids[-1] == eos and hf_ids[-1] == eos, row
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="torch.compile on CPU needs a C++ compiler")
@@ -152,8 +77,8 @@ def test_compiled_static_decode_matches_transformers(folder, tmp_path):
     """The compiled static decode (mask over the whole buffer, ``torch.compile``): the window
     is computed inside the graph, tokens still equal ``transformers.generate``."""
     path, ref, _ = folder
-    model, _ = _ours(path, tmp_path)
-    tokens, mask = _left_padded([0, 3, 9], 12, seed=2)
+    model, _ = built(path, tmp_path)
+    tokens, mask = left_padded([0, 3, 9], 12, seed=2)
     eos, new = V - 1, 24
     traj = generate_trajectory(
         model, tokens, mask, group_size=1, forward_batch_size=3, max_generated_tokens=new,
@@ -167,93 +92,11 @@ def test_compiled_static_decode_matches_transformers(folder, tmp_path):
         assert n >= 16 and ours_row[:n] == hf_row[:n]
 
 
-def test_packed_training_forward_matches_padded(folder, tmp_path):
-    """Training log-probs with rows packed end to end (segments longer than the window) equal
-    the padded rectangle's."""
-    from torchtune_grpo.policy.forward import micro_batch_logprobs
-
-    path, _, _ = folder
-    model, _ = _ours(path, tmp_path)
-    tokens, prompt_mask = _left_padded([0, 4, 7], 14, seed=4)
-    response = torch.randint(3, V, (3, 6), generator=torch.Generator().manual_seed(5))
-    response_mask = torch.arange(6)[None] < torch.tensor([6, 3, 5])[:, None]
-    full = torch.cat([tokens, response], dim=1)
-    with torch.no_grad():
-        padded, _ = micro_batch_logprobs(model, full, prompt_mask, response_mask, trim=False)
-        packed, _ = micro_batch_logprobs(model, full, prompt_mask, response_mask, pack=True)
-    assert padded[response_mask].abs().max() > 1.0
-    torch.testing.assert_close(packed[response_mask], padded[response_mask], atol=1e-5,
-                               rtol=1e-5)
-
-
 # ------------------------------------------------------------------------- (c) save / reload
-def test_save_reload_in_transformers(folder, tmp_path):
-    path, ref, case = folder
-    model, ckpt = _ours(path, tmp_path)
-    with torch.no_grad():
-        for _, param in model.named_parameters():
-            param.add_(0.01 * torch.randn_like(param))
-    ckpt.save_checkpoint({training.MODEL_KEY: model.state_dict()}, epoch=1)
-    out = tmp_path / "ckpt_out" / "epoch_1"
-    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
-    assert "model.layers.0.pre_feedforward_layernorm.weight" in index
-    assert ("lm_head.weight" in index) == (not CASES[case]["tie_word_embeddings"])
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
-    assert type(loaded).__name__ == "Gemma3ForCausalLM"
-    tokens, mask = _left_padded([0, 6], 30)
-    diff = _logit_diff(model, loaded.eval(), tokens, mask)
-    print(f"{case}: save/reload max |logit diff| = {diff:.3g}")
-    assert diff <= 1e-5
-    again, _ = _ours(out, tmp_path / "again")
-    for key, value in again.state_dict().items():
-        assert value.equal(model.state_dict()[key]), key
-
-
 # ------------------------------------------------------------------------- (d) LoRA
-def test_lora_merged_save_loads_in_transformers(folder, tmp_path):
-    path, ref, _ = folder
-    kw = dict(lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"],
-              apply_lora_to_mlp=True, lora_rank=4, lora_alpha=8)
-    lora = lora_hf_model(str(path), **kw)
-    ckpt = hf_checkpointer(str(path), output_dir=str(tmp_path / "out"))
-    missing = lora.load_state_dict(ckpt.load_checkpoint()[training.MODEL_KEY],
-                                   strict=False).missing_keys
-    assert missing and all("lora" in k for k in missing)
-    lora.eval()
-    tokens, mask = _left_padded([0, 4], 24)
-    run = dict(mask=attention_mask(mask), input_pos=position_ids(mask))
-    with torch.no_grad():
-        base = lora(tokens, **run)
-        assert (base - _hf_logits(ref, tokens, mask)).abs()[mask].max() <= 1e-4
-        for name, param in lora.named_parameters():
-            if "lora_b" in name:
-                param.normal_(0, 0.2)
-        adapted = lora(tokens, **run)
-    assert (adapted - base).abs()[mask].max() > 0.1
-    state = {k: v.clone() for k, v in lora.state_dict().items()}
-    adapter = get_adapter_state_dict(state)
-    ckpt.save_checkpoint({
-        training.MODEL_KEY: get_merged_lora_ckpt(state, rank=4, alpha=8),
-        training.ADAPTER_KEY: adapter,
-        training.ADAPTER_CONFIG: {"r": 4, "lora_alpha": 8, "peft_type": "LORA",
-                                  "target_modules": ["q_proj", "k_proj", "v_proj",
-                                                     "output_proj", "w1", "w2", "w3"]},
-    }, epoch=1)
-    out = tmp_path / "out" / "epoch_1"
-    merged = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
-    assert (adapted - _hf_logits(merged.eval(), tokens, mask)).abs()[mask].max() <= 1e-4
-    from safetensors.torch import load_file
-
-    names = {n for n, _ in merged.named_modules()}
-    peft = load_file(str(out / "adapter_model.safetensors"))
-    assert len(peft) == len(adapter)
-    for key in peft:
-        assert key.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] in names, key
-
-
 # ------------------------------------------------------------------------- config guards
 def _config(**change):
-    cfg = gemma3_config("tied_gqa_pattern").to_dict()
+    cfg = FAMILY[0].hf_config().to_dict()
     cfg.update(change)
     return cfg
 
@@ -263,7 +106,7 @@ def test_architecture_and_model_type(folder):
     assert hf_model_type(path) == "GEMMA3"
     arch = hf_architecture(json.loads((path / "config.json").read_text()))
     kw = arch.builder_kwargs
-    assert arch.family == "gemma3" and kw["head_dim"] == CASES[case]["head_dim"]
+    assert arch.family == "gemma3" and kw["head_dim"] == case.config["head_dim"]
     assert kw["layer_types"] == list(ref.config.layer_types)
     assert kw["sliding_window"] == 8 and kw["local_rope_base"] == 10_000.0
 
@@ -303,7 +146,7 @@ def test_vllm_weight_names(folder, tmp_path):
     from torchtune_grpo.rollout.vllm_engine import hf_weight_items, torchtune_to_hf_converter
 
     path, _, _ = folder
-    model, ckpt = _ours(path, tmp_path)
+    model, ckpt = built(path, tmp_path)
     convert = torchtune_to_hf_converter(ckpt._model_type.name, ckpt._config)
     ours = dict(hf_weight_items(model, convert))
     theirs = load_file(str(path / "model.safetensors"))
@@ -317,7 +160,7 @@ def test_cpu_decode_falls_back_to_plain_layers(folder, tmp_path):
     from torchtune_grpo.backends.cpu_decode import _fusable, packed_linear_weights
 
     path, _, _ = folder
-    model, _ = _ours(path, tmp_path)
+    model, _ = built(path, tmp_path)
     assert not any(_fusable(layer, set()) for layer in model.layers)
     with packed_linear_weights(model):
         assert all("forward" not in layer.__dict__ for layer in model.layers)
@@ -350,9 +193,9 @@ def test_bf16_embedding_and_norms_bitwise(folder, tmp_path):
     import copy
 
     path, ref, _ = folder
-    model, _ = _ours(path, tmp_path)
+    model, _ = built(path, tmp_path)
     ours, theirs = model.to(torch.bfloat16), copy.deepcopy(ref).to(torch.bfloat16)
-    tokens, _ = _left_padded([0], 16)
+    tokens, _ = left_padded([0], 16)
     with torch.no_grad():
         emb = ours.tok_embeddings(tokens)
         assert emb.dtype == torch.bfloat16

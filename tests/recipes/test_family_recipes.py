@@ -1,8 +1,8 @@
-"""Qwen3 through the recipes: a tiny random ``Qwen3ForCausalLM`` folder written by
-``transformers`` (:mod:`tests.unit._qwen3_models`, with the ChatML test tokenizer) trained with
-the HF-folder config ``grpo/smollm2_arithmetic_cpu`` (``model_dir=...``, nothing else about the
-model), its step folder loaded back by ``transformers``; LoRA; two FSDP2 ranks; ``tune run``
-training and ``grpo_eval``.
+"""Every supported family through the recipes (issue 45, items 3c-3e): a tiny random folder
+of each (the first case per architecture of :mod:`tests.unit._family_zoo`, with the ChatML test
+tokenizer) trained with the HF-folder config ``grpo/smollm2_arithmetic_cpu`` (``model_dir=...``,
+nothing else about the model), its step folder loaded back by ``transformers``; LoRA; two FSDP2
+ranks; ``tune run`` training and ``grpo_eval`` (Qwen3, the most used family).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tests.recipes._helpers import (
     run_tune,
     train_metrics,
 )
-from tests.unit._qwen3_models import write_qwen3
+from tests.unit._family_zoo import CASES, write_model
 from torchtune_grpo.training.config import load_config
 
 transformers = pytest.importorskip("transformers")
@@ -35,11 +35,23 @@ SHORT = ["num_steps=1", "batch_size=2", "group_size=4", "max_generated_tokens=8"
          "dataset.limit=32"]
 
 
+#: One case per architecture (the zoo's first).
+FAMILIES = list({case.architecture: case for case in reversed(CASES)}.values())[::-1]
+
+
+@pytest.fixture(scope="module", params=FAMILIES, ids=[case.architecture for case in FAMILIES])
+def family_dir(request, tmp_path_factory):
+    """``(folder, case)``: a tiny folder of the family, with the ChatML test tokenizer."""
+    path = tmp_path_factory.mktemp("family") / request.param.name
+    write_model(path, request.param, tokenizer=True)
+    return path, request.param
+
+
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory):
     """A tied, ``head_dim`` 32 (not hidden/heads = 16) Qwen3 folder with a tokenizer."""
     path = tmp_path_factory.mktemp("qwen3") / "tiny-qwen3"
-    write_qwen3(path, "tied_gqa_head_dim_32")
+    write_model(path, "qwen3-tied-gqa-head_dim_32", tokenizer=True)
     return path
 
 
@@ -52,7 +64,8 @@ def _train(model_dir, out, *extra):
 
 
 def _check_in_transformers(recipe, step_dir, tol: float) -> None:
-    """``transformers`` loads ``step_dir``; its logits equal the trained policy's."""
+    """``transformers`` loads ``step_dir``; its logits equal the trained policy's (rows of 24
+    and 17 real tokens, longer than a sliding window of 8)."""
     from torchtune_grpo.algorithm.trajectory import attention_mask, position_ids
 
     loaded = transformers.AutoModelForCausalLM.from_pretrained(
@@ -70,30 +83,43 @@ def _check_in_transformers(recipe, step_dir, tol: float) -> None:
     assert theirs.abs().max() > 1.0 and diff <= tol
 
 
-def test_one_step_saves_a_folder_transformers_loads(qwen3_dir, tmp_path):
-    """(c) One GRPO step on a Qwen3 folder; the step folder is HF Qwen3 in the input's dtype."""
+def test_one_step_saves_a_folder_transformers_loads(family_dir, tmp_path):
+    """(c) One GRPO step; the step folder is the family's HF folder, every norm trained."""
+    folder, case = family_dir
     out = tmp_path / "full"
-    recipe = _train(qwen3_dir, out)
+    recipe = _train(folder, out)
     step = out / "step_1"
     assert (step / "CHECKPOINT_COMPLETE").is_file()
-    (moved,) = assert_not_degenerate(out, weights=(qwen3_dir, step))
-    assert any("q_norm" in k for k in moved) and any("k_norm" in k for k in moved)
-    assert json.loads((step / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    (moved,) = assert_not_degenerate(out, weights=(folder, step))
+    norms = {k for k in _weight_names(folder) if "norm" in k}
+    assert norms and norms <= set(moved), sorted(norms - set(moved))[:3]
+    assert json.loads((step / "config.json").read_text())["architectures"] == [case.architecture]
     assert (step / "tokenizer.json").is_file()
     _check_in_transformers(recipe, step, tol=1e-5)
 
 
-def test_lora_trains_and_merged_save_loads(qwen3_dir, tmp_path):
+def _weight_names(folder) -> list[str]:
+    from safetensors import safe_open
+
+    names = []
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            names.extend(f.keys())
+    return names
+
+
+def test_lora_trains_and_merged_save_loads(family_dir, tmp_path):
     """(d) LoRA on every attention and MLP projection; the merged step folder loads in
     ``transformers`` with the adapted policy's logits."""
+    folder, _ = family_dir
     out = tmp_path / "lora"
-    recipe = _train(qwen3_dir, out, "model._component_=torchtune_grpo.models.lora_hf_model",
+    recipe = _train(folder, out, "model._component_=torchtune_grpo.models.lora_hf_model",
                     "model.lora_attn_modules=[q_proj,k_proj,v_proj,output_proj]",
                     "model.apply_lora_to_mlp=true", "model.lora_rank=4", "model.lora_alpha=8",
                     "optimizer.lr=1e-2")
     assert recipe.is_lora
     step = out / "step_1"
-    (moved,) = assert_not_degenerate(out, weights=(qwen3_dir, step))
+    (moved,) = assert_not_degenerate(out, weights=(folder, step))
     assert not any("norm" in k or "embed" in k for k in moved)  # only adapted weights moved
     assert any("q_proj" in k for k in moved)
     assert (step / "adapter_model.safetensors").is_file()
@@ -102,18 +128,20 @@ def test_lora_trains_and_merged_save_loads(qwen3_dir, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_two_ranks_first_step_equals_one(qwen3_dir, tmp_path):
+def test_two_ranks_first_step_equals_one(family_dir, tmp_path):
     """(e) FSDP2 on two gloo ranks: the first step's loss and grad norm of one process."""
+    folder, _ = family_dir
+
     def first_step(name: str, nproc: int):
         out = tmp_path / name
-        run_tune([*launch(nproc), "--config", CONFIG, f"model_dir={qwen3_dir}",
+        run_tune([*launch(nproc), "--config", CONFIG, f"model_dir={folder}",
                   f"output_dir={out}", *SHORT, "num_steps=1", "global_batch_size=4",
                   "batch_size=null", "forward_batch_size=4", "loss.aggregation=token_mean",
                   "loss.entropy_coeff=0.01", LENGTH_REWARD_OVERRIDE], cwd=tmp_path)
         return out
 
     one, two = first_step("one", 1), first_step("two", 2)
-    assert_not_degenerate(one, two, weights=(qwen3_dir, one / "step_1"))
+    assert_not_degenerate(one, two, weights=(folder, one / "step_1"))
     (a,), (b,) = metrics(one), metrics(two)
     print({k: (a[k], b[k]) for k in ("loss", "grad_norm", "entropy")})
     assert a["grad_norm"] > 0
