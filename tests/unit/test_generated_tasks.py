@@ -43,6 +43,21 @@ def test_arithmetic_splits_are_disjoint_correct_and_fixed():
         arithmetic_problems("dev")
 
 
+def test_equation_style_is_the_same_problems_as_plain_text():
+    """``style="equation"`` writes the same problems, in the same order, as ``"47 + 38 ="``;
+    :data:`EQUATION_TEMPLATE` sends them as plain text (no chat template)."""
+    from torchtune_grpo.datasets import EQUATION_TEMPLATE
+
+    questions = arithmetic_problems("test")
+    equations = arithmetic_problems("test", style="equation")
+    assert [a for _, a in equations] == [a for _, a in questions]
+    for (q, _), (e, _) in zip(questions, equations):
+        assert e == q.removeprefix("What is ").removesuffix("?") + " ="
+    assert EQUATION_TEMPLATE.chat is False and EQUATION_TEMPLATE.format_user("1 + 2 =") == "1 + 2 ="
+    with pytest.raises(ValueError, match="style"):
+        arithmetic_problems("test", style="prose")
+
+
 def test_word_problems_splits_answers_and_held_out_wording():
     test, train = word_problems("test"), word_problems("train")
     assert len(test) == 400 and len(train) == 20_000

@@ -473,6 +473,21 @@ def test_special_tokens_stop_tokens_pad_and_vocab(folders):
     assert HFTokenizer(gen).stop_tokens == [0, chatml.eos_id]
 
 
+def test_stop_strings_add_single_token_stops_and_refuse_longer_ones(folders):
+    """``stop_strings: ["\\n"]`` ends a completion at a newline (a base model's one-line
+    answer); a string of several tokens is one line naming it."""
+    from torchtune_grpo.models import hf_tokenizer
+
+    plain = HFTokenizer(folders["chatml"])
+    (newline,) = plain.encode("\n", add_bos=False, add_eos=False)
+    tok = hf_tokenizer(str(folders["chatml"]), stop_strings=["\n"])
+    assert tok.stop_tokens == sorted({*plain.stop_tokens, newline})
+    assert newline not in plain.stop_tokens
+    with pytest.raises(ValueError, match=r"stop_strings: 'The answer' is \d+ tokens") as info:
+        hf_tokenizer(str(folders["chatml"]), stop_strings=["The answer"])
+    assert "\n" not in str(info.value)
+
+
 def test_allowed_token_mask_uses_ordinary_token_ids(folders, monkeypatch):
     """generation's mask takes ``ordinary_token_ids()`` instead of probing decode per id."""
     tok = HFTokenizer(folders["qwen2_5"])

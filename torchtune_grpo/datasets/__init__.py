@@ -19,6 +19,7 @@ from torchtune_grpo.datasets.addition import (
 )
 from torchtune_grpo.datasets.arithmetic import (
     ARITHMETIC_TEMPLATE,
+    EQUATION_TEMPLATE,
     arithmetic_dataset,
     arithmetic_problems,
 )
@@ -49,6 +50,7 @@ from torchtune_grpo.datasets.word_problems import (
 
 __all__ = [
     "ARITHMETIC_TEMPLATE",
+    "EQUATION_TEMPLATE",
     "arithmetic_dataset",
     "arithmetic_problems",
     "ADDITION_TEMPLATE",

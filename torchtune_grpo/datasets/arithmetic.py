@@ -36,6 +36,8 @@ from torchtune_grpo.errors import DataError
 __all__ = [
     "ARITHMETIC_OPERATIONS",
     "ARITHMETIC_TEMPLATE",
+    "EQUATION_TEMPLATE",
+    "QUESTION_STYLES",
     "arithmetic_dataset",
     "arithmetic_problems",
 ]
@@ -48,6 +50,9 @@ TEST_PER_OPERATION = 160
 SPLIT_SEED = 2026
 #: The question and a one-line instruction as the user turn, in the model's chat template.
 ARITHMETIC_TEMPLATE = PromptTemplate(user="{question} Reply with the result only.", chat=True)
+#: The equation alone as plain text, no chat template (``style="equation"``: ``"47 + 38 ="``),
+#: for base models such as Gemma 3 270M.
+EQUATION_TEMPLATE = PromptTemplate(user="{question}", chat=False)
 
 
 def _operands(operation: str) -> list[tuple[int, int]]:
@@ -75,14 +80,21 @@ def _check_operations(operations: Sequence[str]) -> list[str]:
     return ops
 
 
+#: How a problem is written: a question for chat models, an equation to complete for base
+#: models (``"47 + 38 ="``: a plain-text prompt a base model continues with the result).
+QUESTION_STYLES = {"question": "What is {a} {symbol} {b}?", "equation": "{a} {symbol} {b} ="}
+
+
 def arithmetic_problems(
-    split: str, operations: Sequence[str] = ("add", "sub", "mul")
+    split: str, operations: Sequence[str] = ("add", "sub", "mul"), style: str = "question",
 ) -> list[tuple[str, str]]:
     """Problems of one split as ``(question, answer)`` pairs, e.g. ``("What is 47 + 38?", "85")``.
 
     Args:
         split: ``"train"`` or ``"test"`` (see the module docstring).
         operations: which of ``"add"``, ``"sub"``, ``"mul"`` to include.
+        style: a key of :data:`QUESTION_STYLES` (``"equation"``: ``"47 + 38 ="``); the
+            problems and their order do not depend on it.
 
     Returns:
         The split's problems in their fixed order: ``test`` by operation; ``train`` with the
@@ -94,13 +106,17 @@ def arithmetic_problems(
     """
     if split not in ("train", "test"):
         raise DataError(f"arithmetic: split must be 'train' or 'test', got {split!r}")
+    if style not in QUESTION_STYLES:
+        raise DataError(f"arithmetic: style must be one of {sorted(QUESTION_STYLES)}, got "
+                        f"{style!r}")
     per_op: list[list[tuple[str, str]]] = []
     for op in _check_operations(operations):
         pairs = _operands(op)
         random.Random(f"{SPLIT_SEED}-{op}").shuffle(pairs)
         chosen = pairs[:TEST_PER_OPERATION] if split == "test" else pairs[TEST_PER_OPERATION:]
         symbol = ARITHMETIC_OPERATIONS[op]
-        per_op.append([(f"What is {a} {symbol} {b}?", str(_value(op, a, b))) for a, b in chosen])
+        per_op.append([(QUESTION_STYLES[style].format(a=a, symbol=symbol, b=b),
+                        str(_value(op, a, b))) for a, b in chosen])
     if split == "test":
         return [p for problems in per_op for p in problems]
     out: list[tuple[str, str]] = []
@@ -114,6 +130,7 @@ def arithmetic_dataset(
     *,
     split: str = "train",
     operations: Sequence[str] = ("add", "sub", "mul"),
+    style: str = "question",
     template: PromptTemplate | Any = None,
     limit: int | None = None,
     difficulty_file: str | None = None,
@@ -125,6 +142,8 @@ def arithmetic_dataset(
         tokenizer: a torchtune tokenizer (with a chat template for the default template).
         split: ``"train"`` or ``"test"``.
         operations: which of ``"add"``, ``"sub"``, ``"mul"`` to include.
+        style: ``"question"`` (``"What is 47 + 38?"``) or ``"equation"`` (``"47 + 38 ="``, for
+            a base model with :data:`EQUATION_TEMPLATE`).
         template: the prompt template (``None``: :data:`ARITHMETIC_TEMPLATE`; anything
             :func:`~torchtune_grpo.datasets.resolve_template` accepts).
         limit: keep only the first ``limit`` problems of the split.
@@ -139,7 +158,7 @@ def arithmetic_dataset(
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise DataError(f"arithmetic_dataset: limit must be a positive integer or null, "
                          f"got {limit!r}")
-    problems = arithmetic_problems(split, operations)[:limit]
+    problems = arithmetic_problems(split, operations, style)[:limit]
     samples = [(q, a, i) for i, (q, a) in enumerate(problems)]
     return PromptDataset(samples, tokenizer, template if template is not None
                          else ARITHMETIC_TEMPLATE, name=f"arithmetic[{split}]",

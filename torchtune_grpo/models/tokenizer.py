@@ -133,6 +133,8 @@ class HFTokenizer:
         enable_thinking: passed to the chat template as ``enable_thinking`` (Qwen3's switch:
             ``False`` renders an empty ``<think></think>`` block after the generation prompt);
             ``None``: not passed, the template's default.
+        stop_strings: texts that also end a completion (added to ``stop_tokens``); each must
+            be one token of the vocabulary (``"\\n"``: a base model's one-line answer).
 
     Raises:
         FileNotFoundError: when there is no ``tokenizer.json`` at ``path``.
@@ -154,8 +156,8 @@ class HFTokenizer:
         pad_id: the padding token id (``eos_id`` without a padding token).
         add_bos_token: whether :meth:`encode` with ``add_bos=True`` adds ``bos_id``.
         special_tokens: ``{token: id}`` of every added token marked special.
-        stop_tokens: sorted unique ids that end a completion: ``eos_id`` plus every id of
-            ``generation_config.json["eos_token_id"]``.
+        stop_tokens: sorted unique ids that end a completion: ``eos_id``, every id of
+            ``generation_config.json["eos_token_id"]`` and the ids of ``stop_strings``.
         vocab_size: number of token ids, added tokens included.
         tools: tool definitions (JSON-schema dicts) that :meth:`tokenize_messages` passes to the
             chat template as ``tools`` (``None``: none); set with :meth:`set_tools` (the
@@ -168,6 +170,7 @@ class HFTokenizer:
         max_seq_len: int | None = None,
         chat_template: str | None = None,
         enable_thinking: bool | None = None,
+        stop_strings: Sequence[str] | None = None,
     ) -> None:
         if max_seq_len is not None and (
             isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len <= 0
@@ -229,7 +232,8 @@ class HFTokenizer:
         self.eos_id: int = eos_id
         pad_id = self._id_of(self.pad_token)
         self.pad_id: int = self.eos_id if pad_id is None else pad_id
-        self.stop_tokens: list[int] = sorted({self.eos_id, *(int(i) for i in gen_eos_ids)})
+        self.stop_tokens: list[int] = sorted({self.eos_id, *(int(i) for i in gen_eos_ids),
+                                              *self._single_token_ids(stop_strings or ())})
 
         flag = config.get("add_bos_token")
         if isinstance(flag, bool):
@@ -257,6 +261,17 @@ class HFTokenizer:
             return None
         token_id = self._tokenizer.token_to_id(token)
         return None if token_id is None else int(token_id)
+
+    def _single_token_ids(self, texts: Sequence[str]) -> list[int]:
+        """The one token id of each of ``texts`` (``ValueError``: one is not a single token)."""
+        out = []
+        for text in texts:
+            ids = self._tokenizer.encode(str(text), add_special_tokens=False).ids
+            if len(ids) != 1:
+                raise ValueError(f"tokenizer.stop_strings: {text!r} is {len(ids)} tokens "
+                                 f"({ids}) for {self.path}; a stop string must be one token")
+            out.append(int(ids[0]))
+        return out
 
     def _post_processor_adds_bos(self) -> bool:
         """Whether ``tokenizer.json``'s post-processor puts ``bos_id`` in front of a text."""
@@ -471,30 +486,15 @@ class HFTokenizer:
         )
 
 
-def hf_tokenizer(
-    path: str, max_seq_len: int | None = None, chat_template: str | None = None,
-    enable_thinking: bool | None = None,
-) -> HFTokenizer:
-    """Builder for configs: the tokenizer of a Hugging Face model folder.
+def hf_tokenizer(path: str, max_seq_len: int | None = None, chat_template: str | None = None,
+                 enable_thinking: bool | None = None,
+                 stop_strings: Sequence[str] | None = None) -> HFTokenizer:
+    """Builder for configs: the :class:`HFTokenizer` of a Hugging Face model folder, with the
+    same keyword arguments (``max_seq_len``, ``chat_template``, ``enable_thinking``,
+    ``stop_strings``).
 
-    Example::
-
-        tokenizer:
-          _component_: torchtune_grpo.models.hf_tokenizer
-          path: ${model_dir}
-          max_seq_len: null
-
-    Args:
-        path: a model folder holding ``tokenizer.json`` (and optionally
-            ``tokenizer_config.json``, ``chat_template.jinja``, ``generation_config.json``,
-            ``special_tokens_map.json``), or the path of a ``tokenizer.json`` file.
-        max_seq_len: truncation length of ``tokenize_messages``, or ``None``.
-        chat_template: a jinja chat template (or the path of a file holding one) that replaces
-            the folder's.
-        enable_thinking: the chat template's ``enable_thinking`` (Qwen3); ``None``: not set.
-
-    Returns:
-        The :class:`HFTokenizer`.
+    Example: ``tokenizer: {_component_: torchtune_grpo.models.hf_tokenizer, path:
+    ${model_dir}, stop_strings: ["\\n"]}`` (a base model's one-line answers).
     """
     return HFTokenizer(path, max_seq_len=max_seq_len, chat_template=chat_template,
-                       enable_thinking=enable_thinking)
+                       enable_thinking=enable_thinking, stop_strings=stop_strings)
