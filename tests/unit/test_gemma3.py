@@ -208,3 +208,19 @@ def test_bf16_embedding_and_norms_bitwise(folder, tmp_path):
                  (ours.norm, theirs.model.norm)]
         for mine, hf in pairs:
             assert mine(x).equal(hf(x))
+
+
+def test_shipped_1b_config_validates_and_fits_eight_gpus(tmp_path):
+    """``grpo/gemma3_1B_full``: validates, builds the 1.0B model offline, and its estimate fits
+    an 80 GB GPU per rank on 8 ranks with room to spare."""
+    from tests.conftest import check_instantiates_offline
+    from torchtune_grpo.training.config import load_config
+    from torchtune_grpo.training.memory_estimate import GIB, estimate_memory
+    from torchtune_grpo.training.validation import validate_config
+
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA3_1B))
+    cfg = load_config("grpo/gemma3_1B_full", [f"model_dir={tmp_path}"])
+    validate_config(cfg)
+    check_instantiates_offline(cfg, min_params=0.95e9)
+    estimate = estimate_memory(cfg, 8, name="gemma3_1B_full")
+    assert estimate.peak_bytes < 0.5 * 80 * GIB, estimate.table()

@@ -203,3 +203,25 @@ def test_shipped_config_validates_and_fits_its_gpu(tmp_path):
     assert "Hardware: 1 x 24 GB" in header
     estimate = estimate_memory(cfg, 1, name="qwen3_0_6B")
     assert estimate.peak_bytes < 0.75 * 24 * GIB, estimate.table()
+
+
+#: Qwen3-4B's config.json dimensions (no download here).
+QWEN3_4B = {**QWEN3_0_6B, "hidden_size": 2560, "intermediate_size": 9728,
+            "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8}
+
+
+def test_shipped_4b_config_validates_and_fits_eight_gpus(tmp_path):
+    """``grpo/qwen3_4B_full``: validates, builds a 4.0B model offline, and its estimate fits an
+    80 GB GPU per rank on 8 ranks with room to spare."""
+    from tests.conftest import check_instantiates_offline
+    from torchtune_grpo.training.config import load_config
+    from torchtune_grpo.training.memory_estimate import GIB, estimate_memory, model_dims
+    from torchtune_grpo.training.validation import validate_config
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_4B))
+    cfg = load_config("grpo/qwen3_4B_full", [f"model_dir={tmp_path}"])
+    validate_config(cfg)
+    check_instantiates_offline(cfg, min_params=3.9e9)
+    assert model_dims(cfg.model).num_layers == 36
+    estimate = estimate_memory(cfg, 8, name="qwen3_4B_full")
+    assert estimate.peak_bytes < 0.5 * 80 * GIB, estimate.table()
