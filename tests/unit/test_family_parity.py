@@ -197,3 +197,38 @@ def test_lora_merged_save_loads_in_transformers(folder, tmp_path):
     assert len(peft) == len(adapter)
     for key in peft:
         assert key.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] in names, key
+
+
+# ------------------------------------------------------------------------- (e) FSDP2
+def test_fsdp2_two_ranks_match_one_rank(tmp_path):
+    """Every family FSDP2-sharded over two gloo ranks (one ``torchrun`` for all of them) gives
+    the loss and gradient norm of one unsharded process on the same rows
+    (``tests/unit/_fsdp_family_worker.py``). The recipe-level check (a whole GRPO step through
+    ``tune run --nproc_per_node 2``) is ``tests/recipes/test_family_recipes.py`` (slow tier)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.unit._fsdp_family_worker import loss_and_grad_norm
+
+    cases = list({case.architecture: case for case in reversed(FAST)}.values())
+    folders = []
+    for case in cases:
+        write_model(tmp_path / case.name, case)
+        folders.append(str(tmp_path / case.name))
+    root = Path(__file__).resolve().parents[2]
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": f"{root}:{__import__('os').environ.get('PYTHONPATH', '')}"}
+    out = tmp_path / "two_ranks.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(root / "tests/unit/_fsdp_family_worker.py"), str(out), *folders],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    sharded = json.loads(out.read_text())
+    for case, folder in zip(cases, folders):
+        one, two = loss_and_grad_norm(folder), sharded[folder]
+        print(f"{case.architecture}: 1 rank {one}, 2 ranks {two}")
+        assert one["grad_norm"] > 0.1 and abs(one["loss"]) > 1e-3  # not degenerate
+        assert two["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-6), case.name
+        assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5), case.name
