@@ -449,6 +449,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model-dir", type=Path,
                         default=Path(os.environ.get("SMOLLM2_DIR", DEFAULT_MODEL)),
                         help="HF folder of SmolLM2-135M-Instruct (env SMOLLM2_DIR)")
+    parser.add_argument("--family", choices=["smollm2", "qwen3"], default="smollm2",
+                        help="smollm2: the real model; qwen3: a random-weight Qwen3 of its "
+                             "shape (benchmarks/family_shapes.py)")
     parser.add_argument("--peer", choices=["trl"], help="also run TRL's GRPOTrainer")
     parser.add_argument("--peer-python", type=Path,
                         default=Path(os.environ.get("TRL_PYTHON", REPO / ".venv-trl/bin/python")),
@@ -479,6 +482,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no HF model folder at {args.model_dir}. Make it with:\n    {MODEL_HINT}",
               file=sys.stderr)
         return 2
+    if args.family != "smollm2":
+        from benchmarks.family_shapes import random_family_folder
+
+        args.model_dir = random_family_folder(
+            args.model_dir, args.family,
+            Path(tempfile.gettempdir()) / f"tune_grpo_bench_{args.family}_smollm2_shape")
+        print(f"{args.family}: random weights in SmolLM2's shape at {args.model_dir}", flush=True)
 
     import torch
 
