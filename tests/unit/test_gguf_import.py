@@ -344,7 +344,8 @@ def test_unknown_name_and_missing_path(tmp_path):
 def test_non_llama_architecture(tmp_path):
     path = tmp_path / "qwen.gguf"
     write_tiny_gguf(path, arch="qwen2")
-    with pytest.raises(ValueError, match=r"'qwen2' is not supported; supported: 'llama'"):
+    with pytest.raises(ValueError,
+                       match=r"'qwen2' is not supported; supported: 'gemma3', 'llama'"):
         gguf_to_hf(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

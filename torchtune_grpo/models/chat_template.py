@@ -26,6 +26,8 @@ import jinja2.ext
 from jinja2 import meta, nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from torchtune_grpo.errors import DataError
+
 __all__ = [
     "CHAT_TEMPLATE_FILE",
     "compile_chat_template",
@@ -172,8 +174,12 @@ def find_chat_template(
     return template, source, named
 
 
-def missing_template_error(folder: Path, config_name: str, named: Sequence[str]) -> ValueError:
+def missing_template_error(folder: Path, config_name: str, named: Sequence[str]) -> DataError:
     """The error for a folder without chat template, saying how to supply one.
+
+    A user error (one line, exit status 2 from the entry points): the usual cause is a prompt
+    template in chat mode with a base model, which has no chat template (Gemma 3 270M), so the
+    message leads with the plain-text option.
 
     Args:
         folder: the model folder.
@@ -181,19 +187,21 @@ def missing_template_error(folder: Path, config_name: str, named: Sequence[str])
         named: the names of the tokenizer config's named templates (none is ``"default"``).
 
     Returns:
-        The ``ValueError`` to raise.
+        The :class:`~torchtune_grpo.errors.DataError` (a ``ValueError``) to raise.
     """
     hint = (
         f" Its tokenizer_config.json has only named templates {named} and no 'default'."
         if named
         else ""
     )
-    return ValueError(
+    return DataError(
         f"{folder} has no chat template (no {CHAT_TEMPLATE_FILE}, no `chat_template` "
-        f"in {config_name}).{hint} Pass one with "
-        "`hf_tokenizer(path, chat_template=...)` (the jinja text or a .jinja file path; "
-        "in YAML: `tokenizer.chat_template=...`), or use a non-chat prompt template "
-        "(`chat: false`)."
+        f"in {config_name}), so prompts cannot use the chat format (a base model has none).{hint}"
+        " Use a plain-text prompt template: `chat: false` in the dataset's `template`, e.g. "
+        "'dataset.template={user: \"Question: {question} Answer:\", chat: false}' (and "
+        "eval_dataset.template) on the command line; or pass a chat template: "
+        "`tokenizer.chat_template=...` in YAML, `hf_tokenizer(path, chat_template=...)` in "
+        "Python (the jinja text or a .jinja file path)."
     )
 
 

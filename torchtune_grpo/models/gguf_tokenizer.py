@@ -11,6 +11,24 @@ GGUF files carry their tokenizer as metadata. For byte-level BPE models (``token
   (control ones are special);
 * ``tokenizer.ggml.add_bos_token`` / ``add_eos_token`` as a post-processor and
   ``tokenizer_config.json`` flags, and ``tokenizer.chat_template`` as the config's template.
+
+Gemma 3's vocabulary is SentencePiece BPE (``tokenizer.ggml.model`` ``llama``, 262,144 pieces
+with scores and types, no merges); :func:`_sentencepiece_bpe` rebuilds it as a ``tokenizers``
+BPE with byte fallback:
+
+* spaces become ``▁`` (a normalizer; no prefix space, as ``add_space_prefix`` is false), and
+  the user-defined pieces made only of spaces, which llama.cpp's converter stores with real
+  spaces, are spelled with ``▁`` again so that the merges reach them;
+* the merges, which the file does not list, are derived from the vocabulary: every split of a
+  piece into two pieces is a merge, ranked by the piece's position in the file (Gemma's scores
+  are ``-position`` for the normal pieces, and a placeholder -1000 for the control and
+  user-defined ones, so the position is the rank), the longer left part first;
+* control pieces are special added tokens, user-defined ones (``\n\n``, ``<start_of_image>``)
+  plain added tokens matched whole, as llama.cpp matches them;
+* the decoder turns ``▁`` back into spaces and ``<0xNN>`` byte pieces into bytes.
+
+The reference is transformers' own GGUF tokenizer (``AutoTokenizer.from_pretrained(dir,
+gguf_file=...)``): ids are identical on the corpus of ``tests/unit/test_gemma3_gguf.py``.
 """
 
 from __future__ import annotations
@@ -42,15 +60,18 @@ def tokenizer_from_gguf(src: GgufFile) -> tuple[Any, dict[str, Any], dict[str, A
         template, when the GGUF has one) and ``special_tokens_map.json``.
 
     Raises:
-        ValueError: a tokenizer other than byte-level BPE (``tokenizer.ggml.model`` ``gpt2``),
-            an unsupported ``tokenizer.ggml.pre``, or a malformed merge.
+        ValueError: a tokenizer other than byte-level BPE (``tokenizer.ggml.model`` ``gpt2``)
+            or Gemma 3's SentencePiece BPE (``llama``), an unsupported ``tokenizer.ggml.pre``,
+            or a malformed merge.
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     kind = src.get("tokenizer.ggml.model", None)
+    if kind == "llama" and src.get("general.architecture") == "gemma3":
+        return _with_configs(src, _sentencepiece_bpe(src))
     if kind != "gpt2":
-        raise ValueError(f"{src.path}: tokenizer.ggml.model is {kind!r}; only byte-level BPE "
-                         "('gpt2') is supported")
+        raise ValueError(f"{src.path}: tokenizer.ggml.model is {kind!r}; supported: byte-level "
+                         "BPE ('gpt2'), and SentencePiece ('llama') for architecture 'gemma3'")
     pre = src.get("tokenizer.ggml.pre", None)
     if pre not in _PRE_TOKENIZERS:
         raise ValueError(f"{src.path}: tokenizer.ggml.pre is {pre!r}; supported pre-tokenizers: "
@@ -87,6 +108,18 @@ def tokenizer_from_gguf(src: GgufFile) -> tuple[Any, dict[str, Any], dict[str, A
                                   for t, k in zip(tokens, types) if k == _CONTROL])
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
                           for t, k in zip(tokens, types) if k == _USER_DEFINED])
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    tokenizer, config, special_map = _with_configs(src, tokenizer)
+    config["add_prefix_space"] = False
+    return tokenizer, config, special_map
+
+
+def _with_configs(src: GgufFile, tokenizer: Any) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """``tokenizer`` with BOS/EOS added as the GGUF says (a template post-processor, else the
+    one it has), and ``(tokenizer_config, special_tokens_map)``."""
+    from tokenizers import processors
+
+    tokens: list[str] = src.get("tokenizer.ggml.tokens")
 
     def token(key: str) -> str | None:
         index = src.get(f"tokenizer.ggml.{key}_token_id", None)
@@ -102,8 +135,6 @@ def tokenizer_from_gguf(src: GgufFile) -> tuple[Any, dict[str, Any], dict[str, A
         specials = [(t, tokens.index(t)) for t in {bos, eos} if t is not None]
         tokenizer.post_processor = processors.TemplateProcessing(
             single=single, pair=pair, special_tokens=specials)
-    else:
-        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
 
     special_map = {name: value for name, value in (
         ("bos_token", bos), ("eos_token", eos), ("pad_token", token("padding")),
@@ -113,7 +144,6 @@ def tokenizer_from_gguf(src: GgufFile) -> tuple[Any, dict[str, Any], dict[str, A
         **special_map,
         "add_bos_token": add_bos,
         "add_eos_token": add_eos,
-        "add_prefix_space": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": int(src.get(f"{src.get('general.architecture')}.context_length",
                                         2048)),
@@ -122,6 +152,52 @@ def tokenizer_from_gguf(src: GgufFile) -> tuple[Any, dict[str, Any], dict[str, A
     if template is not None:
         config["chat_template"] = template
     return tokenizer, config, special_map
+
+
+def _sentencepiece_bpe(src: GgufFile) -> Any:
+    """Gemma 3's SentencePiece BPE vocabulary as a ``tokenizers.Tokenizer`` (no post-processor;
+    see the module docstring)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+    if src.get("tokenizer.ggml.add_space_prefix", False):
+        raise ValueError(f"{src.path}: tokenizer.ggml.add_space_prefix=true is not supported for "
+                         "a SentencePiece vocabulary; supported: false (Gemma)")
+    if src.get("tokenizer.ggml.merges", None) is not None:
+        raise ValueError(f"{src.path}: a SentencePiece vocabulary with tokenizer.ggml.merges is "
+                         "not supported; supported: Gemma 3's, whose merges are derived")
+    tokens: list[str] = src.get("tokenizer.ggml.tokens")
+    types: list[int] = src.get("tokenizer.ggml.token_type")
+    if len(types) != len(tokens):
+        raise ValueError(f"{src.path}: {len(types)} token types for {len(tokens)} tokens")
+    unk = src.get("tokenizer.ggml.unknown_token_id", None)
+    if unk is None or not 0 <= unk < len(tokens):
+        raise ValueError(f"{src.path}: tokenizer.ggml.unknown_token_id is {unk!r}; a "
+                         "SentencePiece vocabulary needs its unknown token")
+    # SentencePiece writes a space as "▁"; llama.cpp stored the pieces made only of spaces
+    # ("  ", user-defined) with real spaces: spell them as the normalized text will look.
+    pieces = ["▁" * len(t) if t and not t.strip(" ") and k != _CONTROL else t
+              for t, k in zip(tokens, types)]
+    vocab = {piece: index for index, piece in enumerate(pieces)}
+    if len(vocab) != len(pieces):
+        raise ValueError(f"{src.path}: the SentencePiece vocabulary spells some pieces twice")
+    merges = []
+    for piece in pieces:  # in rank order: the file's
+        for cut in range(len(piece) - 1, 0, -1):  # the longer left part first
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                merges.append((left, right))
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=tokens[unk],
+                                     fuse_unk=True, byte_fallback=True))
+    # No pre-tokenizer: SentencePiece merges across the whole text, spaces included.
+    tokenizer.normalizer = normalizers.Replace(" ", "▁")
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t, k in zip(tokens, types) if k == _CONTROL])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
+                          for t, p, k in zip(tokens, pieces, types)
+                          if k == _USER_DEFINED and t == p])
+    return tokenizer
 
 
 def _bytes_to_unicode() -> list[str]:

