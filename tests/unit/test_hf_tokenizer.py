@@ -473,18 +473,23 @@ def test_special_tokens_stop_tokens_pad_and_vocab(folders):
     assert HFTokenizer(gen).stop_tokens == [0, chatml.eos_id]
 
 
-def test_stop_strings_add_single_token_stops_and_refuse_longer_ones(folders):
-    """``stop_strings: ["\\n"]`` ends a completion at a newline (a base model's one-line
-    answer); a string of several tokens is one line naming it."""
+def test_stop_strings_stop_at_every_token_that_holds_them(folders):
+    """``stop_strings: ["\\n"]`` ends a completion at its first token with a newline (``"\\n"``
+    and ``"\\n\\n"`` alike); a string no token holds is one line naming it."""
     from torchtune_grpo.models import hf_tokenizer
 
     plain = HFTokenizer(folders["chatml"])
-    (newline,) = plain.encode("\n", add_bos=False, add_eos=False)
     tok = hf_tokenizer(str(folders["chatml"]), stop_strings=["\n"])
-    assert tok.stop_tokens == sorted({*plain.stop_tokens, newline})
-    assert newline not in plain.stop_tokens
-    with pytest.raises(ValueError, match=r"stop_strings: 'The answer' is \d+ tokens") as info:
-        hf_tokenizer(str(folders["chatml"]), stop_strings=["The answer"])
+    added = sorted(set(tok.stop_tokens) - set(plain.stop_tokens))
+    assert added and all("\n" in plain.decode([i], skip_special_tokens=False) for i in added)
+    for text in ("\n", "\n\n", "a\n"):
+        ids = plain.encode(text, add_bos=False, add_eos=False)
+        assert any(i in added for i in ids), text
+    words = plain.encode("The answer is 42.", add_bos=False, add_eos=False)
+    assert not set(words) & set(added)
+    with pytest.raises(ValueError, match=r"stop_strings: no token of .* contains 'The answer is'"
+                       ) as info:
+        hf_tokenizer(str(folders["chatml"]), stop_strings=["The answer is"])
     assert "\n" not in str(info.value)
 
 

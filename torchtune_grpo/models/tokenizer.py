@@ -1,10 +1,7 @@
 """A torchtune-style tokenizer read from a Hugging Face model folder, with its own chat template.
 
-A config names the folder and nothing else::
-
-    tokenizer:
-      _component_: torchtune_grpo.models.hf_tokenizer
-      path: ${model_dir}
+A config names the folder and nothing else (``tokenizer: {_component_:
+torchtune_grpo.models.hf_tokenizer, path: ${model_dir}}``).
 
 :class:`HFTokenizer` reads ``tokenizer.json`` with the ``tokenizers`` library and renders the
 folder's chat template (``chat_template.jinja`` or ``tokenizer_config.json["chat_template"]``)
@@ -133,8 +130,9 @@ class HFTokenizer:
         enable_thinking: passed to the chat template as ``enable_thinking`` (Qwen3's switch:
             ``False`` renders an empty ``<think></think>`` block after the generation prompt);
             ``None``: not passed, the template's default.
-        stop_strings: texts that also end a completion (added to ``stop_tokens``); each must
-            be one token of the vocabulary (``"\\n"``: a base model's one-line answer).
+        stop_strings: texts that also end a completion: every token whose text contains one
+            of them is a stop token (``"\\n"``: a base model's one-line answer ends at its
+            first token with a newline, ``"\\n"`` or ``"\\n\\n"`` alike).
 
     Raises:
         FileNotFoundError: when there is no ``tokenizer.json`` at ``path``.
@@ -233,7 +231,7 @@ class HFTokenizer:
         pad_id = self._id_of(self.pad_token)
         self.pad_id: int = self.eos_id if pad_id is None else pad_id
         self.stop_tokens: list[int] = sorted({self.eos_id, *(int(i) for i in gen_eos_ids),
-                                              *self._single_token_ids(stop_strings or ())})
+                                              *self._stop_ids(stop_strings or ())})
 
         flag = config.get("add_bos_token")
         if isinstance(flag, bool):
@@ -262,15 +260,19 @@ class HFTokenizer:
         token_id = self._tokenizer.token_to_id(token)
         return None if token_id is None else int(token_id)
 
-    def _single_token_ids(self, texts: Sequence[str]) -> list[int]:
-        """The one token id of each of ``texts`` (``ValueError``: one is not a single token)."""
+    def _stop_ids(self, texts: Sequence[str]) -> list[int]:
+        """Every token id whose text contains one of ``texts`` (``ValueError``: none does)."""
+        if not texts:
+            return []
+        ids = sorted(self._valid_ids)
+        decoded = self._tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False)
         out = []
-        for text in texts:
-            ids = self._tokenizer.encode(str(text), add_special_tokens=False).ids
-            if len(ids) != 1:
-                raise ValueError(f"tokenizer.stop_strings: {text!r} is {len(ids)} tokens "
-                                 f"({ids}) for {self.path}; a stop string must be one token")
-            out.append(int(ids[0]))
+        for text in map(str, texts):
+            found = [i for i, d in zip(ids, decoded) if text and text in d]
+            if not found:
+                raise ValueError(f"tokenizer.stop_strings: no token of {self.path} contains "
+                                 f"{text!r}; a stop string must fit in one token")
+            out.extend(found)
         return out
 
     def _post_processor_adds_bos(self) -> bool:
@@ -493,8 +495,6 @@ def hf_tokenizer(path: str, max_seq_len: int | None = None, chat_template: str |
     same keyword arguments (``max_seq_len``, ``chat_template``, ``enable_thinking``,
     ``stop_strings``).
 
-    Example: ``tokenizer: {_component_: torchtune_grpo.models.hf_tokenizer, path:
-    ${model_dir}, stop_strings: ["\\n"]}`` (a base model's one-line answers).
     """
     return HFTokenizer(path, max_seq_len=max_seq_len, chat_template=chat_template,
                        enable_thinking=enable_thinking, stop_strings=stop_strings)
