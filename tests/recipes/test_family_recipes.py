@@ -121,7 +121,7 @@ def test_lora_trains_and_merged_save_loads(family_dir, tmp_path):
     step = out / "step_1"
     (moved,) = assert_not_degenerate(out, weights=(folder, step))
     assert not any("norm" in k or "embed" in k for k in moved)  # only adapted weights moved
-    assert any("q_proj" in k for k in moved)
+    assert any("q_proj" in k or "qkv_proj" in k for k in moved)  # Phi-3: fused q|k|v
     assert (step / "adapter_model.safetensors").is_file()
     _check_in_transformers(recipe, step, tol=1e-4)
 

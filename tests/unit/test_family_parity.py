@@ -194,9 +194,22 @@ def test_lora_merged_save_loads_in_transformers(folder, tmp_path):
 
     names = {n for n, _ in merged.named_modules()}
     peft = load_file(str(out / "adapter_model.safetensors"))
-    assert len(peft) == len(adapter)
-    for key in peft:
-        assert key.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] in names, key
+    config = json.loads((out / "adapter_config.json").read_text())
+    modules = {key.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for key in peft}
+    assert modules <= names and len(peft) == 2 * len(modules)
+    assert set(config["target_modules"]) == {m.rsplit(".", 1)[1] for m in modules}
+    # the PEFT adapter is the same update: scale * B @ A = merged - base, module by module
+    # (a fused HF module's adapter has rank r per part: rank_pattern/alpha_pattern)
+    base, after = ref.state_dict(), merged.state_dict()
+    for module in modules:
+        short = module.rsplit(".", 1)[1]
+        scale = (config.get("alpha_pattern", {}).get(short, config["lora_alpha"])
+                 / config.get("rank_pattern", {}).get(short, config["r"]))
+        lora_a, lora_b = (peft[f"base_model.model.{module}.lora_{x}.weight"] for x in "AB")
+        assert lora_a.shape[0] == config.get("rank_pattern", {}).get(short, config["r"])
+        torch.testing.assert_close(scale * lora_b @ lora_a,
+                                   after[f"{module}.weight"] - base[f"{module}.weight"],
+                                   atol=2e-5, rtol=1e-4)
 
 
 # ------------------------------------------------------------------------- (e) FSDP2

@@ -55,12 +55,15 @@ def torchtune_to_hf_converter(model_type: str, hf_config: dict):
 
     Args:
         model_type (str): the checkpointer's ``model_type``; ``LLAMA3``, ``LLAMA3_2``,
-            ``QWEN2``, ``QWEN3`` and ``GEMMA3`` are supported.
+            ``QWEN2`` and this package's families (``QWEN3``, ``GEMMA3``, ``OLMO2``,
+            ``PHI3``, ...) are supported.
         hf_config (dict): the model's ``config.json``.
 
     Returns:
         Callable[[dict[str, Tensor]], dict[str, Tensor]]: torchtune's own converter with this
-        model's head counts bound (it permutes the q/k projections back to HF's rotary layout).
+        model's head counts bound (it permutes the q/k projections back to HF's rotary layout);
+        for this package's families their names' ``tune_to_hf``, which holds the parts of a
+        fused HF tensor back until all have been converted.
 
     Raises:
         ValueError: for any other ``model_type``.
@@ -84,7 +87,10 @@ def torchtune_to_hf_converter(model_type: str, hf_config: dict):
 
     family = family_for_model_type(model_type)  # this package's families: their names
     if family is not None:
-        return family.NAMES.tune_to_hf
+        # one tensor at a time (hf_weight_items): the parts of a fused HF tensor (Phi-3's
+        # qkv_proj, gate_up_proj) wait in ``pending`` until the last arrives
+        names, pending = family.NAMES, {}
+        return lambda sd: names.tune_to_hf(sd, pending=pending)
     raise ValueError(
         f"generator VLLMGenerator: checkpointer.model_type {model_type!r} has no weight "
         f"conversion here; supported: LLAMA3, LLAMA3_2, QWEN2, {', '.join(MODEL_TYPES.values())}"

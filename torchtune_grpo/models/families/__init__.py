@@ -22,6 +22,11 @@ here reads weights).
   RMSNorm on queries and keys before RoPE.
 * :mod:`~torchtune_grpo.models.families.gemma3`: ``Gemma3ForCausalLM`` (Gemma 3 text): Gemma
   norms, q/k norms before RoPE, sliding-window and global layers with their own RoPE bases.
+* :mod:`~torchtune_grpo.models.families.olmo2`: ``Olmo2ForCausalLM`` (OLMo 2): norms on the
+  attention/MLP outputs instead of their inputs, q/k RMSNorm over the whole projection.
+* :mod:`~torchtune_grpo.models.families.phi3`: ``Phi3ForCausalLM`` (Phi-3, Phi-4): fused
+  ``qkv_proj``/``gate_up_proj`` weights split on load and stacked on save, partial rotary,
+  LongRoPE within the original context, sliding window.
 """
 
 from __future__ import annotations
@@ -35,17 +40,23 @@ __all__ = ["FAMILY_MODULES", "HF_MODEL_TYPES", "family_for_model_type", "family_
 FAMILY_MODULES: dict[str, str] = {
     "Qwen3ForCausalLM": "torchtune_grpo.models.families.qwen3",
     "Gemma3ForCausalLM": "torchtune_grpo.models.families.gemma3",
+    "Olmo2ForCausalLM": "torchtune_grpo.models.families.olmo2",
+    "Phi3ForCausalLM": "torchtune_grpo.models.families.phi3",
 }
 #: ``config.json``'s ``model_type`` -> architecture, for configs without ``architectures``.
 HF_MODEL_TYPES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 #: The checkpointer ``model_type`` of each architecture (``NAMES.model_type``, known without
 #: importing the module).
 MODEL_TYPES: dict[str, str] = {
     "Qwen3ForCausalLM": "QWEN3",
     "Gemma3ForCausalLM": "GEMMA3",
+    "Olmo2ForCausalLM": "OLMO2",
+    "Phi3ForCausalLM": "PHI3",
 }
 
 

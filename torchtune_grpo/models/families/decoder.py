@@ -16,7 +16,8 @@ runs per call:
   none, per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2); and the query factor
   that sets the attention scale (Gemma's ``query_pre_attn_scalar``).
 * **Positions per layer**: a :class:`~.layers.HalfRoPE` per distinct base, or none (SmolLM3's
-  layers without RoPE), with optional partial rotation and linear scaling.
+  layers without RoPE), with optional partial rotation, linear scaling and per-frequency
+  factors with a cos/sin factor (Phi-3's ``longrope`` within its original context).
 * **Sliding window per layer** (:class:`~.layers.SlidingWindowLayer`).
 * **MLP activation**, **embedding scale**, **tied or untied output**.
 
@@ -81,6 +82,10 @@ class DecoderSpec:
         rope_scales: per layer, the linear position scaling (positions divided by it; Gemma 3
             scales its global layers only); ``None``: 1 everywhere.
         rotary_dim: channels rotated per head (partial rotary), ``None``: all.
+        rope_factors: per rotated frequency, a divisor of it (``longrope``'s
+            ``short_factor``), the same in every layer; ``None``: none.
+        rope_attention_factor: multiplies RoPE's cos and sin (``longrope``'s attention
+            factor); 1: none.
         sliding_windows: per layer, the window, or ``None`` for full attention.
         activation: ``"silu"`` or ``"gelu_tanh"``.
         embed_scale: multiplies the embeddings (Gemma: ``sqrt(D)``), ``None``: none.
@@ -105,6 +110,8 @@ class DecoderSpec:
     query_factor: float = 1.0
     rope_scales: tuple[float, ...] | None = None
     rotary_dim: int | None = None
+    rope_factors: tuple[float, ...] | None = None
+    rope_attention_factor: float = 1.0
     sliding_windows: tuple[int | None, ...] | None = None
     activation: str = "silu"
     embed_scale: float | None = None
@@ -163,7 +170,8 @@ def _ropes(spec: DecoderSpec) -> list[nn.Module | None]:
             continue
         if (base, scale) not in made:
             made[base, scale] = HalfRoPE(spec.head_dim, spec.max_seq_len, base, scale,
-                                         spec.rotary_dim)
+                                         spec.rotary_dim, spec.rope_factors,
+                                         spec.rope_attention_factor)
         out.append(made[base, scale])
     return out
 

@@ -6,7 +6,18 @@ families of :mod:`torchtune_grpo.models.families` have none there. Each gives a
 :class:`WeightNames` table (global names and per-layer suffixes), and
 :class:`HFFamilyCheckpointer` does the rest the same way for all: shards as the input was split,
 the index file, PEFT adapter files, copied config and tokenizer files. Tensors keep their
-values, shapes and dtype: the families here need no permutation.
+values and dtype: the families here need no permutation.
+
+A family may store several torchtune tensors as one HF tensor (Phi-3's ``qkv_proj`` is the
+``q_proj``, ``k_proj`` and ``v_proj`` rows stacked; ``gate_up_proj`` is ``w1`` over ``w3``):
+its :class:`Fused` entries split them on load and stack them again on save, so the model
+keeps torchtune's separate projections (LoRA, FSDP and the engines see nothing new). LoRA
+adapters on the parts of a fused module are written to the PEFT file as one adapter of the
+fused module: ``lora_A`` the parts' ``A`` stacked, ``lora_B`` their ``B`` block-diagonal
+(rank ``r`` per adapted part, ``rank_pattern``/``alpha_pattern`` keep the scale
+``alpha / r``), which is the same weight update. DoRA on only some parts of a fused module
+has no PEFT form (the other rows would need their base norms): then only the merged weights
+and the ``.pt`` adapter are written.
 """
 
 from __future__ import annotations
@@ -14,6 +25,7 @@ from __future__ import annotations
 import enum
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +34,7 @@ import torch
 
 from torchtune_grpo.models.families import MODEL_TYPES
 
-__all__ = ["FamilyModelType", "HFFamilyCheckpointer", "WeightNames"]
+__all__ = ["FamilyModelType", "Fused", "HFFamilyCheckpointer", "WeightNames"]
 
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _TUNE_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -39,6 +51,25 @@ FamilyModelType = enum.Enum(  # type: ignore[misc]
 
 
 @dataclass(frozen=True)
+class Fused:
+    """One HF layer tensor that is several torchtune tensors stacked along its rows.
+
+    Attributes:
+        parts: the torchtune suffixes after ``layers.{i}.``, in the HF rows' order
+            (``("attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight")``).
+        rows: ``config.json`` -> the row count of each part.
+    """
+
+    parts: tuple[str, ...]
+    rows: Callable[[dict[str, Any]], tuple[int, ...]]
+
+
+def _module(suffix: str) -> str:
+    """``"self_attn.qkv_proj.weight"`` -> ``"qkv_proj"``."""
+    return suffix.rsplit(".", 2)[-2]
+
+
+@dataclass(frozen=True)
 class WeightNames:
     """A family's HF weight names and their torchtune names.
 
@@ -50,6 +81,7 @@ class WeightNames:
         tied_by_default: ``tie_word_embeddings`` when ``config.json`` does not say.
         not_part: how a foreign weight is described (``"part of a dense Qwen3ForCausalLM
             (no biases, no experts)"``).
+        fused: HF layer suffix -> its :class:`Fused` parts (none: every name maps one to one).
     """
 
     family: str
@@ -58,12 +90,27 @@ class WeightNames:
     layer_names: dict[str, str]
     tied_by_default: bool
     not_part: str
+    fused: dict[str, Fused] = field(default_factory=dict)
     _to_hf_layer: dict[str, str] = field(init=False, repr=False)
     _to_hf_global: dict[str, str] = field(init=False, repr=False)
+    _part_of: dict[str, tuple[str, int]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_to_hf_layer", {v: k for k, v in self.layer_names.items()})
         object.__setattr__(self, "_to_hf_global", {v: k for k, v in self.global_names.items()})
+        object.__setattr__(self, "_part_of", {part: (hf, i) for hf, f in self.fused.items()
+                                              for i, part in enumerate(f.parts)})
+
+    def _split(self, key: str, suffix: str, value: torch.Tensor, config: dict[str, Any] | None,
+               where: str) -> dict[str, torch.Tensor]:
+        """A fused HF tensor -> its torchtune parts (row views), checking the row counts."""
+        if config is None:
+            raise ValueError(f"{self.family} weights: splitting {key!r} needs config.json")
+        rows = self.fused[suffix].rows(config)
+        if sum(rows) != value.shape[0]:
+            raise ValueError(f"{where}: {key!r} has {value.shape[0]} rows; config.json says "
+                             f"{' + '.join(map(str, rows))}")
+        return dict(zip(self.fused[suffix].parts, value.split(list(rows))))
 
     def hf_name(self, tune_key: str) -> str:
         """The HF name of the torchtune weight ``tune_key``.
@@ -76,20 +123,27 @@ class WeightNames:
             return f"model.layers.{match.group(1)}.{self._to_hf_layer[match.group(2)]}"
         if tune_key in self._to_hf_global:
             return self._to_hf_global[tune_key]
+        match = _TUNE_LAYER.match(tune_key)
+        if match and match.group(2) in self._part_of:
+            return f"model.layers.{match.group(1)}.{self._part_of[match.group(2)][0]}"
         raise ValueError(f"{self.family} weights: no HF name for the torchtune weight "
                          f"{tune_key!r}")
 
     def hf_to_tune(self, state_dict: dict[str, torch.Tensor], *, tie_word_embeddings: bool,
-                   where: str = "the checkpoint") -> dict[str, torch.Tensor]:
-        """HF weights -> torchtune names (tensors unchanged).
+                   where: str = "the checkpoint", config: dict[str, Any] | None = None
+                   ) -> dict[str, torch.Tensor]:
+        """HF weights -> torchtune names (tensors unchanged; a :class:`Fused` one split into
+        row views).
 
         Args:
             state_dict: HF name -> tensor (all shards merged).
             tie_word_embeddings: drop ``lm_head.weight`` (the output is the embedding table).
             where: how to name the source in messages.
+            config: ``config.json`` (needed only to split fused tensors).
 
         Raises:
-            ValueError: a weight the family does not have, naming it.
+            ValueError: a weight the family does not have, naming it; a fused tensor whose
+                rows do not add up to what ``config.json`` says.
         """
         out = {}
         for key, value in state_dict.items():
@@ -99,6 +153,10 @@ class WeightNames:
             match = _HF_LAYER.match(key)
             if match and match.group(2) in self.layer_names:
                 out[f"layers.{match.group(1)}.{self.layer_names[match.group(2)]}"] = value
+            elif match and match.group(2) in self.fused:
+                for part, tensor in self._split(key, match.group(2), value, config,
+                                                where).items():
+                    out[f"layers.{match.group(1)}.{part}"] = tensor
             elif key in self.global_names:
                 out[self.global_names[key]] = value
             else:
@@ -106,24 +164,127 @@ class WeightNames:
                                  "config.json's architecture right?")
         return out
 
-    def tune_to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """torchtune weights -> HF names (tensors unchanged; no LoRA keys)."""
-        return {self.hf_name(key): value for key, value in state_dict.items()}
+    def tune_to_hf(self, state_dict: dict[str, torch.Tensor],
+                   pending: dict | None = None) -> dict[str, torch.Tensor]:
+        """torchtune weights -> HF names (no LoRA keys); the parts of a :class:`Fused` tensor
+        are stacked into it.
 
-    def tune_to_peft_adapter(self, adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        Args:
+            state_dict: torchtune name -> tensor, the whole model or a part of it.
+            pending: where parts of a fused tensor wait for the others across calls (the vLLM
+                weight sync converts one tensor at a time); ``None``: every part must be in
+                ``state_dict``.
+
+        Raises:
+            ValueError: a weight without an HF name; with ``pending=None``, a fused tensor
+                with parts missing.
+        """
+        waiting: dict = {} if pending is None else pending
+        out = {}
+        for key, value in state_dict.items():
+            match = _TUNE_LAYER.match(key)
+            if not (match and match.group(2) in self._part_of):
+                out[self.hf_name(key)] = value
+                continue
+            hf_suffix, index = self._part_of[match.group(2)]
+            name = f"model.layers.{match.group(1)}.{hf_suffix}"
+            group = waiting.setdefault(name, {})
+            group[index] = value
+            if len(group) == len(self.fused[hf_suffix].parts):
+                out[name] = torch.cat([group[i] for i in range(len(group))])
+                del waiting[name]
+        if pending is None and waiting:
+            raise ValueError(f"{self.family} weights: parts of {sorted(waiting)[:2]} are "
+                             "missing; the fused tensor needs all of them")
+        return out
+
+    def tune_to_peft_adapter(self, adapter: dict[str, torch.Tensor],
+                             config: dict[str, Any] | None = None
+                             ) -> dict[str, torch.Tensor] | None:
         """torchtune LoRA/DoRA adapter weights -> PEFT names for the HF base model:
         ``layers.{i}.attn.q_proj.proj.lora_a.weight`` ->
         ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` (``lora_b`` ->
-        ``lora_B``, DoRA's ``magnitude`` -> ``lora_magnitude_vector``)."""
+        ``lora_B``, DoRA's ``magnitude`` -> ``lora_magnitude_vector``). The adapters of a
+        fused module's parts become one of rank ``r`` per adapted part (``A`` stacked, ``B``
+        block-diagonal; see the module docstring; ``config`` is ``config.json``, needed only
+        then).
+
+        Returns:
+            The PEFT tensors, or ``None`` where DoRA adapts only some parts of a fused module
+            (no PEFT form).
+        """
         out = {}
+        groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
         for key, value in adapter.items():
             for tune_part, peft_part in _PEFT_PARTS:
                 if key.endswith(tune_part):
-                    base = self.hf_name(key[: -len(tune_part)] + ".weight")
-                    out["base_model.model." + base[: -len(".weight")] + peft_part] = value
+                    tune_base = key[: -len(tune_part)] + ".weight"
+                    base = self.hf_name(tune_base)[: -len(".weight")]
+                    match = _TUNE_LAYER.match(tune_base)
+                    if match and match.group(2) in self._part_of:
+                        index = self._part_of[match.group(2)][1]
+                        groups.setdefault(base, {}).setdefault(index, {})[peft_part] = value
+                    else:
+                        out["base_model.model." + base + peft_part] = value
                     break
             else:
                 raise ValueError(f"{self.family} adapter: {key!r} is not a LoRA/DoRA weight")
+        for base, parts in groups.items():
+            fused = self._fused_adapter(base, parts, config)
+            if fused is None:
+                return None
+            out.update({"base_model.model." + base + k: v for k, v in fused.items()})
+        return out
+
+    def _fused_adapter(self, base: str, parts: dict[int, dict[str, torch.Tensor]],
+                       config: dict[str, Any] | None) -> dict[str, torch.Tensor] | None:
+        """One fused module's PEFT adapter from its parts' (``None``: DoRA on some parts)."""
+        fused = self.fused[base.split(".", 3)[3] + ".weight"]
+        dora = any(".lora_magnitude_vector" in p for p in parts.values())
+        if dora and len(parts) < len(fused.parts):
+            return None
+        if config is None:
+            raise ValueError(f"{self.family} adapter: fusing {base!r} needs config.json")
+        rows = fused.rows(config)
+        order = sorted(parts)
+        lora_a = torch.cat([parts[i][".lora_A.weight"] for i in order])
+        lora_b = lora_a.new_zeros(sum(rows), lora_a.shape[0])
+        col = 0
+        for i in order:
+            block = parts[i][".lora_B.weight"]
+            row = sum(rows[:i])
+            lora_b[row : row + rows[i], col : col + block.shape[1]] = block
+            col += block.shape[1]
+        out = {".lora_A.weight": lora_a, ".lora_B.weight": lora_b}
+        if dora:
+            out[".lora_magnitude_vector"] = torch.cat(
+                [parts[i][".lora_magnitude_vector"] for i in order])
+        return out
+
+    def peft_adapter_config(self, adapter_config: dict[str, Any],
+                            base_model_name_or_path: str | None) -> dict[str, Any]:
+        """torchtune's adapter config -> PEFT's ``adapter_config.json``
+        (``tune_to_peft_adapter_config``), the parts of a fused module named by it, with
+        ``rank_pattern``/``alpha_pattern`` for its stacked rank."""
+        from torchtune.models.convert_weights import tune_to_peft_adapter_config
+
+        config = dict(adapter_config)
+        targets = list(config["target_modules"])
+        stacked = {}
+        for hf_suffix, fused in self.fused.items():
+            names = [part.rsplit(".", 2)[-2] for part in fused.parts]
+            hit = [name for name in names if name in targets]
+            if hit:
+                targets = [t for t in targets if t not in names]
+                stacked[_module(hf_suffix)] = len(hit)
+        config["target_modules"] = targets
+        out = tune_to_peft_adapter_config(adapter_config=config,
+                                          base_model_name_or_path=base_model_name_or_path)
+        out["target_modules"] = list(out["target_modules"]) + list(stacked)
+        if stacked:
+            r, alpha = out["r"], out["lora_alpha"]
+            out["rank_pattern"] = {m: r * n for m, n in stacked.items()}
+            out["alpha_pattern"] = {m: alpha * n for m, n in stacked.items()}
         return out
 
 
@@ -196,7 +357,7 @@ class HFFamilyCheckpointer:
                 self._weight_map[key] = f"{index + 1:04}"
                 merged[key] = value
         model = self.names.hf_to_tune(merged, tie_word_embeddings=self._tied,
-                                      where=str(self._checkpoint_dir))
+                                      where=str(self._checkpoint_dir), config=self._config)
         return {training.MODEL_KEY: model}
 
     def _write(self, tensors: dict[str, torch.Tensor], path: Path) -> Path:
@@ -255,7 +416,6 @@ class HFFamilyCheckpointer:
             ValueError: ``adapter_only`` without adapter weights.
         """
         from torchtune import training
-        from torchtune.models.convert_weights import tune_to_peft_adapter_config
         from torchtune.training.checkpointing._utils import (
             ADAPTER_CONFIG_FNAME,
             ADAPTER_MODEL_FNAME,
@@ -268,16 +428,19 @@ class HFFamilyCheckpointer:
         folder.mkdir(parents=True, exist_ok=True)
         if not adapter_only:
             self._save_model(state_dict[training.MODEL_KEY], folder)
+        peft = None
         if training.ADAPTER_KEY in state_dict:
             adapter = state_dict[training.ADAPTER_KEY]
             torch.save(adapter, (folder / ADAPTER_MODEL_FNAME).with_suffix(".pt"))
-            self._write(self.names.tune_to_peft_adapter(adapter), folder / ADAPTER_MODEL_FNAME)
+            peft = self.names.tune_to_peft_adapter(adapter, self._config)
+            if peft is not None:
+                self._write(peft, folder / ADAPTER_MODEL_FNAME)
         elif adapter_only:
             raise ValueError("adapter_only: the state dict holds no adapter weights")
-        if training.ADAPTER_CONFIG in state_dict:
-            config = tune_to_peft_adapter_config(
-                adapter_config=dict(state_dict[training.ADAPTER_CONFIG]),
-                base_model_name_or_path=self.repo_id)
+        if training.ADAPTER_CONFIG in state_dict and (peft is not None
+                                                      or training.ADAPTER_KEY not in state_dict):
+            config = self.names.peft_adapter_config(
+                dict(state_dict[training.ADAPTER_CONFIG]), self.repo_id)
             (folder / f"{ADAPTER_CONFIG_FNAME}.json").write_text(json.dumps(config))
         copy_files(self._checkpoint_dir, folder, ignore_suffixes=SUFFIXES_TO_NOT_COPY)
         if intermediate_checkpoint:

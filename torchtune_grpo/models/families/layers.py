@@ -6,7 +6,8 @@
   the embedding's dtype first (as ``transformers`` does).
 * :class:`HalfRoPE`: Hugging Face's rotate-half rotary embedding (the first and second halves
   of the rotated channels form the pairs), with its own base, optional linear position
-  scaling and optional partial rotation (the first ``rotary_dim`` channels of each head).
+  scaling, optional partial rotation (the first ``rotary_dim`` channels of each head) and
+  optional per-frequency divisors with a cos/sin factor (Phi-3's ``longrope`` short factors).
 * :class:`NormedProjection`: a query/key projection followed by a norm (per head, or over the
   whole projection) and a constant factor, so that the norm runs before RoPE wherever
   torchtune's attention (or the native engine's) calls ``q_proj``/``k_proj``. The factor turns
@@ -88,27 +89,42 @@ class HalfRoPE(nn.Module):
         position_scale: linear RoPE scaling factor (positions divided by it); 1: none.
         rotary_dim: channels rotated, from the first (``partial_rotary_factor * head_dim``);
             ``None``: all. The others pass through unchanged.
+        freq_factors: ``rotary_dim / 2`` divisors, one per frequency (``longrope``'s
+            ``short_factor``: ``inv_freq_i = 1 / (factor_i * base ** (2i / rotary_dim))``);
+            ``None``: none.
+        attention_factor: multiplies the cached cos and sin (``longrope``'s attention factor,
+            so the rotated channels of queries and keys); 1: none.
     """
 
     def __init__(self, dim: int, max_seq_len: int, base: float, position_scale: float = 1.0,
-                 rotary_dim: int | None = None) -> None:
+                 rotary_dim: int | None = None, freq_factors: tuple[float, ...] | None = None,
+                 attention_factor: float = 1.0) -> None:
         super().__init__()
         self.dim, self.base, self.position_scale = dim, base, position_scale
         self.rotary_dim = dim if rotary_dim is None else int(rotary_dim)
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= dim:
             raise ValueError(f"rotary_dim {self.rotary_dim} must be even and in 1..{dim}")
+        if freq_factors is not None and len(freq_factors) != self.rotary_dim // 2:
+            raise ValueError(f"freq_factors has {len(freq_factors)} entries for "
+                             f"{self.rotary_dim // 2} frequencies")
+        self.freq_factors = None if freq_factors is None else tuple(map(float, freq_factors))
+        self.attention_factor = float(attention_factor)
         self.max_seq_len = max_seq_len
         self.rope_init()
 
     def rope_init(self) -> None:
         """(Re)build the cos/sin cache (torchtune calls this after meta-device init)."""
         r = self.rotary_dim
-        inv_freq = 1.0 / (self.base ** (torch.arange(0, r, 2, dtype=torch.int64).float() / r))
-        inv_freq = inv_freq / self.position_scale
+        powers = self.base ** (torch.arange(0, r, 2, dtype=torch.int64).float() / r)
+        if self.freq_factors is not None:
+            powers = torch.tensor(self.freq_factors, dtype=torch.float32) * powers
+        inv_freq = 1.0 / powers / self.position_scale
         angles = torch.arange(self.max_seq_len, dtype=torch.float32)[:, None] * inv_freq[None]
         angles = torch.cat([angles, angles], dim=-1)  # [L, rotary_dim]
-        self.register_buffer("cache", torch.cat([angles.cos(), angles.sin()], dim=-1),
-                             persistent=False)
+        cos, sin = angles.cos(), angles.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        self.register_buffer("cache", torch.cat([cos, sin], dim=-1), persistent=False)
 
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
         """``x [b, s, heads, dim]`` rotated by ``input_pos [b, s]`` (None: ``0..s-1``)."""
