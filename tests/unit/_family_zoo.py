@@ -75,6 +75,18 @@ CASES: list[FamilyCase] = [
                     rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, rms_norm_eps=1e-6,
                     pad_token_id=0, eos_token_id=1, bos_token_id=2),
                gemma_norms=True),
+    FamilyCase("mistral-untied-gqa-window_8", "MistralForCausalLM", "MistralConfig",
+               dict(num_key_value_heads=2, sliding_window=8, tie_word_embeddings=False,
+                    rope_theta=1_000_000.0, rms_norm_eps=1e-5, pad_token_id=0)),
+    FamilyCase("mistral-untied-head_dim_32-no_window", "MistralForCausalLM", "MistralConfig",
+               dict(num_key_value_heads=4, head_dim=32, sliding_window=None,
+                    tie_word_embeddings=False, num_hidden_layers=3, rope_theta=10_000.0,
+                    rms_norm_eps=1e-6)),
+    FamilyCase("smollm3-tied-gqa-no_rope_layers", "SmolLM3ForCausalLM", "SmolLM3Config",
+               dict(num_key_value_heads=2, no_rope_layers=[1, 0, 1, 0],
+                    tie_word_embeddings=True, rope_theta=100_000.0, rms_norm_eps=1e-6,
+                    pad_token_id=0, bos_token_id=1, eos_token_id=2),
+               tied=True),
 ]
 BY_NAME = {case.name: case for case in CASES}
 

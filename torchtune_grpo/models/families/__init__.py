@@ -22,6 +22,10 @@ here reads weights).
   RMSNorm on queries and keys before RoPE.
 * :mod:`~torchtune_grpo.models.families.gemma3`: ``Gemma3ForCausalLM`` (Gemma 3 text): Gemma
   norms, q/k norms before RoPE, sliding-window and global layers with their own RoPE bases.
+* :mod:`~torchtune_grpo.models.families.mistral`: ``MistralForCausalLM``: Llama-shaped, explicit
+  ``head_dim``, an optional sliding window on every layer.
+* :mod:`~torchtune_grpo.models.families.smollm3`: ``SmolLM3ForCausalLM``: Llama-shaped, some
+  layers without RoPE (``no_rope_layers``).
 """
 
 from __future__ import annotations
@@ -35,17 +39,23 @@ __all__ = ["FAMILY_MODULES", "HF_MODEL_TYPES", "family_for_model_type", "family_
 FAMILY_MODULES: dict[str, str] = {
     "Qwen3ForCausalLM": "torchtune_grpo.models.families.qwen3",
     "Gemma3ForCausalLM": "torchtune_grpo.models.families.gemma3",
+    "MistralForCausalLM": "torchtune_grpo.models.families.mistral",
+    "SmolLM3ForCausalLM": "torchtune_grpo.models.families.smollm3",
 }
 #: ``config.json``'s ``model_type`` -> architecture, for configs without ``architectures``.
 HF_MODEL_TYPES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
 #: The checkpointer ``model_type`` of each architecture (``NAMES.model_type``, known without
 #: importing the module).
 MODEL_TYPES: dict[str, str] = {
     "Qwen3ForCausalLM": "QWEN3",
     "Gemma3ForCausalLM": "GEMMA3",
+    "MistralForCausalLM": "MISTRAL_HF",  # torchtune's MISTRAL permutes q/k for its own RoPE
+    "SmolLM3ForCausalLM": "SMOLLM3",
 }
 
 
