@@ -87,6 +87,11 @@ CASES: list[FamilyCase] = [
                     tie_word_embeddings=True, rope_theta=100_000.0, rms_norm_eps=1e-6,
                     pad_token_id=0, bos_token_id=1, eos_token_id=2),
                tied=True),
+    FamilyCase("smollm3-untied-sliding_8", "SmolLM3ForCausalLM", "SmolLM3Config",
+               dict(num_key_value_heads=4, no_rope_layer_interval=2, use_sliding_window=True,
+                    sliding_window=8, tie_word_embeddings=False, rope_theta=100_000.0,
+                    rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+               fast=False),
 ]
 BY_NAME = {case.name: case for case in CASES}
 
