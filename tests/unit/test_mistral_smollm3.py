@@ -117,8 +117,9 @@ def test_smollm3_sliding_layers_match_transformers(tmp_path):
 
 
 def test_smollm3_no_rope_layer_interval_without_list():
-    """Without ``no_rope_layers``, every ``no_rope_layer_interval``-th layer has no RoPE, as
-    ``SmolLM3Config`` computes it."""
+    """Without ``no_rope_layers``, every ``no_rope_layer_interval``-th layer has no RoPE, and
+    without ``layer_types`` those layers slide when ``use_sliding_window`` is on, as
+    ``SmolLM3Config`` computes them."""
     cfg = _config("SmolLM3ForCausalLM", num_hidden_layers=7, no_rope_layer_interval=3)
     cfg.pop("no_rope_layers")
     cfg.pop("layer_types")
@@ -127,6 +128,12 @@ def test_smollm3_no_rope_layer_interval_without_list():
                                           no_rope_layer_interval=3).no_rope_layers
     assert kw["use_rope"] == [bool(f) for f in expected] == [True, True, False] * 2 + [True]
     assert kw["sliding_windows"] == [None] * 7
+    cfg.update(use_sliding_window=True, sliding_window=8)  # the default layer_types slide
+    kw = hf_architecture(cfg).builder_kwargs
+    expected = transformers.SmolLM3Config(num_hidden_layers=7, no_rope_layer_interval=3,
+                                          use_sliding_window=True, sliding_window=8).layer_types
+    assert kw["sliding_windows"] == [8 if t == "sliding_attention" else None for t in expected]
+    assert kw["sliding_windows"] == [None, None, 8] * 2 + [None]
 
 
 # ------------------------------------------------------------------------- CPU decode
