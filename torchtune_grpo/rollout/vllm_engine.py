@@ -55,7 +55,8 @@ def torchtune_to_hf_converter(model_type: str, hf_config: dict):
 
     Args:
         model_type (str): the checkpointer's ``model_type``; ``LLAMA3``, ``LLAMA3_2``,
-            ``QWEN2``, ``QWEN3`` and ``GEMMA3`` are supported.
+            ``QWEN2`` and this package's families (``QWEN3``, ``GEMMA3``, ``MISTRAL_HF``,
+            ``SMOLLM3``, ...: :data:`~torchtune_grpo.models.families.MODEL_TYPES`) are supported.
         hf_config (dict): the model's ``config.json``.
 
     Returns:
