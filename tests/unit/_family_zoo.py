@@ -94,6 +94,23 @@ CASES: list[FamilyCase] = [
                     original_max_position_embeddings=256, rope_theta=10_000.0,
                     rms_norm_eps=1e-5, pad_token_id=0, eos_token_id=1, bos_token_id=2),
                tied=True, fast=False),
+    FamilyCase("mistral-untied-gqa-window_8", "MistralForCausalLM", "MistralConfig",
+               dict(num_key_value_heads=2, sliding_window=8, tie_word_embeddings=False,
+                    rope_theta=1_000_000.0, rms_norm_eps=1e-5, pad_token_id=0)),
+    FamilyCase("mistral-untied-head_dim_32-no_window", "MistralForCausalLM", "MistralConfig",
+               dict(num_key_value_heads=4, head_dim=32, sliding_window=None,
+                    tie_word_embeddings=False, num_hidden_layers=3, rope_theta=10_000.0,
+                    rms_norm_eps=1e-6)),
+    FamilyCase("smollm3-tied-gqa-no_rope_layers", "SmolLM3ForCausalLM", "SmolLM3Config",
+               dict(num_key_value_heads=2, no_rope_layers=[1, 0, 1, 0],
+                    tie_word_embeddings=True, rope_theta=100_000.0, rms_norm_eps=1e-6,
+                    pad_token_id=0, bos_token_id=1, eos_token_id=2),
+               tied=True),
+    FamilyCase("smollm3-untied-sliding_8", "SmolLM3ForCausalLM", "SmolLM3Config",
+               dict(num_key_value_heads=4, no_rope_layer_interval=2, use_sliding_window=True,
+                    sliding_window=8, tie_word_embeddings=False, rope_theta=100_000.0,
+                    rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+               fast=False),
 ]
 BY_NAME = {case.name: case for case in CASES}
 

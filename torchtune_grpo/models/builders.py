@@ -11,7 +11,10 @@ builders: ``LlamaForCausalLM`` onto :func:`torchtune.models.llama3_2.llama3_2` (
 twin), ``Qwen2ForCausalLM`` onto :func:`torchtune.models.qwen2.qwen2`, ``Qwen3ForCausalLM``
 onto this package's :func:`~torchtune_grpo.models.families.qwen3.qwen3` (torchtune 0.6.1 has
 none; see that module for its per-head q/k norms), ``Gemma3ForCausalLM`` onto
-:func:`~torchtune_grpo.models.families.gemma3.gemma3` (Gemma norms, sliding-window layers).
+:func:`~torchtune_grpo.models.families.gemma3.gemma3` (Gemma norms, sliding-window layers),
+``MistralForCausalLM`` and ``SmolLM3ForCausalLM`` onto
+:func:`~torchtune_grpo.models.families.mistral.mistral` (explicit ``head_dim``, sliding window)
+and :func:`~torchtune_grpo.models.families.smollm3.smollm3` (layers without RoPE).
 What those builders fix and a folder may change is set after building:
 
 * **RoPE.** ``llama3_2`` always builds Llama 3's scaled RoPE with fixed frequency factors. A
@@ -236,7 +239,8 @@ def hf_architecture(cfg: dict[str, Any], *, where: str = "config.json",
 
 def hf_model_type(model_dir: str | Path) -> str:
     """The torchtune checkpointer ``model_type`` of an HF folder (``LLAMA3_2``, ``QWEN2``,
-    ``QWEN3``, ``GEMMA3``: this package's families, whose checkpointers torchtune does not
+    ``QWEN3``, ``GEMMA3``, ``MISTRAL_HF``, ``SMOLLM3``: this package's families, whose
+    checkpointers torchtune does not
     have; see :mod:`torchtune_grpo.models.families`).
 
     Raises:

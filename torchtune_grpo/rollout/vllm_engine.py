@@ -55,8 +55,9 @@ def torchtune_to_hf_converter(model_type: str, hf_config: dict):
 
     Args:
         model_type (str): the checkpointer's ``model_type``; ``LLAMA3``, ``LLAMA3_2``,
-            ``QWEN2`` and this package's families (``QWEN3``, ``GEMMA3``, ``OLMO2``,
-            ``PHI3``, ...) are supported.
+            ``QWEN2`` and this package's families (``QWEN3``, ``GEMMA3``, ``OLMO2``, ``PHI3``,
+            ``MISTRAL_HF``, ``SMOLLM3``: :data:`~torchtune_grpo.models.families.MODEL_TYPES`)
+            are supported.
         hf_config (dict): the model's ``config.json``.
 
     Returns:

@@ -27,6 +27,10 @@ here reads weights).
 * :mod:`~torchtune_grpo.models.families.phi3`: ``Phi3ForCausalLM`` (Phi-3, Phi-4): fused
   ``qkv_proj``/``gate_up_proj`` weights split on load and stacked on save, partial rotary,
   LongRoPE within the original context, sliding window.
+* :mod:`~torchtune_grpo.models.families.mistral`: ``MistralForCausalLM``: Llama-shaped, explicit
+  ``head_dim``, an optional sliding window on every layer.
+* :mod:`~torchtune_grpo.models.families.smollm3`: ``SmolLM3ForCausalLM``: Llama-shaped, some
+  layers without RoPE (``no_rope_layers``).
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ FAMILY_MODULES: dict[str, str] = {
     "Gemma3ForCausalLM": "torchtune_grpo.models.families.gemma3",
     "Olmo2ForCausalLM": "torchtune_grpo.models.families.olmo2",
     "Phi3ForCausalLM": "torchtune_grpo.models.families.phi3",
+    "MistralForCausalLM": "torchtune_grpo.models.families.mistral",
+    "SmolLM3ForCausalLM": "torchtune_grpo.models.families.smollm3",
 }
 #: ``config.json``'s ``model_type`` -> architecture, for configs without ``architectures``.
 HF_MODEL_TYPES: dict[str, str] = {
@@ -49,6 +55,8 @@ HF_MODEL_TYPES: dict[str, str] = {
     "gemma3_text": "Gemma3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
 #: The checkpointer ``model_type`` of each architecture (``NAMES.model_type``, known without
 #: importing the module).
@@ -57,6 +65,8 @@ MODEL_TYPES: dict[str, str] = {
     "Gemma3ForCausalLM": "GEMMA3",
     "Olmo2ForCausalLM": "OLMO2",
     "Phi3ForCausalLM": "PHI3",
+    "MistralForCausalLM": "MISTRAL_HF",  # torchtune's MISTRAL permutes q/k for its own RoPE
+    "SmolLM3ForCausalLM": "SMOLLM3",
 }
 
 
