@@ -28,6 +28,11 @@ from torchtune_grpo.training.checkpointing import hf_checkpointer  # noqa: E402
 
 V = SMALL["vocab_size"]
 FAST = [case for case in CASES if case.fast]
+#: The first case of each architecture: greedy decoding (the slowest check) runs on these in the
+#: fast tier and on the other cases in the slow tier.
+FIRST = {case.name for case in {c.architecture: c for c in reversed(FAST)}.values()}
+GREEDY = [pytest.param(case, id=case.name,
+                       marks=() if case.name in FIRST else pytest.mark.slow) for case in FAST]
 
 
 @pytest.fixture(scope="module", params=FAST, ids=[case.name for case in FAST])
@@ -89,9 +94,11 @@ def test_no_mask_forward_matches(folder, tmp_path):
 
 
 # ------------------------------------------------------------------------- (b) greedy decoding
+@pytest.mark.parametrize("folder", GREEDY, indirect=True)
 @pytest.mark.parametrize("packed", [True, False], ids=["packed_weights", "plain_linear"])
 def test_greedy_generation_matches_transformers(folder, tmp_path, packed):
-    """64 greedy tokens of the native engine equal ``transformers.generate``'s, row by row."""
+    """64 greedy tokens of the native engine equal ``transformers.generate``'s, row by row
+    (fast tier: the first case of each architecture; slow tier: the others)."""
     path, ref, _ = folder
     model, _ = ours(path, tmp_path)
     tokens, mask = left_padded([0, 3, 9], 12, seed=2)
