@@ -56,6 +56,16 @@ def test_equation_style_is_the_same_problems_as_plain_text():
     assert EQUATION_TEMPLATE.chat is False and EQUATION_TEMPLATE.format_user("1 + 2 =") == "1 + 2 ="
     with pytest.raises(ValueError, match="style"):
         arithmetic_problems("test", style="prose")
+    # the few-shot lines are solved correctly and are problems of neither split
+    from torchtune_grpo.datasets import EQUATION_FEW_SHOT_TEMPLATE
+
+    every = {q for split in ("train", "test")
+             for q, _ in arithmetic_problems(split, style="equation")}
+    lines = EQUATION_FEW_SHOT_TEMPLATE.user.split("\n")
+    assert lines[-1] == "{question}" and EQUATION_FEW_SHOT_TEMPLATE.chat is False
+    for line in lines[:-1]:
+        question, answer = line.split(" = ")
+        assert question + " =" not in every and _value(f"What is {question}?") == int(answer)
 
 
 def test_word_problems_splits_answers_and_held_out_wording():

@@ -19,6 +19,7 @@ from torchtune_grpo.datasets.addition import (
 )
 from torchtune_grpo.datasets.arithmetic import (
     ARITHMETIC_TEMPLATE,
+    EQUATION_FEW_SHOT_TEMPLATE,
     EQUATION_TEMPLATE,
     arithmetic_dataset,
     arithmetic_problems,
@@ -50,6 +51,7 @@ from torchtune_grpo.datasets.word_problems import (
 
 __all__ = [
     "ARITHMETIC_TEMPLATE",
+    "EQUATION_FEW_SHOT_TEMPLATE",
     "EQUATION_TEMPLATE",
     "arithmetic_dataset",
     "arithmetic_problems",

@@ -36,6 +36,7 @@ from torchtune_grpo.errors import DataError
 __all__ = [
     "ARITHMETIC_OPERATIONS",
     "ARITHMETIC_TEMPLATE",
+    "EQUATION_FEW_SHOT_TEMPLATE",
     "EQUATION_TEMPLATE",
     "QUESTION_STYLES",
     "arithmetic_dataset",
@@ -53,6 +54,11 @@ ARITHMETIC_TEMPLATE = PromptTemplate(user="{question} Reply with the result only
 #: The equation alone as plain text, no chat template (``style="equation"``: ``"47 + 38 ="``),
 #: for base models such as Gemma 3 270M.
 EQUATION_TEMPLATE = PromptTemplate(user="{question}", chat=False)
+#: :data:`EQUATION_TEMPLATE` after four solved equations, one a line, none of them a problem of
+#: either split (operands outside their ranges): the answer format a base model then follows
+#: (Gemma 3 270M: held-out greedy accuracy 0.07 without them, 0.17 with four such lines).
+EQUATION_FEW_SHOT_TEMPLATE = PromptTemplate(
+    user="5 + 8 = 13\n123 + 45 = 168\n15 - 9 = 6\n7 * 8 = 56\n{question}", chat=False)
 
 
 def _operands(operation: str) -> list[tuple[int, int]]:
