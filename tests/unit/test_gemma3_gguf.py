@@ -395,3 +395,15 @@ def test_real_tokenizer_matches_transformers_gguf(real):
         assert ours.decode(expected, skip_special_tokens=False) == ref.decode(
             expected, skip_special_tokens=False), text
     assert ours("47 + 38 =")["input_ids"] == [2, 236812, 236832, 900, 236743, 236800, 236828, 578]
+
+
+def test_next_commands_name_the_shipped_base_model_configs(tmp_path):
+    """After ``prepare-model gemma3-270m`` the hint names the shipped plain-text configs
+    (``gemma3-270m`` -> ``grpo/gemma3_270m_*``), with the folder as their model."""
+    from torchtune_grpo.models.packaged import _next_commands
+
+    folder = tmp_path / "gemma-3-270m"
+    commands = _next_commands(folder, "gemma3-270m")
+    assert commands[0] == ("tune run grpo_full_finetune_distributed --config "
+                           f"grpo/gemma3_270m_arithmetic_cpu model_dir={folder}")
+    assert commands[1].startswith("tune run grpo_eval --config grpo/eval_gemma3_270m_arithmetic")

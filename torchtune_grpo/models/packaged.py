@@ -316,7 +316,8 @@ def _next_commands(folder: Path, model: str) -> list[str]:
     try:
         from torchtune_grpo.training.config import list_shipped_configs, resolve_config_path
 
-        names = sorted((c for c in list_shipped_configs() if model and model in c.lower()),
+        key_name = model.replace("-", "_")  # gemma3-270m: grpo/gemma3_270m_arithmetic_cpu
+        names = sorted((c for c in list_shipped_configs() if model and key_name in c.lower()),
                        key=lambda c: ("eval" in c, c))
         for name in names:
             text = resolve_config_path(name).read_text()
@@ -376,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"next: {command}")
     if not _has_chat_template(folder):
         print("note: a base model has no chat template, so prompts must be plain text: "
-              "`chat: false` in a dataset's `template` (the shipped configs use the chat format)")
+              "`chat: false` in a dataset's `template` (grpo/gemma3_270m_arithmetic_cpu does; "
+              "most shipped configs use the chat format)")
     return 0
 
 
