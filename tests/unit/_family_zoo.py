@@ -33,6 +33,9 @@ class FamilyCase:
         gemma_norms: norm weights are offsets from 1 (drawn around 0, not around 1).
         tied: the output projection is the embedding table.
         fast: part of the fast tier's parity tests (one or two cases per family).
+        reload_tol: largest |logit diff| between our model and transformers loading what we
+            saved (1e-5; Llama: torchtune's interleaved RoPE on permuted q/k rows is the same
+            rotation as HF's halves, rounded differently: 9e-6 measured with these weights).
     """
 
     name: str
@@ -42,6 +45,7 @@ class FamilyCase:
     gemma_norms: bool = False
     tied: bool = False
     fast: bool = True
+    reload_tol: float = 1e-5
 
     def hf_config(self, **extra):
         """The ``transformers`` config of this case."""
@@ -53,6 +57,14 @@ class FamilyCase:
 
 
 CASES: list[FamilyCase] = [
+    # torchtune's own builders (llama3_2, qwen2) with its converters (q/k permuted)
+    FamilyCase("llama-tied-gqa", "LlamaForCausalLM", "LlamaConfig",
+               dict(num_key_value_heads=2, tie_word_embeddings=True, rope_theta=100_000.0,
+                    rms_norm_eps=1e-5, num_hidden_layers=3),
+               tied=True, reload_tol=5e-5),
+    FamilyCase("qwen2-untied-qkv_bias", "Qwen2ForCausalLM", "Qwen2Config",
+               dict(num_key_value_heads=2, tie_word_embeddings=False, rope_theta=1_000_000.0,
+                    rms_norm_eps=1e-6, num_hidden_layers=3, use_sliding_window=False)),
     FamilyCase("qwen3-tied-gqa-head_dim_32", "Qwen3ForCausalLM", "Qwen3Config",
                dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
                     num_hidden_layers=3, rope_theta=1_000_000.0, rms_norm_eps=1e-6),

@@ -467,6 +467,10 @@ def hf_checkpointer(
         from torchtune_grpo.models.families.hf_weights import HFFamilyCheckpointer
 
         FullModelHFCheckpointer = partial(HFFamilyCheckpointer, family.NAMES)  # noqa: N806
+    elif str(model_type).upper() == "QWEN2":  # torchtune's, with a right PEFT adapter file
+        from torchtune_grpo.models.families.hf_weights import qwen2_checkpointer
+
+        FullModelHFCheckpointer = qwen2_checkpointer  # noqa: N806
     checkpointer = FullModelHFCheckpointer(
         checkpoint_dir=str(folder),
         checkpoint_files=list(checkpoint_files),

@@ -449,3 +449,48 @@ class HFFamilyCheckpointer:
             path = self._output_dir / RECIPE_STATE_DIRNAME / "recipe_state.pt"
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(rest, path)
+
+
+#: torchtune's Qwen2 names (``qwen2``/``qwen2_5`` builders, QKV biases) and their HF names.
+QWEN2_NAMES = WeightNames(
+    family="Qwen2", model_type="QWEN2",
+    global_names={"model.embed_tokens.weight": "tok_embeddings.weight",
+                  "model.norm.weight": "norm.scale", "lm_head.weight": "output.weight"},
+    layer_names={**{f"self_attn.{hf}.{p}": f"attn.{tt}.{p}" for hf, tt in (
+        ("q_proj", "q_proj"), ("k_proj", "k_proj"), ("v_proj", "v_proj"))
+        for p in ("weight", "bias")},
+        "self_attn.o_proj.weight": "attn.output_proj.weight",
+        "mlp.gate_proj.weight": "mlp.w1.weight", "mlp.down_proj.weight": "mlp.w2.weight",
+        "mlp.up_proj.weight": "mlp.w3.weight", "input_layernorm.weight": "sa_norm.scale",
+        "post_attention_layernorm.weight": "mlp_norm.scale"},
+    tied_by_default=False, not_part="part of a Qwen2ForCausalLM")
+
+
+def qwen2_checkpointer(**kwargs: Any) -> Any:
+    """torchtune's ``FullModelHFCheckpointer`` for ``model_type: QWEN2`` whose PEFT adapter
+    file is right.
+
+    torchtune 0.6.1 writes ``adapter_model.safetensors`` for every model type with Llama's
+    q/k row permutation of ``lora_B``; Qwen2's weights are not permuted (its RoPE rotates
+    halves, as HF's does), so PEFT would apply that adapter to the wrong rows of ``q_proj`` and
+    ``k_proj``. This checkpointer writes the file again from the adapter weights with
+    :data:`QWEN2_NAMES` (renaming only) after torchtune's save; everything else is torchtune's.
+    """
+    from torchtune import training
+    from torchtune.training import FullModelHFCheckpointer
+
+    class Qwen2HFCheckpointer(FullModelHFCheckpointer):
+        def save_checkpoint(self, state_dict: dict[str, Any], epoch: int,
+                            intermediate_checkpoint: bool = False,
+                            adapter_only: bool = False) -> None:
+            adapter = dict(state_dict.get(training.ADAPTER_KEY) or {})  # torchtune renames it
+            super().save_checkpoint(state_dict, epoch, intermediate_checkpoint, adapter_only)
+            path = Path(self._output_dir) / f"epoch_{epoch}" / "adapter_model.safetensors"
+            if adapter and self._safe_serialization and path.is_file():
+                from safetensors.torch import save_file
+
+                save_file({k: v.contiguous() for k, v in
+                           QWEN2_NAMES.tune_to_peft_adapter(adapter).items()}, str(path),
+                          metadata={"format": "pt"})
+
+    return Qwen2HFCheckpointer(**kwargs)
