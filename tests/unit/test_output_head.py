@@ -171,3 +171,15 @@ def test_only_a_packed_row_may_exceed_max_seq_len():
         padded, _ = micro_batch_logprobs(policy, tokens, p_mask, r_mask)
         packed, _ = micro_batch_logprobs(policy, tokens, p_mask, r_mask, pack=True)
     torch.testing.assert_close(packed, padded * r_mask)
+
+
+def test_a_policy_built_from_parts_equals_a_converted_one():
+    plain, capped = _models(tied=True)
+    built = PolicyDecoder(tok_embeddings=plain.tok_embeddings, layers=plain.layers,
+                          max_seq_len=plain.max_seq_len, num_heads=plain.num_heads,
+                          head_dim=plain.head_dim, norm=plain.norm, output=plain.output,
+                          final_logit_softcap=CAP).eval()
+    tokens = torch.randint(0, 300, (2, 6), generator=torch.Generator().manual_seed(2))
+    assert list(built.state_dict()) == list(capped.state_dict())
+    with torch.no_grad():
+        assert torch.equal(built(tokens), capped(tokens))
