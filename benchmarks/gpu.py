@@ -490,8 +490,10 @@ def bench_shape(name: str, dims: dict, w: Workload, args, budget: Budget, workdi
             from torchtune.models.qwen2 import qwen2
             from torchtune.training import set_default_dtype
 
+            from torchtune_grpo.policy.decoder import policy_decoder
+
             with set_default_dtype(_dtype(args.dtype)), torch.device(args.device):
-                model = qwen2(**dims)
+                model = policy_decoder(qwen2(**dims))
         with torch.no_grad():
             result["generation"]["native"] = bench_native_generation(model, dims, w,
                                                                      args.device)

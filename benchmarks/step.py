@@ -141,20 +141,22 @@ def install_baseline() -> None:
 
     from torchtune_grpo.algorithm.trajectory import Trajectory, position_ids
     from torchtune_grpo.policy import forward as fwd
+    from torchtune_grpo.policy.head import OutputHead, ResponseLogProbs
     from torchtune_grpo.policy.logprobs import naive_token_logprobs
     from torchtune_grpo.rollout import native as gen
 
-    def full_logits_unembed(self, h):
-        mode = self.__dict__.get(fwd._MODE_ATTR)
-        if not isinstance(mode, fwd._ResponseLogProbs):
-            return fwd.__dict__["_original_unembed"](self, h)
-        logits = self.output(self.norm(h)).float()  # [N, P + T - 1, V], every position
-        t = mode.targets.shape[1]
-        return naive_token_logprobs(logits[:, mode.start : mode.start + t], mode.targets,
-                                    mode.temperature, mode.logit_bias, mode.return_entropy)
+    answer = OutputHead.__call__
 
-    fwd.__dict__["_original_unembed"] = fwd._unembed
-    fwd._unembed = full_logits_unembed
+    def full_logits_head(self, h, request=None):
+        if not isinstance(request, ResponseLogProbs):
+            return answer(self, h, request)
+        logits = self.logits(h)  # [N, P + T - 1, V], every position
+        t = request.targets.shape[1]
+        return naive_token_logprobs(logits[:, request.start : request.start + t],
+                                    request.targets, request.temperature, request.logit_bias,
+                                    request.return_entropy)
+
+    OutputHead.__call__ = full_logits_head
 
     @torch.no_grad()
     def torchtune_cache_micro_batch(model, prompt_tokens, prompt_mask, *, max_generated_tokens,

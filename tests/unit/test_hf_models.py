@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 from torchtune import training  # noqa: E402
 
 from torchtune_grpo.models import hf_architecture, hf_model, hf_model_type, lora_hf_model  # noqa: E402
+from torchtune_grpo.policy.decoder import PolicyDecoder  # noqa: E402
 from torchtune_grpo.training.checkpointing import hf_checkpointer  # noqa: E402
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -100,6 +101,7 @@ def test_model_type_and_lora(tmp_path):
         base = hf_model(str(tmp_path / name))
         lora = lora_hf_model(str(tmp_path / name), lora_attn_modules=["q_proj", "v_proj"],
                              lora_rank=4, lora_alpha=8)
+        assert isinstance(base, PolicyDecoder) and isinstance(lora, PolicyDecoder)
         # adapters start at zero: same function as the base with the same base weights
         missing = lora.load_state_dict(base.state_dict(), strict=False).missing_keys
         assert missing and all("lora" in k for k in missing)

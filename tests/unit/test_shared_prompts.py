@@ -98,9 +98,9 @@ class _PackSpy(torch.nn.Module):
         super().__init__()
         self.decoder, self.calls = decoder, []
 
-    def forward(self, tokens, *, mask, input_pos):
+    def forward(self, tokens, *, mask, input_pos, output=None):
         self.calls.append((tokens.clone(), input_pos.clone(), mask))
-        return self.decoder(tokens, mask=mask, input_pos=input_pos)
+        return self.decoder(tokens, mask=mask, input_pos=input_pos, output=output)
 
 
 def test_each_prompt_runs_once_at_its_own_positions():

@@ -176,9 +176,9 @@ class _Spy(torch.nn.Module):
         self.decoder = decoder
         self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def forward(self, tokens, *, mask, input_pos):
+    def forward(self, tokens, *, mask, input_pos, output=None):
         self.calls.append((input_pos.clone(), mask.clone()))
-        return self.decoder(tokens, mask=mask, input_pos=input_pos)
+        return self.decoder(tokens, mask=mask, input_pos=input_pos, output=output)
 
 
 def test_model_sees_untrimmed_positions_and_mask() -> None:
@@ -259,9 +259,9 @@ class _PackSpy(torch.nn.Module):
         self.decoder = decoder
         self.calls: list = []
 
-    def forward(self, tokens, *, mask, input_pos):
+    def forward(self, tokens, *, mask, input_pos, output=None):
         self.calls.append((tokens.clone(), input_pos.clone(), mask))
-        return self.decoder(tokens, mask=mask, input_pos=input_pos)
+        return self.decoder(tokens, mask=mask, input_pos=input_pos, output=output)
 
 
 def test_packed_model_sees_real_tokens_only() -> None:

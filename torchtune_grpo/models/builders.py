@@ -24,6 +24,10 @@ What those builders fix and a folder may change is set after building:
   ``low_freq_factor``, ``high_freq_factor`` and ``original_max_position_embeddings``.
 * **Tied embeddings, head counts, QKV bias** are arguments of the builders already.
 
+The builder's decoder comes back as the policy model, a
+:class:`~torchtune_grpo.policy.decoder.PolicyDecoder` (the same modules and parameter names)
+whose output head has the folder's final-logit soft-cap, if it has one.
+
 Anything the builders cannot express (another architecture, another RoPE scaling, a
 ``head_dim`` other than ``hidden_size / num_attention_heads`` outside Qwen3, sliding-window
 attention, biases in a Llama MLP or a Qwen3 attention) fails in :func:`hf_architecture`, before
@@ -46,6 +50,7 @@ from torchtune_grpo.models.families import (
     MODEL_TYPES,
     family_module,
 )
+from torchtune_grpo.policy.decoder import PolicyDecoder, policy_decoder
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -117,6 +122,8 @@ class HFArchitecture:
         rope: for the Llama family, ``None`` for plain RoPE, else the Llama 3 scaling
             parameters (``scale_factor``, ``low_freq_factor``, ``high_freq_factor``,
             ``old_context_len``).
+        final_logit_softcap: the output head's final-logit soft-cap (``config.json``'s
+            ``final_logit_softcapping``; ``None`` for every family supported here).
     """
 
     architecture: str
@@ -124,6 +131,7 @@ class HFArchitecture:
     model_type: str
     builder_kwargs: dict[str, Any] = field(default_factory=dict)
     rope: dict[str, float] | None = None
+    final_logit_softcap: float | None = None
 
 
 def _rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -274,8 +282,8 @@ def _arch(model_dir: str | Path, max_seq_len: int | None) -> HFArchitecture:
     return hf_architecture(read_hf_config(model_dir), where=where, max_seq_len=max_seq_len)
 
 
-def hf_model(model_dir: str, max_seq_len: int | None = None) -> nn.Module:
-    """A torchtune decoder with the architecture of the HF folder ``model_dir``.
+def hf_model(model_dir: str, max_seq_len: int | None = None) -> PolicyDecoder:
+    """The policy model with the architecture of the HF folder ``model_dir``.
 
     Only ``config.json`` is read; the weights are loaded by the checkpointer
     (:func:`torchtune_grpo.training.checkpointing.hf_checkpointer`).
@@ -285,9 +293,16 @@ def hf_model(model_dir: str, max_seq_len: int | None = None) -> nn.Module:
         max_seq_len: context length (RoPE cache); default ``max_position_embeddings``.
 
     Returns:
-        A :class:`torchtune.modules.TransformerDecoder`.
+        A :class:`~torchtune_grpo.policy.decoder.PolicyDecoder` (a torchtune
+        ``TransformerDecoder`` with torchtune's parameter names) whose head has the folder's
+        final-logit soft-cap.
     """
     arch = _arch(model_dir, max_seq_len)
+    return _policy(_decoder(arch), arch)
+
+
+def _decoder(arch: HFArchitecture) -> nn.Module:
+    """The torchtune decoder of ``arch``, from its family's builder."""
     if arch.architecture in FAMILY_MODULES:
         return family_module(arch.architecture).build(**arch.builder_kwargs)
     if arch.family == "qwen2":
@@ -297,6 +312,10 @@ def hf_model(model_dir: str, max_seq_len: int | None = None) -> nn.Module:
     from torchtune.models.llama3_2._component_builders import llama3_2
 
     return _set_rope(llama3_2(**arch.builder_kwargs), arch)
+
+
+def _policy(decoder: nn.Module, arch: HFArchitecture) -> PolicyDecoder:
+    return policy_decoder(decoder, final_logit_softcap=arch.final_logit_softcap)
 
 
 def lora_hf_model(
@@ -310,7 +329,7 @@ def lora_hf_model(
     use_dora: bool = False,
     quantize_base: bool = False,
     max_seq_len: int | None = None,
-) -> nn.Module:
+) -> PolicyDecoder:
     """:func:`hf_model` with LoRA (or DoRA) adapters, through torchtune's ``lora_*`` builders.
 
     Args:
@@ -330,6 +349,11 @@ def lora_hf_model(
     lora = dict(lora_attn_modules=list(lora_attn_modules), apply_lora_to_mlp=apply_lora_to_mlp,
                 apply_lora_to_output=apply_lora_to_output, lora_rank=lora_rank,
                 lora_alpha=lora_alpha, lora_dropout=lora_dropout, use_dora=use_dora)
+    return _policy(_lora_decoder(arch, lora, quantize_base), arch)
+
+
+def _lora_decoder(arch: HFArchitecture, lora: dict[str, Any], quantize_base: bool) -> nn.Module:
+    """The torchtune LoRA decoder of ``arch``, from its family's ``lora_*`` builder."""
     if arch.architecture in FAMILY_MODULES:
         return family_module(arch.architecture).build_lora(
             **arch.builder_kwargs, **lora, quantize_base=quantize_base)

@@ -1,19 +1,13 @@
-"""Forward passes of a torchtune decoder that never build logits they do not need.
-
-A :class:`torchtune.modules.TransformerDecoder` ends in ``unembed``: final norm, then the
-output projection over every position. GRPO needs far less than that:
-
-* generation needs the logits of the **last** prompt position only (prefill), and
-* training needs the log-probability of each **response** token only, never the
-  ``[N, P + T, V]`` float32 logits of prompt and response positions.
+"""Forward passes of the policy that never build logits they do not need.
 
 :func:`last_logits`, :func:`response_logprobs`, :func:`micro_batch_logprobs` and
 :func:`packed_micro_batch_logprobs` are the only forwards of the policy that GRPO runs, each an
-explicit call that says what it returns. Each one runs the model's own ``forward`` (so FSDP2
-has the (tied) output weights gathered when the projection runs) with ``unembed`` replaced on
-that model instance (:func:`install_output_modes`; the state dict, the parameter names and
-FSDP wrapping are untouched) by a version that answers the request of the call in progress;
-outside these calls ``model(...)`` returns torchtune's ordinary logits.
+explicit call that says what it returns. Each one calls the model's own ``forward`` (so FSDP2
+has the (tied) output weights gathered when the projection runs) with the request for its
+output head as an argument: the model is a :class:`~torchtune_grpo.policy.decoder.PolicyDecoder`
+and its :class:`~torchtune_grpo.policy.head.OutputHead` projects the last position only, or the
+positions that predict a response token only (:mod:`torchtune_grpo.policy.head`). Called
+without a request, ``model(...)`` returns torchtune's ordinary logits.
 
 :func:`packed_micro_batch_logprobs` goes one step further for training-time passes: the real
 tokens of a micro-batch's rows are laid end to end in one row, so the model's linears, norms
@@ -23,126 +17,41 @@ and MLPs run on the real tokens only, and attention runs per row
 
 from __future__ import annotations
 
-import contextlib
-import types
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torchtune.modules import TransformerDecoder
 
 from torchtune_grpo.algorithm.trajectory import attention_mask, position_ids, trim_to_extent
-from torchtune_grpo.policy.logprobs import chunked_token_logprobs
+from torchtune_grpo.policy.decoder import PolicyDecoder
+from torchtune_grpo.policy.head import (
+    LAST_POSITION,
+    OutputRequest,
+    PackedLogProbs,
+    ResponseLogProbs,
+)
 from torchtune_grpo.policy.packing import (
     PackedSegments,
     install_packed_attention,
     shared_prompt_layout,
 )
 
-_MODE_ATTR = "_grpo_output_mode"
 
+def _run(model: nn.Module, tokens: torch.Tensor, *, mask, input_pos: torch.Tensor,
+         output: OutputRequest, forward: Callable[..., object] | None = None):
+    """``(forward or model)(tokens, mask=mask, input_pos=input_pos, output=output)``.
 
-@dataclass
-class _LastPosition:
-    """Return logits of the last position only: ``[b, 1, V]`` float32."""
-
-
-_LAST_POSITION = _LastPosition()
-
-
-@dataclass
-class _ResponseLogProbs:
-    """Return log-probs of ``targets`` for the positions ``start .. start + T - 1``."""
-
-    targets: torch.Tensor  # [b, T]
-    start: int
-    temperature: float
-    logit_bias: torch.Tensor | None
-    chunk_size: int
-    return_entropy: bool
-    entropy_grad: bool = True
-    keep_probs: int = 0
-
-
-@dataclass
-class _PackedLogProbs:
-    """Return log-probs of ``targets`` predicted by the packed positions ``index``."""
-
-    index: torch.Tensor  # [M] positions of the packed row whose hidden state predicts a target
-    targets: torch.Tensor  # [1, M]
-    temperature: float
-    logit_bias: torch.Tensor | None
-    chunk_size: int
-    return_entropy: bool
-    entropy_grad: bool = True
-    keep_probs: int = 0
-
-
-def decoder_of(model: nn.Module) -> nn.Module:
-    """The :class:`TransformerDecoder` inside ``model`` (the model itself for plain decoders)."""
-    if hasattr(model, "unembed") and hasattr(model, "norm"):
-        return model
-    for module in model.modules():
-        if hasattr(module, "unembed") and hasattr(module, "norm") and hasattr(module, "output"):
-            return module
-    raise ValueError(
-        f"{type(model).__name__} has no torchtune TransformerDecoder with an `unembed` method; "
-        "torchtune-grpo needs a torchtune decoder-only model."
-    )
-
-
-def _unembed(self: nn.Module, h: torch.Tensor):
-    mode = self.__dict__.get(_MODE_ATTR)
-    if mode is None:
-        return type(self).unembed(self, h)
-    if isinstance(mode, _LastPosition):
-        return self.output(self.norm(h[:, -1:])).float()
-    if isinstance(mode, _PackedLogProbs):  # the positions that predict a response token
-        hidden = self.norm(h[:, mode.index])
-    else:  # _ResponseLogProbs: position i predicts token i + 1.
-        hidden = self.norm(h[:, mode.start : mode.start + mode.targets.shape[1]])
-    logprobs, entropy = chunked_token_logprobs(
-        hidden,
-        self.output,
-        mode.targets,
-        temperature=mode.temperature,
-        logit_bias=mode.logit_bias,
-        chunk_size=mode.chunk_size,
-        return_entropy=mode.return_entropy,
-        entropy_grad=mode.entropy_grad,
-        keep_probs=mode.keep_probs,
-    )
-    return _not_a_view(logprobs), None if entropy is None else _not_a_view(entropy)
-
-
-def _not_a_view(t: torch.Tensor) -> torch.Tensor:
-    """``t``, copied when it is a view (``[N, T]``: a few KB). Under FSDP2 these are the root
-    module's outputs, which it hooks for backward; an in-place op on a view output would
-    drop that hook, so torch warns on every view output. Same values, same gradient."""
-    return t.clone() if t._base is not None else t
-
-
-def install_output_modes(model: nn.Module) -> None:
-    """Let ``model`` answer :func:`last_logits` and :func:`response_logprobs`.
-
-    Idempotent; safe before or after FSDP sharding, activation checkpointing or LoRA.
+    Raises:
+        TypeError: ``model`` is a plain torchtune decoder, whose head takes no request (build
+            the policy with :func:`~torchtune_grpo.policy.decoder.policy_decoder`).
     """
-    decoder = decoder_of(model)
-    if "unembed" not in decoder.__dict__:
-        decoder.unembed = types.MethodType(_unembed, decoder)
-
-
-@contextlib.contextmanager
-def _mode(model: nn.Module, mode) -> Iterator[None]:
-    decoder = decoder_of(model)
-    install_output_modes(decoder)
-    previous = decoder.__dict__.get(_MODE_ATTR)
-    decoder.__dict__[_MODE_ATTR] = mode
-    try:
-        yield
-    finally:
-        decoder.__dict__[_MODE_ATTR] = previous
+    if isinstance(model, TransformerDecoder) and not isinstance(model, PolicyDecoder):
+        raise TypeError(f"{type(model).__name__} is a torchtune decoder, not a PolicyDecoder: "
+                        "build the policy with torchtune_grpo.policy.decoder.policy_decoder")
+    return (model if forward is None else forward)(tokens, mask=mask, input_pos=input_pos,
+                                                   output=output)
 
 
 def last_logits(
@@ -159,15 +68,17 @@ def last_logits(
     step with a KV cache), inside the model's own forward.
 
     Args:
-        model: a torchtune decoder (possibly FSDP-sharded, LoRA, with KV caches attached).
+        model: the policy, a :class:`PolicyDecoder` (possibly FSDP-sharded, LoRA, with KV
+            caches attached).
         tokens: ``[b, s]`` token ids.
         mask: the attention mask the decoder takes (``[b, s, L]`` boolean, or None).
         input_pos: ``[b, s]`` position ids.
         forward: the callable that runs ``model`` (default ``model`` itself; a compiled
             version of it for a compiled decode step).
     """
-    with _mode(model, _LAST_POSITION):  # one request object: a compiled step keeps its guards
-        return (model if forward is None else forward)(tokens, mask=mask, input_pos=input_pos)
+    # one request object, LAST_POSITION: a compiled step keeps its guards
+    return _run(model, tokens, mask=mask, input_pos=input_pos, output=LAST_POSITION,
+                forward=forward)
 
 
 def response_logprobs(
@@ -187,7 +98,8 @@ def response_logprobs(
     """Per-token log-probs of the response part of ``tokens`` under ``model``.
 
     Args:
-        model: a torchtune decoder (possibly FSDP-sharded, LoRA, checkpointed).
+        model: the policy, a :class:`PolicyDecoder` (possibly FSDP-sharded, LoRA,
+            checkpointed).
         tokens: ``[N, P + T]`` prompt (left-padded to ``P``) followed by the response.
         prompt_len: ``P``.
         mask: ``[N, P + T, P + T]`` boolean attention mask (see
@@ -206,7 +118,7 @@ def response_logprobs(
         ``(logprobs [N, T] float32, entropy [N, T] or None)``.
     """
     num_response = tokens.shape[1] - prompt_len
-    mode = _ResponseLogProbs(
+    request = ResponseLogProbs(
         targets=tokens[:, prompt_len:],
         start=prompt_len - 1,
         temperature=temperature,
@@ -217,10 +129,9 @@ def response_logprobs(
         keep_probs=keep_probs,
     )
     assert num_response > 0, "response_logprobs needs at least one response token"
-    with _mode(model, mode):
-        # The last position predicts nothing we score: drop it from the input.
-        out = model(tokens[:, :-1], mask=mask[:, :-1, :-1], input_pos=input_pos[:, :-1])
-    return out
+    # The last position predicts nothing we score: drop it from the input.
+    return _run(model, tokens[:, :-1], mask=mask[:, :-1, :-1], input_pos=input_pos[:, :-1],
+                output=request)
 
 
 def micro_batch_logprobs(
@@ -253,7 +164,7 @@ def micro_batch_logprobs(
     returned as 0, through a ``torch.where`` that passes them no gradient.
 
     Args:
-        model: a torchtune decoder.
+        model: the policy, a :class:`PolicyDecoder`.
         tokens: ``[n, P + T]`` left-padded prompts followed by right-padded responses.
         prompt_mask: ``[n, P]`` True on real prompt tokens.
         response_mask: ``[n, T]`` True on generated tokens.
@@ -297,26 +208,6 @@ def micro_batch_logprobs(
     return logprobs, entropy
 
 
-@contextlib.contextmanager
-def _max_seq_len_at_least(model: nn.Module, length: int) -> Iterator[None]:
-    """Let the decoder take a packed row longer than its ``max_seq_len``.
-
-    torchtune's decoder rejects inputs longer than ``max_seq_len``; a packed row holds several
-    sequences, each within that limit and with positions restarting at 0 (so the RoPE cache is
-    never indexed past it), but together longer.
-    """
-    decoder = decoder_of(model)
-    previous = getattr(decoder, "max_seq_len", None)
-    if previous is None or previous >= length:
-        yield
-        return
-    decoder.max_seq_len = length
-    try:
-        yield
-    finally:
-        decoder.max_seq_len = previous
-
-
 def packed_micro_batch_logprobs(
     model: nn.Module,
     tokens: torch.Tensor,
@@ -344,8 +235,9 @@ def packed_micro_batch_logprobs(
     projection. Rows without real tokens are skipped.
 
     Args:
-        model: a torchtune decoder (possibly FSDP-sharded, LoRA, checkpointed; not compiled:
-            the per-row attention loop would recompile for every set of lengths).
+        model: the policy, a :class:`PolicyDecoder` (possibly FSDP-sharded, LoRA,
+            checkpointed; not compiled: the per-row attention loop would recompile for every
+            set of lengths).
         tokens: ``[n, P + T]`` left-padded prompts followed by right-padded responses.
         prompt_mask: ``[n, P]`` True on real prompt tokens.
         response_mask: ``[n, T]`` True on generated tokens.
@@ -410,12 +302,13 @@ def packed_micro_batch_logprobs(
         packed_tokens = tokens[present].unsqueeze(0)  # [1, S]
         input_pos = positions[present].unsqueeze(0)  # [1, S]
     install_packed_attention(model)
-    mode = _PackedLogProbs(index=index, targets=targets, temperature=temperature,
-                           logit_bias=logit_bias, chunk_size=chunk_size,
-                           return_entropy=return_entropy, entropy_grad=entropy_grad,
-                           keep_probs=keep_probs)
-    with _mode(model, mode), _max_seq_len_at_least(model, packed_tokens.shape[1]):
-        logprobs, entropy = model(packed_tokens, mask=segments, input_pos=input_pos)
+    request = PackedLogProbs(index=index, targets=targets, temperature=temperature,
+                             logit_bias=logit_bias, chunk_size=chunk_size,
+                             return_entropy=return_entropy, entropy_grad=entropy_grad,
+                             keep_probs=keep_probs)
+    # the packed row may be longer than max_seq_len (the decoder knows a packed request)
+    logprobs, entropy = _run(model, packed_tokens, mask=segments, input_pos=input_pos,
+                             output=request)
     out = logprobs.new_zeros(n, num_response).masked_scatter(scored, logprobs[0])
     if entropy is not None:
         entropy = entropy.new_zeros(n, num_response).masked_scatter(scored, entropy[0])

@@ -23,7 +23,7 @@ from torchtune.modules.peft import (
 )
 
 from torchtune_grpo.errors import CheckpointError
-from torchtune_grpo.policy.forward import install_output_modes
+from torchtune_grpo.policy.decoder import PolicyDecoder, policy_decoder
 from torchtune_grpo.rollout.sampling import (
     allowed_token_mask,
     logit_bias_from_mask,
@@ -85,8 +85,13 @@ def build_model(
     reshard_after_forward: bool = True,
     adapter_state_dict: dict[str, torch.Tensor] | None = None,
     dp_mesh: Any = None,
-) -> nn.Module:
-    """Instantiate ``cfg_model``, load ``state_dict`` and prepare it for GRPO.
+) -> PolicyDecoder:
+    """Instantiate ``cfg_model`` as a :class:`~torchtune_grpo.policy.decoder.PolicyDecoder`,
+    load ``state_dict`` and prepare it for GRPO.
+
+    A config's torchtune decoder (``torchtune.models.llama3_2.llama3_2`` and the like) becomes
+    a policy (:func:`~torchtune_grpo.policy.decoder.policy_decoder`) before it is sharded,
+    wrapped or loaded; :func:`~torchtune_grpo.models.hf_model` builds one already.
 
     For a LoRA/DoRA model (torchtune's ``lora_*`` builders) ``state_dict`` holds the base
     weights, the adapters start from their initialisation (or ``adapter_state_dict`` when
@@ -109,7 +114,7 @@ def build_model(
     checkpointing = trainable and activation_checkpointing
     if world_size > 1:
         with training.set_default_dtype(dtype), torch.device("meta"):
-            model = config.instantiate(cfg_model)
+            model = policy_decoder(config.instantiate(cfg_model))
         adapters = {n for n, _ in get_adapter_params(model).items()}
         _check_state_dict(model, state_dict, adapters)
         if adapters:
@@ -141,7 +146,7 @@ def build_model(
             )
     else:
         with training.set_default_dtype(dtype), device:
-            model = config.instantiate(cfg_model)
+            model = policy_decoder(config.instantiate(cfg_model))
         adapters = {n for n, _ in get_adapter_params(model).items()}
         _check_state_dict(model, state_dict, adapters)
         model.load_state_dict(state_dict, strict=not adapters)
@@ -153,7 +158,6 @@ def build_model(
             training.set_activation_checkpointing(
                 model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
             )
-    install_output_modes(model)
     if not trainable:
         model.eval()
         model.requires_grad_(False)

@@ -74,7 +74,8 @@ TINY_MODEL_DIMS = dict(
 
 
 def tiny_llama(**overrides):
-    """A small :func:`torchtune.models.llama3_2.llama3_2` decoder (tied embeddings).
+    """A small policy model: a :func:`torchtune.models.llama3_2.llama3_2` decoder (tied
+    embeddings) as a :class:`~torchtune_grpo.policy.decoder.PolicyDecoder`.
 
     Keyword arguments override :data:`TINY_MODEL_DIMS`. The default vocabulary (320) is larger
     than the tiny tokenizer's (269 ids): ids 269..319 are undefined, as Llama 3 leaves some
@@ -82,8 +83,10 @@ def tiny_llama(**overrides):
     """
     from torchtune.models.llama3_2 import llama3_2
 
+    from torchtune_grpo.policy.decoder import policy_decoder
+
     dims = {**TINY_MODEL_DIMS, **overrides}
-    return llama3_2(**dims)
+    return policy_decoder(llama3_2(**dims))
 
 
 def hf_llama_config(vocab_size: int, num_layers: int, num_heads: int, num_kv_heads: int,

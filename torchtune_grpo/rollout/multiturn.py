@@ -467,12 +467,7 @@ def runs_policy(generator: Any) -> bool:
 
 def _model_max_len(model: Any) -> int | None:
     """The most positions ``model`` embeds (a torchtune decoder's ``max_seq_len``), or None."""
-    try:
-        from torchtune_grpo.policy.forward import decoder_of
-
-        value = getattr(decoder_of(model), "max_seq_len", None)
-    except (ValueError, AttributeError):
-        value = getattr(model, "max_seq_len", None)
+    value = getattr(model, "max_seq_len", None)
     return int(value) if isinstance(value, int) else None
 
 

@@ -1,0 +1,201 @@
+"""The policy's output head, and the requests it answers.
+
+A torchtune decoder ends in ``unembed``: final norm, then the output projection over every
+position. GRPO needs far less than that:
+
+* generation needs the logits of the **last** position only (prefill, one decode step),
+* training needs the log-probability of each **response** token only, never the
+  ``[N, P + T, V]`` float32 logits of prompt and response positions.
+
+:class:`OutputHead` is the part of a :class:`~torchtune_grpo.policy.decoder.PolicyDecoder` that
+turns its final hidden states into what one forward asks for, given as a request:
+
+* ``None``: torchtune's ordinary logits, ``[b, s, V]`` float32;
+* :data:`LAST_POSITION`: the logits of the last position, ``[b, 1, V]`` float32;
+* :class:`ResponseLogProbs`: log-probs (and entropies) of the targets predicted by a run of
+  positions, ``[N, T]``, through :func:`~torchtune_grpo.policy.logprobs.chunked_token_logprobs`;
+* :class:`PackedLogProbs`: the same for the scattered positions of a packed row, ``[1, M]``.
+
+The head holds what it is built with and nothing else: the final norm, the output projection
+(torchtune's ``TiedLinear``, an ``nn.Linear`` or a LoRA/DoRA linear: the decoder's own modules,
+so parameter names stay torchtune's) and an optional **final-logit soft-cap**
+``cap * tanh(logits / cap)`` (Gemma 2's ``final_logit_softcapping``), applied to the float32
+logits before any temperature, logit bias or log-softmax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from torchtune_grpo.policy.logprobs import chunked_token_logprobs
+
+__all__ = [
+    "LAST_POSITION",
+    "LastPosition",
+    "OutputHead",
+    "OutputRequest",
+    "PackedLogProbs",
+    "ResponseLogProbs",
+    "SoftCappedProjection",
+    "soft_cap",
+]
+
+
+@dataclass(frozen=True)
+class LastPosition:
+    """Return the logits of the last position only: ``[b, 1, V]`` float32.
+
+    Use the one instance :data:`LAST_POSITION`: a compiled decode step guards on the request
+    it is called with, and one object keeps its guards.
+    """
+
+
+LAST_POSITION = LastPosition()
+
+
+@dataclass(frozen=True, eq=False)
+class ResponseLogProbs:
+    """Return log-probs of ``targets`` predicted by the positions ``start .. start + T - 1``.
+
+    Attributes:
+        targets: ``[N, T]`` token ids; position ``start + t`` predicts ``targets[:, t]``.
+        start: the first predicting position.
+        temperature, logit_bias, chunk_size, return_entropy, entropy_grad, keep_probs: as for
+            :func:`~torchtune_grpo.policy.logprobs.chunked_token_logprobs`.
+    """
+
+    targets: torch.Tensor
+    start: int
+    temperature: float = 1.0
+    logit_bias: torch.Tensor | None = None
+    chunk_size: int = 1024
+    return_entropy: bool = False
+    entropy_grad: bool = True
+    keep_probs: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class PackedLogProbs:
+    """Return log-probs of ``targets`` predicted by the positions ``index`` of a packed row.
+
+    The input is one ``[1, S]`` row holding several sequences end to end, each within the
+    decoder's ``max_seq_len`` and with positions restarting at 0, so the row itself may be
+    longer than ``max_seq_len``.
+
+    Attributes:
+        index: ``[M]`` positions of the packed row whose hidden state predicts a target.
+        targets: ``[1, M]`` token ids.
+        temperature, logit_bias, chunk_size, return_entropy, entropy_grad, keep_probs: as for
+            :class:`ResponseLogProbs`.
+    """
+
+    index: torch.Tensor
+    targets: torch.Tensor
+    temperature: float = 1.0
+    logit_bias: torch.Tensor | None = None
+    chunk_size: int = 1024
+    return_entropy: bool = False
+    entropy_grad: bool = True
+    keep_probs: int = 0
+
+
+#: What one forward of a :class:`~torchtune_grpo.policy.decoder.PolicyDecoder` may ask its head
+#: for; ``None`` asks for torchtune's ordinary logits.
+OutputRequest = LastPosition | ResponseLogProbs | PackedLogProbs | None
+
+
+class SoftCappedProjection:
+    """``cap * tanh(project(h).float() / cap)``: an output projection with a final-logit
+    soft-cap, in float32.
+
+    Not a plain linear map, so :func:`~torchtune_grpo.policy.logprobs.chunked_token_logprobs`
+    runs it through its checkpointed chunks (never its fused linear kernel).
+    """
+
+    def __init__(self, project: Callable[[torch.Tensor], torch.Tensor], cap: float) -> None:
+        self.project = project
+        self.cap = cap
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return soft_cap(self.project(h).float(), self.cap)
+
+
+def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(logits / cap)``: logits squashed into ``(-cap, cap)``."""
+    return torch.tanh(logits / cap) * cap
+
+
+class OutputHead:
+    """Final norm, output projection and optional final-logit soft-cap, answering a request.
+
+    Built once with its decoder (:class:`~torchtune_grpo.policy.decoder.PolicyDecoder`), from
+    the decoder's own ``norm`` and ``output`` (registered on the decoder, so the state dict keeps
+    torchtune's names). Not an ``nn.Module``: it owns no parameters.
+
+    Args:
+        norm: the final norm.
+        output: the output projection (``TiedLinear``, ``nn.Linear``, LoRA/DoRA linear).
+        final_logit_softcap: ``cap`` of ``cap * tanh(logits / cap)`` (None: no soft-cap).
+    """
+
+    def __init__(self, norm: nn.Module, output: Callable[[torch.Tensor], torch.Tensor], *,
+                 final_logit_softcap: float | None = None) -> None:
+        if final_logit_softcap is not None and not float(final_logit_softcap) > 0:
+            raise ValueError(f"final_logit_softcap must be > 0 (or None), got "
+                             f"{final_logit_softcap!r}")
+        self.norm = norm
+        self.output = output
+        self.final_logit_softcap = (None if final_logit_softcap is None
+                                    else float(final_logit_softcap))
+        #: what maps normalised hidden states to the logits the log-probs use
+        self.projection = (output if self.final_logit_softcap is None
+                           else SoftCappedProjection(output, self.final_logit_softcap))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """``[b, s, V]`` float32 logits of the hidden states ``h [b, s, D]`` (soft-capped)."""
+        logits = self.output(self.norm(h)).float()
+        if self.final_logit_softcap is not None:
+            logits = soft_cap(logits, self.final_logit_softcap)
+        return logits
+
+    def __call__(self, h: torch.Tensor, request: OutputRequest = None):
+        """Answer ``request`` from the final hidden states ``h [b, s, D]`` (before the norm).
+
+        Returns:
+            ``[b, s, V]`` logits (``None``), ``[b, 1, V]`` logits (:data:`LAST_POSITION`), or
+            ``(logprobs, entropy or None)`` float32 (:class:`ResponseLogProbs`: ``[N, T]``;
+            :class:`PackedLogProbs`: ``[1, M]``).
+        """
+        if request is None:
+            return self.logits(h)
+        if isinstance(request, LastPosition):
+            return self.logits(h[:, -1:])
+        if isinstance(request, PackedLogProbs):  # the positions that predict a response token
+            hidden = self.norm(h[:, request.index])
+        elif isinstance(request, ResponseLogProbs):  # position i predicts token i + 1
+            hidden = self.norm(h[:, request.start : request.start + request.targets.shape[1]])
+        else:
+            raise TypeError(f"unknown output request {type(request).__name__}")
+        logprobs, entropy = chunked_token_logprobs(
+            hidden,
+            self.projection,
+            request.targets,
+            temperature=request.temperature,
+            logit_bias=request.logit_bias,
+            chunk_size=request.chunk_size,
+            return_entropy=request.return_entropy,
+            entropy_grad=request.entropy_grad,
+            keep_probs=request.keep_probs,
+        )
+        return _not_a_view(logprobs), None if entropy is None else _not_a_view(entropy)
+
+
+def _not_a_view(t: torch.Tensor) -> torch.Tensor:
+    """``t``, copied when it is a view (``[N, T]``: a few KB). Under FSDP2 these are the root
+    module's outputs, which it hooks for backward; an in-place op on a view output would
+    drop that hook, so torch warns on every view output. Same values, same gradient."""
+    return t.clone() if t._base is not None else t
