@@ -111,8 +111,8 @@ def test_model_type_and_lora(tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"architectures": ["MistralForCausalLM"], "model_type": "mistral"},
-     "architectures=['MistralForCausalLM'] (model_type='mistral') is not supported"),
+    ({"architectures": ["FalconForCausalLM"], "model_type": "falcon"},
+     "architectures=['FalconForCausalLM'] (model_type='falcon') is not supported"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn'"),
     ({"head_dim": 32}, "head_dim 32 differs"),
     ({"num_hidden_layers": None}, "'num_hidden_layers' is missing"),
