@@ -143,13 +143,19 @@ def test_block_mask_is_refused(folder, tmp_path):
 def test_cpu_decode_falls_back_to_plain_layers(folder, tmp_path):
     """The fused CPU decode layer computes SDPA: no Gemma 2 layer is fused, and a layer that is
     plain but for a soft-capped attention is not either; the decode-step shortcut declines."""
-    from torchtune.modules import FeedForward, RMSNorm, TransformerSelfAttentionLayer
+    from torchtune.modules import (
+        FeedForward,
+        MultiHeadAttention,
+        RMSNorm,
+        TransformerSelfAttentionLayer,
+    )
 
     from torchtune_grpo.backends.cpu_decode import (
         _fusable,
         attend_decode_step,
         packed_linear_weights,
     )
+    from torchtune_grpo.rollout.kv_cache import SpanKVCache
 
     path, _, _ = folder
     model, _ = built(path, tmp_path)
@@ -157,18 +163,27 @@ def test_cpu_decode_falls_back_to_plain_layers(folder, tmp_path):
     with packed_linear_weights(model):
         assert all("forward" not in layer.__dict__ for layer in model.layers)
     lin = torch.nn.Linear
-    attn = gl.SoftCappedAttention(
-        softcap=5.0, embed_dim=32, num_heads=2, num_kv_heads=2, head_dim=16,
-        q_proj=lin(32, 32, bias=False), k_proj=lin(32, 32, bias=False),
-        v_proj=lin(32, 32, bias=False), output_proj=lin(32, 32, bias=False))
+    dims = dict(embed_dim=32, num_heads=2, num_kv_heads=2, head_dim=16)
+
+    def projections():
+        return dict(q_proj=lin(32, 32, bias=False), k_proj=lin(32, 32, bias=False),
+                    v_proj=lin(32, 32, bias=False), output_proj=lin(32, 32, bias=False))
+
+    attn = gl.SoftCappedAttention(softcap=5.0, **dims, **projections())
     layer = TransformerSelfAttentionLayer(
         attn=attn, mlp=FeedForward(gate_proj=lin(32, 64, bias=False),
                                    down_proj=lin(64, 32, bias=False),
                                    up_proj=lin(32, 64, bias=False)),
         sa_norm=RMSNorm(32), mlp_norm=RMSNorm(32))
     assert not _fusable(layer, set())
-    assert attend_decode_step(attn, torch.zeros(1, 1, 96), mask=torch.ones(1, 1, 1, dtype=bool),
-                              input_pos=None) is None
+    plain = MultiHeadAttention(**dims, **projections())  # the control: the shortcut runs
+    for module, runs in ((plain, True), (attn, False)):
+        cache = SpanKVCache(torch.zeros(1, 2, 8, 16), torch.zeros(1, 2, 8, 16), rows=1)
+        cache.length = 3
+        module.kv_cache, module.cache_enabled = cache, True
+        out = attend_decode_step(module, torch.randn(1, 1, 96),
+                                 mask=torch.ones(1, 1, 4, dtype=torch.bool), input_pos=None)
+        assert (out is not None) is runs
 
 
 # ------------------------------------------------------------------------- config guards
