@@ -11,13 +11,14 @@ Gemma 2 cases of :mod:`tests.unit._family_zoo` (caps small enough to bite, ``sli
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tests.unit._family_zoo import CASES, write_model  # noqa: E402
+from tests.unit._family_zoo import CASES, SMALL, write_model  # noqa: E402
 from tests.unit.test_family_parity import left_padded, logit_diff  # noqa: E402
 from tests.unit.test_family_parity import ours as built  # noqa: E402
 from torchtune_grpo.models import hf_architecture, hf_model_type  # noqa: E402
@@ -184,6 +185,30 @@ def test_cpu_decode_falls_back_to_plain_layers(folder, tmp_path):
         out = attend_decode_step(module, torch.randn(1, 1, 96),
                                  mask=torch.ones(1, 1, 4, dtype=torch.bool), input_pos=None)
         assert (out is not None) is runs
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="torch.compile on CPU needs a C++ compiler")
+def test_compiled_static_decode_matches_transformers(folder, tmp_path):
+    """The compiled static decode (mask over the whole buffer, ``torch.compile``) runs the
+    capped kernel inside the graph: tokens still equal ``transformers.generate``."""
+    from torchtune_grpo.rollout.native import generate_trajectory
+
+    path, ref, _ = folder
+    model, _ = built(path, tmp_path)
+    tokens, mask = left_padded([0, 3, 9], 12, seed=2)
+    eos, new = SMALL["vocab_size"] - 1, 24
+    traj = generate_trajectory(
+        model, tokens, mask, group_size=1, forward_batch_size=3, max_generated_tokens=new,
+        temperature=0.0, top_k=None, stop_tokens=torch.tensor([eos]), pad_id=0,
+        compile_decode=True, packed_weights=False)
+    with torch.no_grad():
+        out = ref.generate(tokens, attention_mask=mask.long(), max_new_tokens=new,
+                           do_sample=False, eos_token_id=eos, pad_token_id=0)
+    for ours_row, hf_row in zip(traj.response_tokens.tolist(), out[:, 12:].tolist()):
+        n = min(len(ours_row), len(hf_row))
+        assert n >= 16 and ours_row[:n] == hf_row[:n]
 
 
 # ------------------------------------------------------------------------- config guards
