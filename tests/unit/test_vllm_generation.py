@@ -53,8 +53,8 @@ def test_lora_adapters_are_merged_before_the_copy():
 
 
 def test_unknown_model_type_is_named():
-    with pytest.raises(ValueError, match="'GEMMA2'.*LLAMA3, LLAMA3_2, QWEN2"):
-        vg.torchtune_to_hf_converter("GEMMA2", HF_CONFIG)
+    with pytest.raises(ValueError, match="'GEMMA'.*LLAMA3, LLAMA3_2, QWEN2"):
+        vg.torchtune_to_hf_converter("GEMMA", HF_CONFIG)
 
 
 def _completion(ids, logprobs):

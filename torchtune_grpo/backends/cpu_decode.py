@@ -69,7 +69,8 @@ def attend_decode_step(attn: MultiHeadAttention, qkv: torch.Tensor, *, mask: tor
     cache, rope = attn.kv_cache, attn.pos_embeddings
     if (type(cache) is not SpanKVCache or cache.write_pos is not None or cache.prefilling
             or attn.q_norm is not None or attn.k_norm is not None
-            or (rope is not None and (type(rope) not in _INTERLEAVED_ROPES or input_pos is None))):
+            or (rope is not None and (type(rope) not in _INTERLEAVED_ROPES or input_pos is None))
+            or type(attn) is not MultiHeadAttention):  # a soft-capped attention: not SDPA
         return None
     b = qkv.shape[0]
     heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -141,8 +142,10 @@ def _reordered(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor
 
 def _fusable(layer: nn.Module, adapters: set[int]) -> bool:
     """Whether :func:`fused_decode_layer` computes ``layer``'s forward: a torchtune
-    ``TransformerSelfAttentionLayer`` with RMSNorms, no residual scales, a ``MultiHeadAttention``
-    and a ``FeedForward`` of plain packable ``nn.Linear`` layers (no LoRA), and no hooks."""
+    ``TransformerSelfAttentionLayer`` with RMSNorms, no residual scales, exactly a
+    ``MultiHeadAttention`` (not a subclass: a soft-capped attention's scores are not SDPA's, so
+    its layer keeps its own forward) and a ``FeedForward`` of plain packable ``nn.Linear``
+    layers (no LoRA), and no hooks."""
     if type(layer) is not TransformerSelfAttentionLayer or "forward" in layer.__dict__:
         return False
     attn, mlp = layer.attn, layer.mlp

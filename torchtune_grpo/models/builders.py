@@ -12,7 +12,8 @@ twin), ``Qwen2ForCausalLM`` onto :func:`torchtune.models.qwen2.qwen2`, ``Qwen3Fo
 onto this package's :func:`~torchtune_grpo.models.families.qwen3.qwen3` (torchtune 0.6.1 has
 none; see that module for its per-head q/k norms), ``Gemma3ForCausalLM`` onto
 :func:`~torchtune_grpo.models.families.gemma3.gemma3` (Gemma norms, sliding-window layers),
-``MistralForCausalLM`` and ``SmolLM3ForCausalLM`` onto
+``Gemma2ForCausalLM`` onto :func:`~torchtune_grpo.models.families.gemma2.gemma2` (Gemma norms,
+attention and final-logit soft-caps), ``MistralForCausalLM`` and ``SmolLM3ForCausalLM`` onto
 :func:`~torchtune_grpo.models.families.mistral.mistral` (explicit ``head_dim``, sliding window)
 and :func:`~torchtune_grpo.models.families.smollm3.smollm3` (layers without RoPE).
 What those builders fix and a folder may change is set after building:
@@ -123,7 +124,9 @@ class HFArchitecture:
             parameters (``scale_factor``, ``low_freq_factor``, ``high_freq_factor``,
             ``old_context_len``).
         final_logit_softcap: the output head's final-logit soft-cap (``config.json``'s
-            ``final_logit_softcapping``; ``None`` for every family supported here).
+            ``final_logit_softcapping``: Gemma 2; ``None`` for the other families). A family
+            module's ``check_config`` returns it as its ``final_logit_softcap`` entry, which
+            :func:`hf_architecture` moves here from the builder arguments.
     """
 
     architecture: str
@@ -214,7 +217,7 @@ def hf_architecture(cfg: dict[str, Any], *, where: str = "config.json",
         # absent means untied: LlamaConfig's and Qwen2Config's default
         tie_word_embeddings=bool(tied),
     )
-    rope = None
+    rope, final_logit_softcap = None, None
     if family == "llama":
         if cfg.get("attention_bias") or cfg.get("mlp_bias"):
             raise ValueError(f"{where}: attention_bias/mlp_bias is not supported for {arch} "
@@ -233,6 +236,8 @@ def hf_architecture(cfg: dict[str, Any], *, where: str = "config.json",
     elif ours:
         kwargs.update(family_module(arch).check_config(cfg, where=where, heads=heads,
                                                        rope_scaling=scaling))
+        # the output head's cap is the policy's, not the decoder builder's
+        final_logit_softcap = kwargs.pop("final_logit_softcap", None)
     else:  # qwen2
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
@@ -242,12 +247,14 @@ def hf_architecture(cfg: dict[str, Any], *, where: str = "config.json",
             raise ValueError(f"{where}: use_sliding_window=true is not supported (torchtune's "
                              "Qwen2 attention is full attention)")
     return HFArchitecture(architecture=arch, family=family, model_type=model_type,
-                          builder_kwargs=kwargs, rope=rope)
+                          builder_kwargs=kwargs, rope=rope,
+                          final_logit_softcap=None if final_logit_softcap is None
+                          else float(final_logit_softcap))
 
 
 def hf_model_type(model_dir: str | Path) -> str:
     """The torchtune checkpointer ``model_type`` of an HF folder (``LLAMA3_2``, ``QWEN2``,
-    ``QWEN3``, ``GEMMA3``, ``MISTRAL_HF``, ``SMOLLM3``: this package's families, whose
+    ``QWEN3``, ``GEMMA2``, ``GEMMA3``, ``MISTRAL_HF``, ``SMOLLM3``: this package's families, whose
     checkpointers torchtune does not
     have; see :mod:`torchtune_grpo.models.families`).
 

@@ -66,41 +66,45 @@ def _suffix_mask(prefix: int, length: int) -> torch.Tensor:
     return torch.ones(length, prefix + length, dtype=torch.bool).tril(diagonal=prefix)
 
 
-def _shared_prefix_attention(q, k, v, blocks, dropout_p=0.0):
-    """SDPA for a :class:`SharedPrefixSegments` row; ``q, k, v``: ``[1, heads, S, head_dim]``."""
+def _shared_prefix_attention(q, k, v, blocks, dropout_p=0.0,
+                             sdpa=F.scaled_dot_product_attention):
+    """``sdpa`` for a :class:`SharedPrefixSegments` row; ``q, k, v``: ``[1, heads, S,
+    head_dim]``."""
     sizes = [n for prefix, suffixes in blocks for n in (prefix, *suffixes)]
     parts = list(zip(*(x.split(sizes, dim=2) for x in (q, k, v))))
     outs, i = [], 0
     for prefix, suffixes in blocks:
         q_p, k_p, v_p = parts[i]
-        outs.append(F.scaled_dot_product_attention(q_p, k_p, v_p, dropout_p=dropout_p,
-                                                   is_causal=True))
+        outs.append(sdpa(q_p, k_p, v_p, dropout_p=dropout_p, is_causal=True))
         for j, length in enumerate(suffixes, start=i + 1):
             q_s, k_s, v_s = parts[j]
             mask = _suffix_mask(prefix, length).to(q.device)
-            outs.append(F.scaled_dot_product_attention(
+            outs.append(sdpa(
                 q_s, torch.cat([k_p, k_s], dim=2), torch.cat([v_p, v_s], dim=2),
                 attn_mask=mask, dropout_p=dropout_p))
         i += 1 + len(suffixes)
     return torch.cat(outs, dim=2)
 
 
-def _segment_attention(original, q, k, v, mask=None, dropout_p=0.0, is_causal=True):
-    """torchtune's ``_attention_call`` signature; per-segment causal SDPA for a
-    :class:`PackedSegments` mask, per-block SDPA for a :class:`SharedPrefixSegments` mask, the
-    wrapped call for anything else.
+def _segment_attention(original, q, k, v, mask=None, dropout_p=0.0, is_causal=True, *,
+                       sdpa=F.scaled_dot_product_attention):
+    """torchtune's ``_attention_call`` signature; per-segment causal ``sdpa`` for a
+    :class:`PackedSegments` mask, per-block ``sdpa`` for a :class:`SharedPrefixSegments` mask,
+    the wrapped call for anything else.
 
     ``q, k, v``: ``[1, heads, S, head_dim]`` (k and v already expanded to the query heads).
+    ``sdpa``: the module's attention kernel (SDPA's signature; a soft-capped module's own, see
+    :func:`~torchtune_grpo.models.families.layers.attention_kernel`).
     """
     if isinstance(mask, SharedPrefixSegments):
-        return _shared_prefix_attention(q, k, v, mask.blocks, dropout_p=dropout_p)
+        return _shared_prefix_attention(q, k, v, mask.blocks, dropout_p=dropout_p, sdpa=sdpa)
     if not isinstance(mask, PackedSegments):
         return original(q, k, v, mask=mask, dropout_p=dropout_p, is_causal=is_causal)
     if len(mask.lengths) == 1:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        return sdpa(q, k, v, dropout_p=dropout_p, is_causal=True)
     # split, not slices: its backward is one concatenation, where each slice's backward would
     # write a zero-filled gradient of the whole packed row
-    outs = [F.scaled_dot_product_attention(q_s, k_s, v_s, dropout_p=dropout_p, is_causal=True)
+    outs = [sdpa(q_s, k_s, v_s, dropout_p=dropout_p, is_causal=True)
             for q_s, k_s, v_s in zip(*(x.split(mask.lengths, dim=2) for x in (q, k, v)))]
     return torch.cat(outs, dim=2)
 
@@ -111,14 +115,18 @@ def install_packed_attention(model: nn.Module) -> None:
 
     Wraps each module's ``_attention_call`` (torchtune's SDPA/flex dispatcher, an instance
     attribute); any other mask (boolean tensors, ``BlockMask``, None) goes to the original
-    call unchanged. Idempotent; safe before or after FSDP sharding, activation checkpointing or
-    LoRA.
+    call unchanged. The segments are computed by the module's own attention kernel
+    (:func:`~torchtune_grpo.models.families.layers.attention_kernel`: SDPA, or a soft-capped
+    attention's eager kernel). Idempotent; safe before or after FSDP sharding, activation
+    checkpointing or LoRA.
     """
+    from torchtune_grpo.models.families.layers import attention_kernel
+
     for module in model.modules():
         call = module.__dict__.get("_attention_call")
         if call is None or getattr(call, "_grpo_packed", False):
             continue
-        wrapped = functools.partial(_segment_attention, call)
+        wrapped = functools.partial(_segment_attention, call, sdpa=attention_kernel(module))
         wrapped._grpo_packed = True
         module._attention_call = wrapped
 

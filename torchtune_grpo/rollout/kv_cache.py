@@ -20,6 +20,8 @@ from torch import nn
 from torchtune.models.llama3_1._position_embeddings import Llama3ScaledRoPE
 from torchtune.modules import MultiHeadAttention, RotaryPositionalEmbeddings
 
+from torchtune_grpo.models.families.layers import attention_kernel
+
 
 def attention_modules(model: nn.Module) -> list[MultiHeadAttention]:
     """The self-attention modules of ``model``, in layer order (FSDP-wrapped or not)."""
@@ -246,7 +248,10 @@ def attend_projected(
     """The attention of :func:`grouped_query_attention` from its three projections.
 
     Rotary embeddings and q/k norms of ``attn``, the key/value cache update, and the attention
-    of the ``g = heads / kv_heads`` query heads stacked on each key/value head. A decode step's
+    of the ``g = heads / kv_heads`` query heads stacked on each key/value head, by the module's
+    attention kernel (:func:`~torchtune_grpo.models.families.layers.attention_kernel`: SDPA, or
+    the eager soft-capped attention of a
+    :class:`~torchtune_grpo.models.families.layers.SoftCappedAttention`). A decode step's
     bool mask (``s == 1``) is turned into its additive bias once for all layers
     (:meth:`SpanKVCache.additive_mask`): the same values as SDPA's own conversion.
 
@@ -285,7 +290,7 @@ def attend_projected(
             mask = cache.additive_mask(mask, q.dtype)
         span = mask.shape[-1]
         mask = mask[:, None, None].expand(b, 1, g, s, span).reshape(b, 1, g * s, span)
-    out = nn.functional.scaled_dot_product_attention(
+    out = attention_kernel(attn)(  # SDPA, or a soft-capped module's own eager kernel
         q, k, v, attn_mask=mask, is_causal=mask is None and s > 1
     )  # [b, kv_heads, g * s, hd]
     return out.view(b, kv_heads, g, s, head_dim).permute(0, 3, 1, 2, 4).reshape(b, s, -1)

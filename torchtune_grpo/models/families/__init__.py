@@ -8,7 +8,9 @@ checkpointer, the same interface:
   field, what it does not compute, and returns the builder arguments beyond the common ones
   (``vocab_size``, ``num_layers``, ``num_heads``, ``num_kv_heads``, ``embed_dim``,
   ``intermediate_dim``, ``max_seq_len``, ``rope_base``, ``norm_eps``,
-  ``tie_word_embeddings``);
+  ``tie_word_embeddings``); an entry ``final_logit_softcap`` (Gemma 2's
+  ``final_logit_softcapping``) is not a builder argument: ``hf_architecture`` moves it into
+  ``HFArchitecture.final_logit_softcap``, the policy's output head's soft-cap;
 * ``build(**kwargs)`` and ``build_lora(lora_attn_modules, ..., **kwargs)``: the decoder, made
   by :func:`~torchtune_grpo.models.families.decoder.build_decoder` from a
   :class:`~torchtune_grpo.models.families.decoder.DecoderSpec`;
@@ -22,6 +24,9 @@ here reads weights).
   RMSNorm on queries and keys before RoPE.
 * :mod:`~torchtune_grpo.models.families.gemma3`: ``Gemma3ForCausalLM`` (Gemma 3 text): Gemma
   norms, q/k norms before RoPE, sliding-window and global layers with their own RoPE bases.
+* :mod:`~torchtune_grpo.models.families.gemma2`: ``Gemma2ForCausalLM`` (Gemma 2): Gemma norms,
+  alternating sliding-window and global layers, attention-logit soft-cap in every attention
+  path, final-logit soft-cap in the output head.
 * :mod:`~torchtune_grpo.models.families.olmo2`: ``Olmo2ForCausalLM`` (OLMo 2): norms on the
   attention/MLP outputs instead of their inputs, q/k RMSNorm over the whole projection.
 * :mod:`~torchtune_grpo.models.families.phi3`: ``Phi3ForCausalLM`` (Phi-3, Phi-4): fused
@@ -43,6 +48,7 @@ __all__ = ["FAMILY_MODULES", "HF_MODEL_TYPES", "family_for_model_type", "family_
 #: HF architecture -> the module that builds it.
 FAMILY_MODULES: dict[str, str] = {
     "Qwen3ForCausalLM": "torchtune_grpo.models.families.qwen3",
+    "Gemma2ForCausalLM": "torchtune_grpo.models.families.gemma2",
     "Gemma3ForCausalLM": "torchtune_grpo.models.families.gemma3",
     "Olmo2ForCausalLM": "torchtune_grpo.models.families.olmo2",
     "Phi3ForCausalLM": "torchtune_grpo.models.families.phi3",
@@ -52,6 +58,7 @@ FAMILY_MODULES: dict[str, str] = {
 #: ``config.json``'s ``model_type`` -> architecture, for configs without ``architectures``.
 HF_MODEL_TYPES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "phi3": "Phi3ForCausalLM",
@@ -62,6 +69,7 @@ HF_MODEL_TYPES: dict[str, str] = {
 #: importing the module).
 MODEL_TYPES: dict[str, str] = {
     "Qwen3ForCausalLM": "QWEN3",
+    "Gemma2ForCausalLM": "GEMMA2",  # this package's, not torchtune's (wrong) GEMMA2 converter
     "Gemma3ForCausalLM": "GEMMA3",
     "Olmo2ForCausalLM": "OLMO2",
     "Phi3ForCausalLM": "PHI3",

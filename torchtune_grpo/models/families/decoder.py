@@ -19,6 +19,8 @@ runs per call:
   layers without RoPE), with optional partial rotation, linear scaling and per-frequency
   factors with a cos/sin factor (Phi-3's ``longrope`` within its original context).
 * **Sliding window per layer** (:class:`~.layers.SlidingWindowLayer`).
+* **Attention soft-cap** (Gemma 2): every layer's attention is a
+  :class:`~.layers.SoftCappedAttention` with the cap fixed at build time.
 * **MLP activation**, **embedding scale**, **tied or untied output**.
 
 The weights keep Hugging Face's layout (rotate-half RoPE, no q/k permutation), so a family's
@@ -49,6 +51,7 @@ from torchtune_grpo.models.families.layers import (
     NormedProjection,
     ScaledEmbedding,
     SlidingWindowLayer,
+    SoftCappedAttention,
 )
 
 __all__ = ["LORA_ATTN_MODULES", "DecoderSpec", "build_decoder", "build_lora_decoder"]
@@ -78,6 +81,11 @@ class DecoderSpec:
         qk_norm: ``None``, ``"head"`` (per head, ``[head_dim]`` scale) or ``"projection"``
             (over the whole projection, ``[heads * head_dim]`` scale).
         query_factor: multiplies the queries before RoPE (1: SDPA's ``head_dim ** -0.5``).
+        scaled_query: the query projection is a :class:`~.layers.NormedProjection` even when
+            ``query_factor`` is 1 and there is no q norm, so that its weight names
+            (``q_proj.proj.weight``) do not depend on the factor (Gemma 2).
+        attn_softcap: every layer's attention-logit soft-cap
+            (:class:`~.layers.SoftCappedAttention`), ``None``: plain attention.
         rope_bases: per layer, the RoPE theta, or ``None`` for a layer without positions.
         rope_scales: per layer, the linear position scaling (positions divided by it; Gemma 3
             scales its global layers only); ``None``: 1 everywhere.
@@ -108,6 +116,8 @@ class DecoderSpec:
     placement: str = "pre"
     qk_norm: str | None = None
     query_factor: float = 1.0
+    scaled_query: bool = False
+    attn_softcap: float | None = None
     rope_scales: tuple[float, ...] | None = None
     rotary_dim: int | None = None
     rope_factors: tuple[float, ...] | None = None
@@ -148,8 +158,9 @@ def _plain_linear(_name: str, d_in: int, d_out: int) -> nn.Module:
     return nn.Linear(d_in, d_out, bias=False)
 
 
-def _projection(spec: DecoderSpec, proj: nn.Module, heads: int, factor: float) -> nn.Module:
-    if spec.qk_norm is None and factor == 1.0:
+def _projection(spec: DecoderSpec, proj: nn.Module, heads: int, factor: float,
+                wrap: bool = False) -> nn.Module:
+    if spec.qk_norm is None and factor == 1.0 and not wrap:
         return proj
     if spec.qk_norm == "head":
         return NormedProjection(proj, spec.make_norm(spec.head_dim), spec.head_dim, factor)
@@ -196,15 +207,18 @@ def build_decoder(spec: DecoderSpec, linear: Linear = _plain_linear,
     memo: dict = {}
     layers = nn.ModuleList()
     for i in range(spec.num_layers):
-        attn = MultiHeadAttention(
+        attention = dict(
             embed_dim=d, num_heads=h, num_kv_heads=kv, head_dim=hd,
-            q_proj=_projection(spec, linear("q_proj", d, h * hd), h, spec.query_factor),
+            q_proj=_projection(spec, linear("q_proj", d, h * hd), h, spec.query_factor,
+                               spec.scaled_query),
             k_proj=_projection(spec, linear("k_proj", d, kv * hd), kv, 1.0),
             v_proj=linear("v_proj", d, kv * hd),
             output_proj=linear("output_proj", h * hd, d),
             pos_embeddings=ropes[i], q_norm=None, k_norm=None, kv_cache=None,
             max_seq_len=spec.max_seq_len, attn_dropout=spec.attn_dropout,
         )
+        attn = (MultiHeadAttention(**attention) if spec.attn_softcap is None
+                else SoftCappedAttention(softcap=spec.attn_softcap, **attention))
         mlp = FeedForward(gate_proj=linear("w1", d, spec.intermediate_dim),
                           down_proj=linear("w2", spec.intermediate_dim, d),
                           up_proj=linear("w3", d, spec.intermediate_dim),

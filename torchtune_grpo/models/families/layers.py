@@ -15,15 +15,22 @@
   ``query_pre_attn_scalar ** -0.5``; RoPE is linear, so scaling before it is the same).
 * :class:`SlidingWindowLayer`: a torchtune layer whose attention only sees the last
   ``window`` keys of each query (see :func:`window_mask`).
+* :class:`SoftCappedAttention`: torchtune's attention with Gemma 2's attention-logit soft-cap
+  ``cap * tanh(scores / cap)`` between the scaling and the mask (SDPA cannot compute it): its
+  :meth:`~SoftCappedAttention.sdpa` is an eager attention with SDPA's signature, and
+  :func:`attention_kernel` gives every path that computes attention itself (packed training
+  rows, the native KV-cache engine) the kernel of its module.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-from torchtune.modules import TransformerSelfAttentionLayer
+from torchtune.modules import MultiHeadAttention, TransformerSelfAttentionLayer
 
 __all__ = [
     "GemmaRMSNorm",
@@ -31,7 +38,10 @@ __all__ = [
     "NormedProjection",
     "ScaledEmbedding",
     "SlidingWindowLayer",
+    "SoftCappedAttention",
+    "attention_kernel",
     "query_factor",
+    "soft_capped_sdpa",
     "window_mask",
 ]
 
@@ -276,3 +286,93 @@ def query_factor(head_dim: int, query_pre_attn_scalar: float) -> float:
     """The factor that makes SDPA's ``head_dim ** -0.5`` Gemma's ``query_pre_attn_scalar **
     -0.5``."""
     return math.sqrt(head_dim / query_pre_attn_scalar)
+
+
+def soft_capped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                     is_causal: bool = False, *, softcap: float) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` with the scores soft-capped before the mask.
+
+    ``scores = softcap * tanh(q k^T / sqrt(head_dim) / softcap)``, then the mask (bool: -inf
+    where False; float: added), softmax in float32 cast back to ``q``'s dtype (as
+    ``transformers``' eager attention), dropout, times ``v``. A query row with no allowed key
+    gives zeros, as SDPA's bool path does.
+
+    Args:
+        q: ``[..., L, head_dim]``; k, v: ``[..., S, head_dim]`` (the same heads as ``q``).
+        attn_mask: broadcastable to ``[..., L, S]``, bool (True: attend) or additive.
+        dropout_p: attention dropout.
+        is_causal: SDPA's causal mask (top-left aligned ``tril``), with no ``attn_mask``.
+        softcap: the cap.
+
+    Returns:
+        ``[..., L, head_dim]``.
+    """
+    scores = torch.matmul(q, k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap
+    allowed = attn_mask if attn_mask is not None and attn_mask.dtype == torch.bool else None
+    if is_causal:
+        allowed = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    elif attn_mask is not None and allowed is None:
+        scores = scores + attn_mask
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1)
+    if allowed is not None:
+        probs = probs.masked_fill(~allowed, 0.0)  # a row without keys: zeros, not NaN
+    probs = probs.to(q.dtype)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p)
+    return torch.matmul(probs, v)
+
+
+class SoftCappedAttention(MultiHeadAttention):
+    """torchtune's ``MultiHeadAttention`` whose scores are soft-capped (Gemma 2's
+    ``attn_logit_softcapping``): ``cap * tanh(scores / cap)`` after the scaling, before the mask.
+
+    The cap is fixed when the model is built: the module's ``_attention_call`` (what torchtune's
+    forward calls, SDPA or flex attention otherwise) is its eager :meth:`sdpa`, and the paths that
+    attend without ``_attention_call`` ask :func:`attention_kernel` for it. A flex-attention
+    ``BlockMask`` is refused (its kernel has no soft-cap here).
+
+    Args:
+        softcap: the cap (> 0).
+        **attention: ``MultiHeadAttention``'s arguments.
+
+    Attributes:
+        softcap: the cap, read on every call.
+    """
+
+    def __init__(self, *, softcap: float, **attention: object) -> None:
+        super().__init__(**attention)
+        if not softcap > 0:
+            raise ValueError(f"attention softcap {softcap}: must be > 0")
+        self.softcap = float(softcap)
+        self._attention_call = self._capped_call
+
+    def sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+             is_causal: bool = False) -> torch.Tensor:
+        """:func:`soft_capped_sdpa` with this module's cap (SDPA's signature)."""
+        return soft_capped_sdpa(q, k, v, attn_mask, dropout_p, is_causal, softcap=self.softcap)
+
+    def _capped_call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: object = None, dropout_p: float = 0.0,
+                     is_causal: bool = False) -> torch.Tensor:
+        """torchtune's ``_attention_call`` signature: ``mask [b, s, S]`` bool or None."""
+        if mask is not None and not isinstance(mask, torch.Tensor):
+            raise NotImplementedError(
+                f"soft-capped attention (attn_logit_softcapping={self.softcap}) with a "
+                f"{type(mask).__name__} mask: only bool tensor masks (and this package's packed "
+                "rows) are supported")
+        if mask is not None and mask.dim() == 3:
+            mask = mask[:, None]
+        return self.sdpa(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+
+
+def attention_kernel(attn: nn.Module) -> Callable[..., torch.Tensor]:
+    """The function with ``F.scaled_dot_product_attention``'s signature that computes ``attn``'s
+    attention: its soft-capped :meth:`SoftCappedAttention.sdpa`, else SDPA itself."""
+    if isinstance(attn, SoftCappedAttention):
+        return attn.sdpa
+    return F.scaled_dot_product_attention
