@@ -23,8 +23,8 @@ BPE with byte fallback:
   piece into two pieces is a merge, ranked by the piece's position in the file (Gemma's scores
   are ``-position`` for the normal pieces, and a placeholder -1000 for the control and
   user-defined ones, so the position is the rank), the longer left part first;
-* control pieces are special added tokens, user-defined ones (``\n\n``, ``<start_of_image>``)
-  plain added tokens matched whole, as llama.cpp matches them;
+* control pieces are special added tokens; user-defined ones (newline runs,
+  ``<start_of_image>``) plain added tokens matched whole, as llama.cpp matches them;
 * the decoder turns ``▁`` back into spaces and ``<0xNN>`` byte pieces into bytes.
 
 The reference is transformers' own GGUF tokenizer (``AutoTokenizer.from_pretrained(dir,
