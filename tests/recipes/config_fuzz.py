@@ -328,15 +328,18 @@ def run_mutant(config_name: str, mutation_seed: int, base: str | None) -> dict:
 
 
 def fuzz(n: int, seed: int, base: str | None, out: Path | None = None,
-         configs: list[str] | None = None) -> list[dict]:
-    """``n`` mutants, configs drawn uniformly (a run of ``seed`` is reproducible)."""
+         configs: list[str] | None = None, runnable_share: float = 0.0) -> list[dict]:
+    """``n`` mutants, configs drawn uniformly (a run of ``seed`` is reproducible); with
+    ``runnable_share``, that share of the draws is from :data:`RUNNABLE` (mutants that run a
+    step), whatever the number of other shipped configs."""
     from torchtune_grpo.training.config import list_shipped_configs
 
     names_ = configs or [c.removeprefix("grpo/") for c in list_shipped_configs()]
     rng = random.Random(seed)
     records = []
     for i in range(n):
-        config_name = rng.choice(names_)
+        from_runnable = rng.random() < runnable_share
+        config_name = rng.choice(RUNNABLE if from_runnable else names_)
         records.append(run_mutant(config_name, rng.randrange(2**31), base))
         if out is not None:
             out.write_text(json.dumps(records, indent=1))
@@ -363,6 +366,8 @@ def main() -> None:
     parser.add_argument("--base", help="the quickstart model folder (default: prepared in a "
                                        "temporary folder)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--runnable-share", type=float, default=0.0,
+                        help="share of the mutants drawn from the configs that run a step")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"  # no OpenMP pool in the parent: the forks stay safe
     import torch
@@ -374,7 +379,8 @@ def main() -> None:
 
         base = str(prepare_quickstart(Path(tempfile.mkdtemp(prefix="fuzz_base_")),
                                       warmup_steps=0))
-    records = fuzz(args.mutations, args.seed, base, args.out)
+    records = fuzz(args.mutations, args.seed, base, args.out,
+                   runnable_share=args.runnable_share)
     print(json.dumps(tally(records)))
     for r in records:
         if r["outcome"] in FAILURES:

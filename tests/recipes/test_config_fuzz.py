@@ -47,7 +47,8 @@ def test_a_sample_of_mutants_is_accepted_or_named(base_model, tmp_path):
     # that has not started OpenMP threads (this one has run other tests)
     out = tmp_path / "fuzz.json"
     proc = subprocess.run([sys.executable, str(HERE / "config_fuzz.py"), "--mutations", "40",
-                           "--seed", "1", "--base", str(base_model), "--out", str(out)],
+                           "--seed", "1", "--base", str(base_model), "--out", str(out),
+                           "--runnable-share", "0.3"],
                           cwd=tmp_path, env=recipe_env(1), capture_output=True, text=True,
                           timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
