@@ -48,7 +48,7 @@ def test_a_sample_of_mutants_is_accepted_or_named(base_model, tmp_path):
     out = tmp_path / "fuzz.json"
     proc = subprocess.run([sys.executable, str(HERE / "config_fuzz.py"), "--mutations", "40",
                            "--seed", "1", "--base", str(base_model), "--out", str(out),
-                           "--runnable-share", "0.3"],
+                           "--runnable-share", "0.6"],
                           cwd=tmp_path, env=recipe_env(1), capture_output=True, text=True,
                           timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
