@@ -338,7 +338,7 @@ def run_one(base_dir: str, out_dir: str, seed: int, overrides: Sequence[str], *,
     """
     import torch
 
-    from torchtune_grpo.training.config import load_config
+    from torchtune_grpo.config.loading import load_config
 
     torch.set_num_threads(threads)
     t_start = time.perf_counter()
@@ -710,7 +710,7 @@ def shared_start_eval(task: Task, base_dir: Path, out_dir: Path,
         return EvalPoint(**json.loads(path.read_text()))
     import torch
 
-    from torchtune_grpo.training.config import load_config
+    from torchtune_grpo.config.loading import load_config
 
     torch.set_num_threads(threads)
     cfg = load_config(task.config, [

@@ -43,7 +43,7 @@ def worker(shape: str, keep: bool, updates: int, new_tokens: int, threads: int,
 
     torch.set_num_threads(threads)
     from benchmarks import decode_kernels
-    from torchtune_grpo.training.memory import peak_rss_bytes
+    from torchtune_grpo.backends.memory import peak_rss_bytes
 
     with tempfile.TemporaryDirectory() as tmp:
         recipe = decode_kernels.build_recipe(shape, Path(tmp), new_tokens, model_dir,

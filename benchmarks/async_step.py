@@ -140,7 +140,7 @@ KEYS = ("time/step", "time/generation", "time/update", "time/weight_sync",
 def _stop_ids(tokenizer, vocab: int):
     import torch
 
-    from torchtune_grpo.rollout.sampling import allowed_token_mask, stop_token_ids
+    from torchtune_grpo.token_rules import allowed_token_mask, stop_token_ids
 
     return allowed_token_mask(tokenizer, vocab), torch.tensor(stop_token_ids(tokenizer))
 
@@ -242,7 +242,7 @@ def _own_completions(model, tokenizer, ordinary, max_tokens: int, seed: int,
     import torch
 
     from torchtune_grpo.rollout.native import generate_trajectory
-    from torchtune_grpo.rollout.sampling import logit_bias_from_mask
+    from torchtune_grpo.token_rules import logit_bias_from_mask
 
     allowed, stops = _stop_ids(tokenizer, int(model.tok_embeddings.weight.shape[0]))
     allowed = allowed.clone()
@@ -375,7 +375,7 @@ def measure_decode(model, tokenizer, prompt_tokens: int, max_tokens: int, thread
     import torch
 
     from torchtune_grpo.rollout.native import generate_trajectory
-    from torchtune_grpo.rollout.sampling import logit_bias_from_mask
+    from torchtune_grpo.token_rules import logit_bias_from_mask
 
     torch.set_num_threads(threads)
     allowed, stops = _stop_ids(tokenizer, int(model.tok_embeddings.weight.shape[0]))
@@ -559,8 +559,8 @@ def prompt_length() -> int:
     """Mean token count of the quickstart addition prompts (the first 64 of the train split)."""
     from torchtune import config as tt_config
 
+    from torchtune_grpo.config.loading import load_config
     from torchtune_grpo.quickstart.tiny import tiny_tokenizer
-    from torchtune_grpo.training.config import load_config
 
     with tempfile.TemporaryDirectory() as tmp:
         tok = tiny_tokenizer(tmp)

@@ -33,7 +33,7 @@ byte-level tiny tokenizer of :mod:`torchtune_grpo.quickstart.tiny`. For each sha
   (:data:`PEAK_BF16_TFLOPS`, dense, no sparsity); MFU is also printed against the bf16 rate of
   a big square matmul measured in the same run;
 * **peak memory** (``torch.cuda.max_memory_allocated``, reset before the recipe is built) next to
-  :func:`torchtune_grpo.training.memory_estimate.estimate_memory` (what
+  :func:`torchtune_grpo.cli.memory_estimate.estimate_memory` (what
   ``tune-grpo estimate-memory`` prints) for the same config.
 
 Every part runs under a time guard: when the rest of ``--time-budget`` is smaller than what a
@@ -296,7 +296,7 @@ def bench_grpo_step(cfg, w: Workload, budget: Budget, device: str) -> tuple[dict
     """Warm-up + ``w.steps`` GRPO steps through ``GRPORecipe``; returns (results, recipe)."""
     import torch
 
-    from torchtune_grpo.training.memory_estimate import estimate_memory
+    from torchtune_grpo.cli.memory_estimate import estimate_memory
     from torchtune_grpo.training.recipe import GRPORecipe
 
     cuda = torch.device(device).type == "cuda"

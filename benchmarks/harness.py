@@ -147,7 +147,7 @@ def peak_memory_bytes(device) -> int:
 
     if torch.device(device).type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    from torchtune_grpo.training.memory import peak_rss_bytes
+    from torchtune_grpo.backends.memory import peak_rss_bytes
 
     return peak_rss_bytes()
 

@@ -57,13 +57,13 @@ def _rss_bytes() -> int:
 
 def _peak_rss_bytes() -> int:
     """Peak resident set size of this process in bytes (``VmHWM``)."""
-    from torchtune_grpo.training.memory import peak_rss_bytes
+    from torchtune_grpo.backends.memory import peak_rss_bytes
 
     return peak_rss_bytes()
 
 
 def _mem_available_bytes() -> int | None:
-    from torchtune_grpo.training.memory import proc_field_bytes
+    from torchtune_grpo.backends.memory import proc_field_bytes
 
     return proc_field_bytes("/proc/meminfo", "MemAvailable")
 

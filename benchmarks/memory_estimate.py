@@ -1,6 +1,6 @@
 """Estimated peak memory per rank of the shipped training configs (or of one config).
 
-Prints the breakdown of :func:`torchtune_grpo.training.memory_estimate.estimate_memory` (weights,
+Prints the breakdown of :func:`torchtune_grpo.cli.memory_estimate.estimate_memory` (weights,
 gradients, optimizer state, reference model, KV cache, activations, logits) and the peak. Each
 shipped config is estimated for the ranks its header launches it with (``--nproc_per_node N``,
 else 1).
@@ -25,9 +25,8 @@ from pathlib import Path
 if not __package__:  # run as a file: python benchmarks/memory_estimate.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import harness  # noqa: E402
-from torchtune_grpo.training.config import load_config  # noqa: E402
-from torchtune_grpo.training.memory import measure_peak_memory  # noqa: E402
-from torchtune_grpo.training.memory_estimate import (  # noqa: E402
+from torchtune_grpo.backends.memory import measure_peak_memory  # noqa: E402
+from torchtune_grpo.cli.memory_estimate import (  # noqa: E402
     MemoryEstimate,
     dump_json,
     estimate_memory,
@@ -35,6 +34,7 @@ from torchtune_grpo.training.memory_estimate import (  # noqa: E402
     summary_table,
     training_configs,
 )
+from torchtune_grpo.config.loading import load_config  # noqa: E402
 
 #: Dimensions of the validation model: big enough that its weights dominate the baseline.
 VALIDATION_DIMS = {"vocab_size": 32000, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4,

@@ -11,7 +11,7 @@ in the same process, on the same model and the same length-varied rollout (CPU, 
 * ``trimmed``: every micro-batch runs on its own extent only (``trim=True``, the recipe with
   ``packed_forward: false``): the leading columns that are padding in all its rows and the
   columns past its longest response are dropped
-  (:func:`torchtune_grpo.algorithm.trajectory.trim_to_extent`).
+  (:func:`torchtune_grpo.policy.positions.trim_to_extent`).
 * ``packed``: every micro-batch's real tokens run as one row, attention per row
   (``pack=True``, the recipe's default ``packed_forward: true``;
   :func:`torchtune_grpo.policy.forward.packed_micro_batch_logprobs`).
@@ -65,7 +65,8 @@ def _rollout(rows: int, prompt_range: tuple[int, int], response_range: tuple[int
 
 VARIANTS = ("untrimmed", "trimmed", "packed")
 #: largest gradient difference over the largest gradient entry, per parameter, that still counts
-#: as float rounding: the unit tests (tests/unit/test_trimming.py) hold 1e-5 on a 2-layer model;
+#: as float rounding: the unit tests (tests/unit/policy/test_trimming.py) hold 1e-5 on a 2-layer
+#: model;
 #: this 4-layer one, 32 rows of up to 248 tokens, differs by up to ~4e-5 for trimmed and packed
 #: alike (another reduction order in attention and the matmuls)
 GRAD_TOLERANCE = 1e-4
@@ -108,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from torchtune_grpo.algorithm.loss import GRPOLoss
-    from torchtune_grpo.algorithm.trajectory import trim_to_extent
     from torchtune_grpo.policy.forward import micro_batch_logprobs
+    from torchtune_grpo.policy.positions import trim_to_extent
     from torchtune_grpo.quickstart.tiny import tiny_llama
 
     torch.set_num_threads(args.threads)

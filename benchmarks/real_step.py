@@ -9,7 +9,7 @@ through the real ``GRPORecipe`` as ``benchmarks/step.py`` drives it (a worker su
 ``GRPORecipe.train_step`` calls them, the reference only when the loss needs it (it does not
 without KL), the old log-probs only when the rollout's own cannot serve (they can here); 1
 warm-up step, then the
-mean of ``--steps`` timed steps; peak RSS from ``torchtune_grpo.training.memory.peak_rss_bytes``).
+mean of ``--steps`` timed steps; peak RSS from ``torchtune_grpo.backends.memory.peak_rss_bytes``).
 Prompts: GSM8K questions from ``../shared/data/gsm8k/train.jsonl`` when present, else
 synthetic questions.
 
@@ -226,7 +226,7 @@ def decode_attention_seconds(model, rows: list[int], spans: list[int],
     import torch
     import torch.nn.functional as F
 
-    from torchtune_grpo.rollout.kv_cache import attention_modules
+    from torchtune_grpo.policy.kv_cache import attention_modules
 
     attns = attention_modules(model)
     a = attns[0]
@@ -352,7 +352,7 @@ def worker(workdir: Path, model_dir: Path, steps: int, new_tokens: int,
 
     if threads:
         torch.set_num_threads(threads)
-    from torchtune_grpo.training.memory import peak_rss_bytes
+    from torchtune_grpo.backends.memory import peak_rss_bytes
     from torchtune_grpo.training.recipe import GRPORecipe
 
     recipe = GRPORecipe(build_config(workdir, model_dir, new_tokens, threads))

@@ -3,7 +3,7 @@
 Under FSDP2 with ``fsdp_reshard_after_forward: true`` every forward all-gathers each layer and
 frees it after, and the rollout runs one forward per decode step. With
 ``rollout_gather_weights: true`` (the default) the recipe gathers the policy once per rollout
-(:func:`torchtune_grpo.training.distributed.gathered_for_inference`). This script runs the real
+(:func:`torchtune_grpo.distributed.gathered_for_inference`). This script runs the real
 recipe, ``tune run --nproc_per_node 2 grpo_full_finetune_distributed`` on CPU (gloo), four
 times per model in one invocation, ``rollout_gather_weights`` false (before), true (after),
 true, false (so that a drifting load on a shared machine hits both alike), and reads

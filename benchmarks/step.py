@@ -28,7 +28,7 @@ The step is split as the recipe times it: generation (rollout), scoring (decode 
 advantages), reference (log-probs of the frozen model) and update (forward + backward +
 optimizer step). The first step is a warm-up; the mean of the next ``--steps`` is reported.
 Peak memory is the process's peak resident set size (``VmHWM``, see
-``torchtune_grpo.training.memory.peak_rss_bytes``) on CPU, or ``torch.cuda.max_memory_allocated`` on
+``torchtune_grpo.backends.memory.peak_rss_bytes``) on CPU, or ``torch.cuda.max_memory_allocated`` on
 CUDA.
 
 Peer, in the same invocation (``--peer torchtune-dev``): torchtune's original dev GRPO recipe
@@ -139,10 +139,11 @@ def install_baseline() -> None:
     import torch
     from torchtune.modules.common_utils import delete_kv_caches
 
-    from torchtune_grpo.algorithm.trajectory import Trajectory, position_ids
+    from torchtune_grpo.algorithm.trajectory import Trajectory
     from torchtune_grpo.policy import forward as fwd
     from torchtune_grpo.policy.head import OutputHead, ResponseLogProbs
     from torchtune_grpo.policy.logprobs import naive_token_logprobs
+    from torchtune_grpo.policy.positions import position_ids
     from torchtune_grpo.rollout import native as gen
 
     answer = OutputHead.__call__

@@ -149,7 +149,7 @@ def our_config(model_dir: Path, output_dir: Path, eval_problems: int,
     ``eval_dataset``; then ``overrides`` (smoke tests)."""
     from omegaconf import OmegaConf
 
-    from torchtune_grpo.training.config import load_config
+    from torchtune_grpo.config.loading import load_config
 
     cfg = load_config(CONFIG, [
         f"model_dir={model_dir}", f"output_dir={output_dir}", "num_steps=1000000",
@@ -266,7 +266,7 @@ def run_ours_worker(args: argparse.Namespace, spec_only: bool = False) -> None:
                 row["completions"] = [r["completions"][0] for r in rows]
                 result["heldout_indices"] = [int(r["index"]) for r in rows]
             result["points"].append(row)
-            from torchtune_grpo.training.memory import peak_rss_bytes
+            from torchtune_grpo.backends.memory import peak_rss_bytes
 
             result["peak_memory_bytes"] = peak_rss_bytes()
             harness.write_json(result_path, result)

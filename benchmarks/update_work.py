@@ -39,7 +39,7 @@ def run(config: str, overrides: list[str], repeats: int, threads: int) -> dict:
     """Sample one rollout of ``config`` and time its update per variant (see the docstring)."""
     import torch
 
-    from torchtune_grpo.training.config import load_config
+    from torchtune_grpo.config.loading import load_config
     from torchtune_grpo.training.metrics import PhaseTimer
     from torchtune_grpo.training.recipe import GRPORecipe
 

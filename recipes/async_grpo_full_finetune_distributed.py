@@ -24,8 +24,8 @@ The roles live in :mod:`torchtune_grpo.training.async_recipe`.
 
 from omegaconf import DictConfig
 
+from torchtune_grpo.config.loading import parse
 from torchtune_grpo.training.async_recipe import run_async_recipe
-from torchtune_grpo.training.config import parse
 
 
 @parse

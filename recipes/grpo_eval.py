@@ -33,28 +33,24 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune import config, utils
 
-from torchtune_grpo.errors import Interrupted
-from torchtune_grpo.evaluation.evaluate import (
-    EvaluationInterrupted,
-    evaluate,
-    tool_settings_from_checkpoint,
-)
-from torchtune_grpo.evaluation.results import EvalResult, eval_fingerprint, partial_samples_path
-from torchtune_grpo.policy.model import DTYPES, build_model, meta_model, token_rules
-from torchtune_grpo.rewards.build import build_reward_set
-from torchtune_grpo.training import distributed as D
-from torchtune_grpo.training.config import parse
-from torchtune_grpo.training.interrupts import StopSignals
-from torchtune_grpo.training.recipe_setup import load_weights
-from torchtune_grpo.training.run_lock import FolderLock
-from torchtune_grpo.training.schema import EVAL_KEYS, with_defaults
-from torchtune_grpo.training.settings import EvalSettings
-from torchtune_grpo.training.step_folder import check_model_folder
-from torchtune_grpo.training.validation import (
+from torchtune_grpo import distributed as D
+from torchtune_grpo.checkpoints.run_lock import FolderLock
+from torchtune_grpo.checkpoints.step_folder import check_model_folder, tool_settings_from_checkpoint
+from torchtune_grpo.config.loading import parse
+from torchtune_grpo.config.schema import EVAL_KEYS, with_defaults
+from torchtune_grpo.config.validation import (
     check_device,
     check_input_files,
     validate_config,
 )
+from torchtune_grpo.errors import Interrupted
+from torchtune_grpo.evaluation.evaluate import EvaluationInterrupted, evaluate
+from torchtune_grpo.evaluation.results import EvalResult, eval_fingerprint, partial_samples_path
+from torchtune_grpo.evaluation.settings import EvalSettings
+from torchtune_grpo.policy.model import DTYPES, build_model, meta_model, token_rules
+from torchtune_grpo.rewards.build import build_reward_set
+from torchtune_grpo.training.interrupts import StopSignals
+from torchtune_grpo.training.recipe_setup import load_weights
 
 log = utils.get_logger("INFO")
 

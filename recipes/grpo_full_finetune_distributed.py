@@ -25,7 +25,7 @@ The step itself lives in :class:`torchtune_grpo.training.recipe.GRPORecipe`, sha
 
 from omegaconf import DictConfig
 
-from torchtune_grpo.training.config import parse
+from torchtune_grpo.config.loading import parse
 from torchtune_grpo.training.recipe import run_recipe
 
 

@@ -11,8 +11,8 @@ under torchrun is an error: use the distributed recipe for several ranks.
 
 from omegaconf import DictConfig
 
-from torchtune_grpo.training.config import parse
-from torchtune_grpo.training.distributed import launched_by_torchrun
+from torchtune_grpo.config.loading import parse
+from torchtune_grpo.distributed import launched_by_torchrun
 from torchtune_grpo.training.recipe import run_recipe
 
 

@@ -31,7 +31,7 @@
 # whole kit may be); only `tune-grpo plot` needs it, so plot the metric logs that the GPU check
 # writes under $OUT on another machine.
 #   the tests: hypothesis (+ attrs, sortedcontainers), pytest-timeout, accelerate
-#     (transformers' GGUF loader, the reference of tests/unit/test_gguf_import.py)
+#     (transformers' GGUF loader, the reference of tests/unit/models/test_gguf_import.py)
 # vLLM is not in the kit (too big to carry); benchmarks/gpu.py skips it with the reason.
 #
 # The folder is rebuilt from scratch on every run; the script ends by printing the kit's size

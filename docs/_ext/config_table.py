@@ -5,9 +5,9 @@ Usage (Markdown page, MyST)::
     ```{grpo-config-table} RECIPE_KEYS
     ```
 
-The argument names a ``dict[str, Key]`` of :mod:`torchtune_grpo.training.schema` (``RECIPE_KEYS``
+The argument names a ``dict[str, Key]`` of :mod:`torchtune_grpo.config.schema` (``RECIPE_KEYS``
 or ``EVAL_KEYS``). The table is built from that dict at every docs build, so the reference cannot
-drift from the schema that :func:`torchtune_grpo.training.validation.validate_config` enforces.
+drift from the schema that :func:`torchtune_grpo.config.validation.validate_config` enforces.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from docutils import nodes
 from sphinx.util.docutils import SphinxDirective
 
 SCHEMAS = ("RECIPE_KEYS", "EVAL_KEYS", "ASYNC_KEYS")
-#: Settings dataclasses of nested blocks (:mod:`torchtune_grpo.training.settings`) -> their
+#: Settings dataclasses of nested blocks (:mod:`torchtune_grpo.config.settings`) -> their
 #: config key.
 SETTINGS = {"AdvantageSettings": "advantages", "EvalSettings": "eval",
             "DynamicSamplingSettings": "dynamic_sampling", "HealthSettings": "run_health"}
@@ -27,7 +27,7 @@ SETTINGS = {"AdvantageSettings": "advantages", "EvalSettings": "eval",
 
 def format_default(value: Any) -> str:
     """The default as reStructuredText: ``required``, ``null`` or a literal YAML-ish value."""
-    from torchtune_grpo.training.schema import REQUIRED
+    from torchtune_grpo.config.schema import REQUIRED
 
     if value is REQUIRED:
         return "**required**"
@@ -40,7 +40,7 @@ def format_default(value: Any) -> str:
 
 def table_rows(schema_name: str) -> list[tuple[str, str, str, str]]:
     """``(key, type, default, meaning)`` of every key of ``schema_name``, in schema order."""
-    import torchtune_grpo.training.schema as schemas
+    import torchtune_grpo.config.schema as schemas
 
     if schema_name not in SCHEMAS:
         raise ValueError(f"grpo-config-table: unknown schema {schema_name!r}; use one of {SCHEMAS}")
@@ -80,12 +80,12 @@ def settings_rows(settings_name: str) -> list[tuple[str, str, str]]:
     """
     import dataclasses
 
-    import torchtune_grpo.training.settings as settings
+    from torchtune_grpo.config.schema import RECIPE_KEYS
 
     if settings_name not in SETTINGS:
         raise ValueError(f"grpo-settings-table: unknown settings {settings_name!r}; use one "
                          f"of {tuple(SETTINGS)}")
-    cls = getattr(settings, settings_name)
+    cls = RECIPE_KEYS[SETTINGS[settings_name]].settings
     docs = _attribute_docs(cls)
     rows = []
     for f in dataclasses.fields(cls):

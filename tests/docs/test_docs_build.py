@@ -29,7 +29,7 @@ def test_sphinx_build_has_no_warnings(tmp_path):
         capture_output=True, text=True, timeout=600, check=False,
     )
     assert proc.returncode == 0, f"sphinx failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    from torchtune_grpo.training.schema import EVAL_KEYS, RECIPE_KEYS
+    from torchtune_grpo.config.schema import EVAL_KEYS, RECIPE_KEYS
 
     reference = (out / "config_reference.html").read_text()
     missing = [k for k in {**RECIPE_KEYS, **EVAL_KEYS} if f'<span class="pre">{k}</span>' not in
@@ -54,7 +54,7 @@ def _config_table():
 def test_config_table_lists_every_key_in_schema_order():
     _require_sphinx()
     config_table = _config_table()
-    from torchtune_grpo.training.schema import EVAL_KEYS, RECIPE_KEYS
+    from torchtune_grpo.config.schema import EVAL_KEYS, RECIPE_KEYS
 
     for name, schema in (("RECIPE_KEYS", RECIPE_KEYS), ("EVAL_KEYS", EVAL_KEYS)):
         rows = config_table.table_rows(name)
@@ -71,7 +71,7 @@ def test_settings_tables_list_every_key_of_the_nested_blocks():
     import dataclasses
 
     config_table = _config_table()
-    from torchtune_grpo.training.schema import RECIPE_KEYS
+    from torchtune_grpo.config.schema import RECIPE_KEYS
 
     for name, key in config_table.SETTINGS.items():
         cls = RECIPE_KEYS[key].settings

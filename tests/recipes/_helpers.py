@@ -92,7 +92,7 @@ def quickstart_overrides(base: Path, out: Path, *extra: str) -> list[str]:
 
 def quickstart_config(base: Path, out: Path, *extra: str, config: str = QUICKSTART):
     """``config`` (default ``grpo/quickstart_cpu``) with :func:`run_overrides`, loaded here."""
-    from torchtune_grpo.training.config import load_config
+    from torchtune_grpo.config.loading import load_config
 
     return load_config(config, run_overrides(base, out, *extra))
 

@@ -56,7 +56,7 @@ from typing import Any
 RUNNABLE = ("quickstart_cpu", "quickstart_cpu_cispo", "quickstart_cpu_dapo",
             "quickstart_cpu_dr_grpo", "quickstart_cpu_gspo", "quickstart_cpu_kl",
             "quickstart_cpu_tools", "eval_quickstart")
-#: Exceptions that the recipes' entry point (``torchtune_grpo.training.config.parse``) prints as one
+#: Exceptions that the recipes' entry point (``torchtune_grpo.config.loading.parse``) prints as one
 #: line, without a traceback.
 ONE_LINE = ("ConfigError", "FileNotFoundError", "FileExistsError", "PermissionError")
 MEMORY_LIMIT = 8 * 2**30
@@ -188,8 +188,8 @@ def _child(config_name: str, mutated: dict, mutation: dict, base: str | None, wo
     try:
         import yaml
 
+        from torchtune_grpo.config.loading import load_config
         from torchtune_grpo.training import recipe as recipe_module
-        from torchtune_grpo.training.config import load_config
 
         runnable = base is not None and config_name in RUNNABLE
         if runnable and "checkpoint_dir" in mutated:  # the eval recipe writes its results there
@@ -211,13 +211,13 @@ def _child(config_name: str, mutated: dict, mutation: dict, base: str | None, wo
         save(stage="validate")
         is_eval = config_name.startswith("eval_")  # the grpo_eval recipe's configs
         if any(k in cfg for k in ("rollout_ranks", "max_staleness")):
-            from torchtune_grpo.training.validation import validate_async_config
+            from torchtune_grpo.config.validation import validate_async_config
 
             validate_async_config(cfg, world_size=3)
             save(stage="accepted")
             return
-        from torchtune_grpo.training.schema import EVAL_KEYS
-        from torchtune_grpo.training.validation import validate_config
+        from torchtune_grpo.config.schema import EVAL_KEYS
+        from torchtune_grpo.config.validation import validate_config
 
         validate_config(cfg, schema=EVAL_KEYS if is_eval else None)  # what __init__ runs
         if not runnable:
@@ -284,7 +284,7 @@ def run_mutant(config_name: str, mutation_seed: int, base: str | None) -> dict:
     """Mutate ``config_name`` with ``mutation_seed``, run the mutant in a child; its record."""
     from omegaconf import OmegaConf
 
-    from torchtune_grpo.training.config import _load_with_inheritance, resolve_config_path
+    from torchtune_grpo.config.loading import _load_with_inheritance, resolve_config_path
 
     plain = OmegaConf.to_container(
         _load_with_inheritance(resolve_config_path(f"grpo/{config_name}"), seen=()),
@@ -332,7 +332,7 @@ def fuzz(n: int, seed: int, base: str | None, out: Path | None = None,
     """``n`` mutants, configs drawn uniformly (a run of ``seed`` is reproducible); with
     ``runnable_share``, that share of the draws is from :data:`RUNNABLE` (mutants that run a
     step), whatever the number of other shipped configs."""
-    from torchtune_grpo.training.config import list_shipped_configs
+    from torchtune_grpo.config.loading import list_shipped_configs
 
     names_ = configs or [c.removeprefix("grpo/") for c in list_shipped_configs()]
     rng = random.Random(seed)

@@ -6,7 +6,7 @@ in the training process itself; at that call the process sends itself SIGKILL (n
 no ``finally``, no flush: what a power cut or the OOM killer leaves). Counting calls rather than
 seconds makes an instant reproducible and lets a test aim inside the checkpoint writes: with
 ``phase="save"`` only the calls made while
-:func:`torchtune_grpo.training.checkpointing.save_step_checkpoint` runs are counted.
+:func:`torchtune_grpo.checkpoints.saving.save_step_checkpoint` runs are counted.
 
 Run as a script, it reads a JSON spec and writes a JSON result::
 
@@ -32,7 +32,7 @@ from pathlib import Path
 
 
 def _hook(kill_at: int | None, phase: str, counts: dict[str, int]):
-    from torchtune_grpo.training import checkpointing
+    from torchtune_grpo.checkpoints import saving as checkpointing
 
     save_code = checkpointing.save_step_checkpoint.__code__
     depth = [0]
@@ -64,7 +64,7 @@ def _run_child(config: str, overrides: list[str], kill_at: int | None = None,
         return os.waitpid(pid, 0)[1]
     code = 1
     try:
-        from torchtune_grpo.training.config import load_config
+        from torchtune_grpo.config.loading import load_config
         from torchtune_grpo.training.recipe import run_recipe
 
         cfg = load_config(config, overrides)
@@ -90,7 +90,7 @@ def _state(out: Path) -> dict:
     (their weights or recipe state missing or unreadable)."""
     from safetensors.torch import load_file
 
-    from torchtune_grpo.training.checkpointing import list_step_checkpoints, load_recipe_state
+    from torchtune_grpo.checkpoints.saving import list_step_checkpoints, load_recipe_state
 
     complete = list_step_checkpoints(out)
     broken = []
@@ -116,7 +116,7 @@ def _describe(status: int) -> dict:
 
 
 def main(spec_file: str, result_file: str) -> None:
-    import torchtune_grpo.training.config  # noqa: F401 (imported once, before the forks)
+    import torchtune_grpo.config.loading  # noqa: F401 (imported once, before the forks)
     import torchtune_grpo.training.recipe  # noqa: F401
 
     spec = json.loads(Path(spec_file).read_text())

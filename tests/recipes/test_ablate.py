@@ -42,8 +42,8 @@ def test_grid_is_one_factor_at_a_time():
 def test_real_grid_settings_are_valid_configs(task):
     """Every setting of the real-model grid is a config the recipe accepts (a typo in an
     override would otherwise surface an hour into the ablation), and the settings differ."""
-    from torchtune_grpo.training.config import load_config
-    from torchtune_grpo.training.validation import validate_config
+    from torchtune_grpo.config.loading import load_config
+    from torchtune_grpo.config.validation import validate_config
 
     grid = ablate.real_grid()
     assert {s.knob for s in grid} == {"estimator", "loss", "group_size"}

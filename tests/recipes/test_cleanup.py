@@ -12,8 +12,8 @@ import torch
 
 from tests.recipes._helpers import QUICKSTART, run_overrides, train_metrics
 from torchtune_grpo.algorithm.loss import GRPOLoss
+from torchtune_grpo.checkpoints.saving import step_dir
 from torchtune_grpo.rollout.native import NativeGenerator
-from torchtune_grpo.training.checkpointing import step_dir
 
 
 class RecordingGenerator(NativeGenerator):

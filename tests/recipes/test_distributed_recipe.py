@@ -49,7 +49,7 @@ def test_one_process_trains_from_any_directory(base_model, tmp_path):
 
 
 def test_yaml_path_and_two_processes(base_model, tmp_path):
-    from torchtune_grpo.training.config import resolve_config_path
+    from torchtune_grpo.config.loading import resolve_config_path
 
     config = tmp_path / "my.yaml"
     config.write_text(resolve_config_path("grpo/quickstart_cpu").read_text())

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from tests.recipes._helpers import quickstart_overrides, run_tune
-from tests.unit.test_evaluation import write_hf_tokenizer
+from tests.unit.evaluation.test_evaluation import write_hf_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -61,13 +61,13 @@ def test_eval_recipe_with_huggingface_base_tokenizer(base_model, tmp_path):
     import torch
     from omegaconf import OmegaConf
 
+    from torchtune_grpo.config.loading import resolve_config_path
     from torchtune_grpo.datasets import addition_dataset
     from torchtune_grpo.evaluation.evaluate import evaluate
+    from torchtune_grpo.evaluation.settings import EvalSettings
     from torchtune_grpo.policy.model import token_rules
     from torchtune_grpo.quickstart.prepare import load_quickstart_model
     from torchtune_grpo.rewards.build import build_reward_set
-    from torchtune_grpo.training.config import resolve_config_path
-    from torchtune_grpo.training.settings import EvalSettings
 
     ckpt = tmp_path / "ckpt"  # an HF folder: weights, config.json, tokenizer(_config).json
     shutil.copytree(base_model, ckpt)

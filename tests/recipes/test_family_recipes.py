@@ -1,5 +1,6 @@
 """Every supported family through the recipes (issue 45, items 3c-3e): a tiny random folder
-of each (the first case per architecture of :mod:`tests.unit._family_zoo`, with the ChatML test
+of each (the first case per architecture of :mod:`tests.unit.models.families._family_zoo`, with the
+ChatML test
 tokenizer) trained with the HF-folder config ``grpo/smollm2_arithmetic_cpu`` (``model_dir=...``,
 nothing else about the model), its step folder loaded back by ``transformers``; LoRA; two FSDP2
 ranks; ``tune run`` training and ``grpo_eval`` (Qwen3, the most used family).
@@ -22,9 +23,9 @@ from tests.recipes._helpers import (
     run_tune,
     train_metrics,
 )
-from tests.unit._family_zoo import CASES, write_model
+from tests.unit.models.families._family_zoo import CASES, write_model
+from torchtune_grpo.config.loading import load_config
 from torchtune_grpo.models.families import FAMILY_MODULES
-from torchtune_grpo.training.config import load_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -72,7 +73,7 @@ def _train(model_dir, out, *extra):
 def _check_in_transformers(recipe, step_dir, tol: float) -> None:
     """``transformers`` loads ``step_dir``; its logits equal the trained policy's (rows of 24
     and 17 real tokens, longer than a sliding window of 8)."""
-    from torchtune_grpo.algorithm.trajectory import attention_mask, position_ids
+    from torchtune_grpo.policy.positions import attention_mask, position_ids
 
     loaded = transformers.AutoModelForCausalLM.from_pretrained(
         str(step_dir), dtype=torch.float32).eval()

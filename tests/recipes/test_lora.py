@@ -21,8 +21,8 @@ from tests.recipes._helpers import (
     train_in_process,
     train_metrics,
 )
-from torchtune_grpo.algorithm.trajectory import attention_mask, position_ids
 from torchtune_grpo.policy.forward import response_logprobs
+from torchtune_grpo.policy.positions import attention_mask, position_ids
 from torchtune_grpo.quickstart.tiny import tiny_llama
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from tests.recipes._helpers import quickstart_config, train_in_process, train_metrics
-from torchtune_grpo.training.checkpointing import list_step_checkpoints
+from torchtune_grpo.checkpoints.saving import list_step_checkpoints
 from torchtune_grpo.training.recipe import GRPORecipe
 
 pytestmark = pytest.mark.slow
@@ -125,7 +125,7 @@ def test_check_writable_names_the_folder(tmp_path, monkeypatch):
     fail)."""
     from pathlib import Path
 
-    from torchtune_grpo.training.checkpointing import check_writable
+    from torchtune_grpo.checkpoints.saving import check_writable
 
     check_writable(tmp_path / "new" / "run")
     assert (tmp_path / "new" / "run").is_dir()

@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 
 from tests.recipes._helpers import assert_not_degenerate, metrics, model_weights, run_in_process
+from torchtune_grpo.config.loading import load_config
 from torchtune_grpo.evaluation.stats import wilson_interval
-from torchtune_grpo.training.config import load_config
 from torchtune_grpo.training.recipe import GRPORecipe
 
 pytestmark = pytest.mark.slow

@@ -20,7 +20,7 @@ from tests.recipes._helpers import (
     run_tune,
     train_metrics,
 )
-from torchtune_grpo.training.config import load_config
+from torchtune_grpo.config.loading import load_config
 from torchtune_grpo.training.recipe import GRPORecipe
 
 pytestmark = pytest.mark.slow
@@ -76,10 +76,9 @@ def _assert_learned_something(out, base_dir, step_dir, *, lora: bool):
 def _greedy_native(step_dir, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     from torchtune import training
 
-    from torchtune_grpo.models import hf_model, hf_tokenizer
+    from torchtune_grpo.models import hf_checkpointer, hf_model, hf_tokenizer
     from torchtune_grpo.policy.model import token_rules
     from torchtune_grpo.rollout.native import generate_trajectory
-    from torchtune_grpo.training.checkpointing import hf_checkpointer
 
     model = hf_model(str(step_dir), max_seq_len=512)
     model.load_state_dict(hf_checkpointer(str(step_dir)).load_checkpoint()[training.MODEL_KEY])

@@ -17,7 +17,7 @@ from tests.recipes._helpers import (
     train_metrics,
     tune_cmd,
 )
-from torchtune_grpo.training.checkpointing import latest_step_checkpoint, load_recipe_state
+from torchtune_grpo.checkpoints.saving import latest_step_checkpoint, load_recipe_state
 from torchtune_grpo.training.recipe import GRPORecipe
 
 pytestmark = pytest.mark.slow

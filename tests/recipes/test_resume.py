@@ -61,7 +61,7 @@ def test_resume_with_dynamic_sampling_is_bitwise_exact(base_model, tmp_path):
     on 2 ranks, whose collective decides the number of extra draws."""
     import json
 
-    from tests.unit.test_dynamic_sampling import PARITY_REWARD
+    from tests.unit.training.test_dynamic_sampling import PARITY_REWARD
 
     extra = ("num_steps=3", "save_every_n_steps=2", "rewards=" + json.dumps(PARITY_REWARD),
              "dynamic_sampling={max_batches: 2}")
@@ -95,7 +95,7 @@ def test_crash_during_save_keeps_previous_checkpoint(base_model, tmp_path):
         "checkpointer.crash_at_step=3")], tmp_path, threads=2)
     assert (out / "step_2" / "CHECKPOINT_COMPLETE").is_file()
     assert not (out / "step_3").exists() and (out / ".step_3.partial").exists()
-    from torchtune_grpo.training.checkpointing import latest_step_checkpoint
+    from torchtune_grpo.checkpoints.saving import latest_step_checkpoint
 
     assert latest_step_checkpoint(out).name == "step_2"
     run_tune([*launch(1), *_args(base_model, out, "save_every_n_steps=1",
@@ -123,7 +123,7 @@ def test_sigterm_saves_at_step_boundary_and_exits_cleanly(base_model, tmp_path, 
     proc.send_signal(sig)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output[-3000:]
-    from torchtune_grpo.training.checkpointing import list_step_checkpoints
+    from torchtune_grpo.checkpoints.saving import list_step_checkpoints
 
     saved = list_step_checkpoints(out)
     assert len(saved) == 1 and 1 <= saved[0][0] < 500

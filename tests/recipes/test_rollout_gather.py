@@ -75,8 +75,8 @@ def _worker(rank: int, port: int, cfg_model: dict, activation_checkpointing: boo
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
+    from torchtune_grpo import distributed as D
     from torchtune_grpo.policy.model import build_model, meta_model
-    from torchtune_grpo.training import distributed as D
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE="2", LOCAL_RANK=str(rank))
@@ -179,8 +179,8 @@ def test_weights_are_gathered_once_and_given_back(cfg_model, ac):
 
 
 def test_no_op_without_fsdp():
+    from torchtune_grpo.distributed import gathered_for_inference
     from torchtune_grpo.quickstart.tiny import tiny_llama
-    from torchtune_grpo.training.distributed import gathered_for_inference
 
     model = tiny_llama()
     before = {n: p for n, p in model.named_parameters()}

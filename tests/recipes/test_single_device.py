@@ -64,7 +64,7 @@ def test_native_engine_step_timing_and_memory(base_model, tmp_path):
 
 
 def test_bad_accumulation_is_rejected_before_loading(base_model, tmp_path):
-    from torchtune_grpo.training.validation import ConfigError
+    from torchtune_grpo.config.validation import ConfigError
 
     cfg = quickstart_config(base_model, tmp_path, "batch_size=6", "gradient_accumulation_steps=4")
     with pytest.raises(ConfigError, match="gradient_accumulation_steps"):

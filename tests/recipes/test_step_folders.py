@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from tests.recipes._helpers import quickstart_overrides, recipe_env, run_tune, tune_cmd
-from torchtune_grpo.training.checkpointing import list_step_checkpoints
-from torchtune_grpo.training.run_lock import is_locked
-from torchtune_grpo.training.step_folder import check_step_folder
+from torchtune_grpo.checkpoints.run_lock import is_locked
+from torchtune_grpo.checkpoints.saving import list_step_checkpoints
+from torchtune_grpo.checkpoints.step_folder import check_step_folder
 
 pytestmark = pytest.mark.slow
 

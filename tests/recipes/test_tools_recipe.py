@@ -173,7 +173,7 @@ def test_tool_tokens_carry_no_logprob_and_no_loss(base_model, tmp_path):
     calls = torch.tensor([len(s) for s in _tool_runs(traj.tool_mask)], dtype=torch.float)
     assert row["tools/calls_per_completion"] == pytest.approx(float(calls.sum()) / n)
     # the step folder carries the tools for grpo_eval
-    from torchtune_grpo.evaluation.evaluate import tool_settings_from_checkpoint
+    from torchtune_grpo.checkpoints.step_folder import tool_settings_from_checkpoint
 
     saved = tool_settings_from_checkpoint(out / "step_1")
     assert [dict(t) for t in saved["tools"]] == json.loads(TOOL_OVERRIDES[0][len("tools="):])

@@ -1,6 +1,7 @@
 """The limits that keep the package's layout readable (docs/design.md, "The layout"): no library
-module over 500 lines, no import cycle among the package's modules (lazy imports inside
-functions included), no test that loads a benchmark by file path."""
+module over 500 lines, no folder of more than 10 modules, no import cycle among the package's
+modules, no import from a sub-package later in :data:`LAYERS` (lazy imports inside functions
+included), no test that loads a benchmark by file path."""
 
 from __future__ import annotations
 
@@ -15,6 +16,17 @@ import torchtune_grpo
 PACKAGE = Path(torchtune_grpo.__file__).parent
 REPO = PACKAGE.parent
 MAX_LINES = 500
+MAX_MODULES_PER_FOLDER = 10
+
+#: The sub-packages in layer order: a module imports from its own sub-package and from those
+#: listed before it, never from one listed after it. ``""`` is the top-level modules
+#: (``errors``, ``distributed``, ``token_rules``). The policy's building blocks (decoder, head,
+#: forward passes, KV cache) come first because every model is built as a policy decoder;
+#: the pure algorithm precedes the parts that produce its inputs; the run's parts
+#: (evaluation, checkpoints, the config tree, the training loop) come after everything they
+#: compose; the command line is last.
+LAYERS = ["", "policy", "models", "backends", "algorithm", "rollout", "rewards", "datasets",
+          "evaluation", "checkpoints", "config", "training", "quickstart", "cli"]
 
 
 def _module_name(path: Path) -> str:
@@ -91,6 +103,56 @@ def test_no_import_cycle_among_the_package_modules():
              for name, path in modules.items()}
     cycle = find_cycle(graph)
     assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
+
+
+def layer_of(name: str) -> str:
+    """The :data:`LAYERS` entry of module ``name`` (``""`` for a top-level module)."""
+    parts = name.split(".")
+    is_package = (PACKAGE.parent / Path(*parts) / "__init__.py").is_file()
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and is_package) else ""
+
+
+def upward_imports(modules: dict[str, Path]) -> list[str]:
+    """``"a -> b"`` for every import of a module from a sub-package later in :data:`LAYERS`."""
+    found = []
+    for name, path in modules.items():
+        here = LAYERS.index(layer_of(name))
+        for target in sorted(imported_modules(path, name, set(modules))):
+            if LAYERS.index(layer_of(target)) > here:
+                found.append(f"{name} -> {target}")
+    return found
+
+
+def test_every_sub_package_has_a_layer():
+    missing = {layer_of(name) for name in library_modules()} - set(LAYERS)
+    assert not missing, f"add these sub-packages to LAYERS (in import order): {sorted(missing)}"
+
+
+def test_no_module_imports_from_a_later_layer():
+    upward = upward_imports(library_modules())
+    assert not upward, (
+        "imports back up the layers (move the shared code down, or pass it in):\n  "
+        + "\n  ".join(upward))
+
+
+def test_the_layer_check_sees_a_lazy_upward_import(tmp_path, monkeypatch):
+    """A function-level import of a later layer is caught (the check is not vacuous)."""
+    modules = library_modules()
+    fake = tmp_path / "fake.py"
+    fake.write_text("def f():\n    from torchtune_grpo.training.recipe import GRPORecipe\n")
+    modules["torchtune_grpo.policy.fake"] = fake
+    assert upward_imports(modules) == [
+        "torchtune_grpo.policy.fake -> torchtune_grpo.training.recipe"]
+
+
+def test_no_folder_holds_more_than_ten_modules():
+    counts: dict[str, int] = {}
+    for path in PACKAGE.rglob("*.py"):
+        if "configs" not in path.relative_to(PACKAGE).parts:
+            folder = str(path.parent.relative_to(PACKAGE.parent))
+            counts[folder] = counts.get(folder, 0) + 1
+    big = {folder: n for folder, n in counts.items() if n > MAX_MODULES_PER_FOLDER}
+    assert not big, f"split these folders by role (limit {MAX_MODULES_PER_FOLDER}): {big}"
 
 
 def _parents(name: str) -> set[str]:

@@ -12,16 +12,16 @@ import torch
 
 vllm = pytest.importorskip("vllm")
 
-from torchtune_grpo.algorithm.trajectory import attention_mask, position_ids  # noqa: E402
 from torchtune_grpo.policy.forward import response_logprobs  # noqa: E402
+from torchtune_grpo.policy.positions import attention_mask, position_ids  # noqa: E402
 from torchtune_grpo.quickstart.tiny import TINY_MODEL_DIMS, tiny_llama, write_hf_checkpoint  # noqa: E402
 from torchtune_grpo.rollout.protocol import GenerationContext, Generator  # noqa: E402
-from torchtune_grpo.rollout.sampling import (  # noqa: E402
+from torchtune_grpo.rollout.vllm_engine import VLLMGenerator  # noqa: E402
+from torchtune_grpo.token_rules import (  # noqa: E402
     allowed_token_mask,
     logit_bias_from_mask,
     stop_token_ids,
 )
-from torchtune_grpo.rollout.vllm_engine import VLLMGenerator  # noqa: E402
 
 #: vLLM's CPU attention needs head_dim >= 32: dim 128, 2 heads of 64, 1 KV head.
 DIMS = dict(TINY_MODEL_DIMS, embed_dim=128, num_heads=2, num_kv_heads=1)
@@ -135,7 +135,7 @@ def test_greedy_matches_policy_argmax(engine):
 
 
 def test_vllm_generator_implements_the_protocol():
-    from tests.unit.test_generator_protocol import assert_implements_generator
+    from tests.unit.rollout.test_generator_protocol import assert_implements_generator
 
     assert isinstance(VLLMGenerator(), Generator)  # no engine is built before setup()
     assert_implements_generator(VLLMGenerator)

@@ -423,7 +423,7 @@ def summarize_loss_stats(
             averaged over steps through ``normalizer_share``).
         all_reduce (Callable[[Tensor, str], Tensor] | None): ``f(tensor, op)`` with ``op`` in
             ``{"sum", "max"}`` returning the reduced tensor, e.g.
-            :func:`torchtune_grpo.training.distributed.all_reduce`. ``None`` for a single process.
+            :func:`torchtune_grpo.distributed.all_reduce`. ``None`` for a single process.
 
     Returns:
         dict[str, float]: ``loss``, ``policy_loss``, ``kl`` (mean per-token KL to the reference

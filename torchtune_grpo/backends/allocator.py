@@ -57,7 +57,7 @@ def keep_freed_memory() -> bool:
     Left alone (returns False): a C library other than glibc (macOS, musl), and a process whose
     environment already configures ``malloc`` (any of :data:`GLIBC_MALLOC_ENV`, e.g. the
     ``MALLOC_MMAP_THRESHOLD_`` that
-    :func:`torchtune_grpo.training.memory.measure_peak_memory` sets to
+    :func:`torchtune_grpo.backends.memory.measure_peak_memory` sets to
     measure live tensors). An allocator preloaded in glibc's place (jemalloc, tcmalloc) keeps
     its own policy; the call then only configures glibc's unused one.
 

@@ -27,11 +27,11 @@ from torchtune.modules import (
     TransformerSelfAttentionLayer,
 )
 
-from torchtune_grpo.rollout.kv_cache import (
-    _INTERLEAVED_ROPES,
+from torchtune_grpo.policy.kv_cache import (
+    INTERLEAVED_ROPES,
     SpanKVCache,
-    _rotate,
     attend_projected,
+    rotate,
 )
 
 #: Inputs of at most this many rows (decode steps) use the packed weights of
@@ -41,7 +41,7 @@ PACKED_MAX_ROWS = 64
 
 def attend_decode_step(attn: MultiHeadAttention, qkv: torch.Tensor, *, mask: torch.Tensor,
                        input_pos: torch.Tensor | None) -> torch.Tensor | None:
-    """``attend_projected`` (:mod:`torchtune_grpo.rollout.kv_cache`) for one decode step, from
+    """``attend_projected`` (:mod:`torchtune_grpo.policy.kv_cache`) for one decode step, from
     the stacked projection, in few ops.
 
     A decode step of a fused layer (:func:`fused_decode_layer`) has its queries, keys and
@@ -55,7 +55,7 @@ def attend_decode_step(attn: MultiHeadAttention, qkv: torch.Tensor, *, mask: tor
 
     Args:
         attn (MultiHeadAttention): the module; its ``kv_cache`` a span-decoding
-            :class:`~torchtune_grpo.rollout.kv_cache.SpanKVCache`.
+            :class:`~torchtune_grpo.policy.kv_cache.SpanKVCache`.
         qkv (Tensor): ``[b, 1, (heads + 2 * kv_heads) * head_dim]`` query|key|value projection.
         mask (Tensor): ``[b, 1, S]`` bool, True where the new position may attend (``S``: the
             filled span including it).
@@ -64,19 +64,19 @@ def attend_decode_step(attn: MultiHeadAttention, qkv: torch.Tensor, *, mask: tor
     Returns:
         Tensor | None: ``[b, 1, heads * head_dim]``, the input of the output projection; None
         (nothing done) where this shortcut does not apply: another cache or phase, q/k norms,
-        or a position embedding ``_rotate`` does not compute itself.
+        or a position embedding ``rotate`` does not compute itself.
     """
     cache, rope = attn.kv_cache, attn.pos_embeddings
     if (type(cache) is not SpanKVCache or cache.write_pos is not None or cache.prefilling
             or attn.q_norm is not None or attn.k_norm is not None
-            or (rope is not None and (type(rope) not in _INTERLEAVED_ROPES or input_pos is None))
+            or (rope is not None and (type(rope) not in INTERLEAVED_ROPES or input_pos is None))
             or type(attn) is not MultiHeadAttention):  # a soft-capped attention: not SDPA
         return None
     b = qkv.shape[0]
     heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
     qk = qkv[..., : (heads + kv_heads) * head_dim].view(b, 1, heads + kv_heads, head_dim)
     if rope is not None:
-        qk = _rotate(rope, qk, input_pos)
+        qk = rotate(rope, qk, input_pos)
     keys, values = cache.update(  # [b, kv_heads, 1, head_dim] each; the filled span back
         qk[:, 0, heads:].unsqueeze(2),
         qkv[:, 0, (heads + kv_heads) * head_dim :].view(b, kv_heads, 1, head_dim))
@@ -169,7 +169,7 @@ def fused_decode_layer(layer: TransformerSelfAttentionLayer) -> Callable[..., to
     (two RMSNorms, the attention and its four projections, the feed-forward and its three) and
     seven matmuls. Here the same arithmetic runs with three matmuls fewer and no module calls:
     ``x -> RMSNorm -> [q | k | v]`` (one product with the three weights stacked) ``->``
-    :func:`~torchtune_grpo.rollout.kv_cache.attend_projected` ``-> output projection + x ->
+    :func:`~torchtune_grpo.policy.kv_cache.attend_projected` ``-> output projection + x ->
     RMSNorm -> [gate | up]`` (one product) ``-> activation(gate) * up -> down projection +``
     residual, each residual sum a post-op of its product; a decode step's attention goes through
     :func:`attend_decode_step` (straight from the stacked
@@ -178,7 +178,7 @@ def fused_decode_layer(layer: TransformerSelfAttentionLayer) -> Callable[..., to
 
     Runs only for inputs of at most :data:`PACKED_MAX_ROWS` positions, without autograd, on a
     layer whose attention decodes into a rollout's
-    :class:`~torchtune_grpo.rollout.kv_cache.SpanKVCache`; anything else (prefill of long prompts,
+    :class:`~torchtune_grpo.policy.kv_cache.SpanKVCache`; anything else (prefill of long prompts,
     training forwards) goes to the layer's own forward.
 
     Args:

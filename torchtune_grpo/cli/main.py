@@ -33,7 +33,7 @@ RECIPES = (
 
 
 def _ls(_args) -> int:
-    from torchtune_grpo.training.config import list_shipped_configs
+    from torchtune_grpo.config.loading import list_shipped_configs
 
     print("RECIPE" + " " * 36 + "CONFIG")
     names = list_shipped_configs()
@@ -52,7 +52,7 @@ def _ls(_args) -> int:
 
 
 def _cp(args) -> int:
-    from torchtune_grpo.training.config import resolve_config_path
+    from torchtune_grpo.config.loading import resolve_config_path
 
     src = resolve_config_path(args.config)
     dest = Path(args.destination)
@@ -77,9 +77,9 @@ def _plot(args) -> int:
 
 
 def _validate(args) -> int:
-    from torchtune_grpo.training.config import load_config
-    from torchtune_grpo.training.schema import ASYNC_KEYS, EVAL_KEYS
-    from torchtune_grpo.training.validation import (
+    from torchtune_grpo.config.loading import load_config
+    from torchtune_grpo.config.schema import ASYNC_KEYS, EVAL_KEYS
+    from torchtune_grpo.config.validation import (
         ConfigError,
         validate_async_config,
         validate_config,
@@ -99,7 +99,7 @@ def _validate(args) -> int:
 
 
 def _check_step(args) -> int:
-    from torchtune_grpo.training.step_folder import check_step_folder
+    from torchtune_grpo.checkpoints.step_folder import check_step_folder
 
     worst = 0
     for folder in args.folders:
@@ -110,10 +110,10 @@ def _check_step(args) -> int:
 
 
 def _estimate_memory(args) -> int:
-    from torchtune_grpo.training.config import load_config
-    from torchtune_grpo.training.memory_estimate import estimate_memory, intended_world_size
-    from torchtune_grpo.training.schema import ASYNC_KEYS
-    from torchtune_grpo.training.validation import (
+    from torchtune_grpo.cli.memory_estimate import estimate_memory, intended_world_size
+    from torchtune_grpo.config.loading import load_config
+    from torchtune_grpo.config.schema import ASYNC_KEYS
+    from torchtune_grpo.config.validation import (
         ConfigError,
         validate_async_config,
         validate_config,
@@ -205,7 +205,7 @@ def _dispatch(argv: list[str] | None) -> int:
 
         return compare_main(rest)
     if args.command == "difficulty":
-        from torchtune_grpo.evaluation.difficulty import main as difficulty_main
+        from torchtune_grpo.cli.difficulty import main as difficulty_main
 
         return difficulty_main(rest)
     if args.command == "prepare-quickstart":
@@ -214,7 +214,7 @@ def _dispatch(argv: list[str] | None) -> int:
         prepare_main(rest)
         return 0
     if args.command == "prepare-model":
-        from torchtune_grpo.models.packaged import main as prepare_model_main
+        from torchtune_grpo.cli.prepare_model import main as prepare_model_main
 
         return prepare_model_main(rest)
     if rest:

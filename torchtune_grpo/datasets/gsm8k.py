@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from torchtune_grpo.datasets._builder import InvalidRow, build_prompt_dataset, required_text
+from torchtune_grpo.datasets._loading import InvalidRow, build_prompt_dataset, required_text
 from torchtune_grpo.datasets._prompt import GSM8K_TEMPLATE, PromptDataset, PromptTemplate
 
 __all__ = ["extract_gsm8k_answer", "gsm8k_dataset", "split_gsm8k_solution"]

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
-from torchtune_grpo.datasets._builder import InvalidRow, build_prompt_dataset, required_text
+from torchtune_grpo.datasets._loading import InvalidRow, build_prompt_dataset, required_text
 from torchtune_grpo.datasets._prompt import PromptDataset, PromptTemplate
 from torchtune_grpo.errors import DataError
 from torchtune_grpo.rewards.answers import extract_boxed

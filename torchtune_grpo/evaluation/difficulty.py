@@ -28,7 +28,6 @@ which every shipped dataset builder takes (with ``difficulty_band: [low, high]``
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -109,9 +108,9 @@ def score_difficulty(
     from tqdm import tqdm
 
     from torchtune_grpo.evaluation.evaluate import evaluate
+    from torchtune_grpo.evaluation.settings import EvalSettings
     from torchtune_grpo.policy.model import DTYPES, build_model, token_rules
     from torchtune_grpo.rewards.build import build_reward_set
-    from torchtune_grpo.training.settings import EvalSettings
 
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 2:
         raise ValueError(f"--num-samples must be an integer >= 2, got {num_samples!r}")
@@ -188,30 +187,3 @@ class _Subset:
 
     def __getitem__(self, i: int) -> Mapping[str, Any]:
         return self.dataset[self.positions[i]]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``tune-grpo difficulty --config CFG --out FILE [--num-samples N] [key=value ...]``."""
-    from torchtune_grpo.training.config import load_config
-
-    parser = argparse.ArgumentParser(
-        prog="tune-grpo difficulty",
-        description="Write each prompt's pass rate under a model "
-                    "(see torchtune_grpo.evaluation.difficulty)")
-    parser.add_argument("--config", required=True, help="a training or eval config")
-    parser.add_argument("--out", required=True, help="JSONL file to write or complete")
-    parser.add_argument("--num-samples", "--num_samples", type=int, default=8,
-                        dest="num_samples", help="completions per prompt (default 8)")
-    parser.add_argument("--temperature", type=float, default=None,
-                        help="sampling temperature (default: the config's)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
-    args = parser.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
-    for key in ("model", "tokenizer", "checkpointer", "dataset", "rewards",
-                "max_generated_tokens"):
-        if key not in cfg or cfg[key] is None:
-            parser.error(f"the config has no {key!r}: give a training or eval config")
-    score_difficulty(cfg, args.out, num_samples=args.num_samples,
-                     temperature=args.temperature, progress=not args.no_progress)
-    return 0

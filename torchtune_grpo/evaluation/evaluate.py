@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torchtune import utils
 
+from torchtune_grpo import distributed as D
 from torchtune_grpo.algorithm.trajectory import prompt_mask
 from torchtune_grpo.datasets import collate_prompts
 from torchtune_grpo.errors import Interrupted
@@ -38,47 +39,13 @@ from torchtune_grpo.evaluation.results import (
     read_partial_rows,
     where_partial,
 )
+from torchtune_grpo.evaluation.settings import EvalSettings
 from torchtune_grpo.rewards.scoring import score_rollout
 from torchtune_grpo.rollout.native import generate_trajectory
-from torchtune_grpo.rollout.sampling import safe_decode
 from torchtune_grpo.rollout.seeding import mix_seeds
-from torchtune_grpo.training import distributed as D
-from torchtune_grpo.training.settings import EvalSettings
+from torchtune_grpo.token_rules import safe_decode
 
 _log = utils.get_logger("INFO")
-
-#: Keys of a training config that make its evaluation multi-turn (see
-#: :func:`tool_settings_from_checkpoint`).
-TOOL_KEYS = ("tools", "max_tool_calls", "tool_syntax")
-
-
-def tool_settings_from_checkpoint(checkpoint_dir: str | Path) -> dict[str, Any]:
-    """The ``tools``, ``max_tool_calls`` and ``tool_syntax`` a step folder was trained with.
-
-    Read from the training config saved in its ``recipe_state.pt`` (memory-mapped, so its
-    optimizer state is not read). A folder without that file (a downloaded model), or one
-    trained without tools, gives ``{"tools": None}``.
-
-    Args:
-        checkpoint_dir: a ``step_{N}`` folder.
-
-    Returns:
-        ``{"tools": [...] | None, ...}``: only the keys the training config had.
-    """
-    from omegaconf import OmegaConf
-
-    from torchtune_grpo.training.checkpointing import RECIPE_STATE_FILE
-
-    path = Path(str(checkpoint_dir)) / RECIPE_STATE_FILE
-    if not path.is_file():
-        return {"tools": None}
-    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    config = state.get("config") or {}
-    found = {k: config[k] for k in TOOL_KEYS if config.get(k) is not None}
-    found.setdefault("tools", None)
-    return {k: (OmegaConf.create(v) if isinstance(v, (list, dict)) else v)
-            for k, v in found.items()}
-
 
 def _takes_keyword(fn: Any, name: str) -> bool:
     """Whether ``fn``'s signature names the parameter ``name`` (``**kwargs`` does not count)."""
@@ -99,7 +66,7 @@ def decode_prompt(tokenizer: Any, token_ids: Sequence[int]) -> str:
     tokenizers) are asked to keep them; others (torchtune's ``HuggingFaceBaseTokenizer``, a
     ``decode`` without keywords) decode as they do by default. Never raises: when decoding
     fails (undefined ids, no ``decode`` at all) it falls back to
-    :func:`~torchtune_grpo.rollout.sampling.safe_decode`, which skips what it cannot decode.
+    :func:`~torchtune_grpo.token_rules.safe_decode`, which skips what it cannot decode.
 
     Args:
         tokenizer: any tokenizer of the project.
@@ -263,7 +230,7 @@ def evaluate(
             :meth:`~torchtune_grpo.evaluation.results.EvalResult.write` removes these files
             after writing the final ones. ``None``: rows are kept in memory only.
         gather_weights: hold an FSDP2 model's full weights for the whole evaluation
-            (:func:`~torchtune_grpo.training.distributed.gathered_for_inference`) instead of
+            (:func:`~torchtune_grpo.distributed.gathered_for_inference`) instead of
             gathering them on every decode step; no effect on an unsharded model.
         tool_generator: a :class:`~torchtune_grpo.rollout.multiturn.ToolUseGenerator` whose
             tools run between turns (its inner engine must sample with ``model``, as
@@ -272,7 +239,7 @@ def evaluate(
             holds ``transcripts`` and the metrics add ``tools/calls_per_completion`` and
             ``tools/errors``.
         ranks: the ranks that evaluate together (each takes every ``size``-th problem; all
-            get every row): :data:`~torchtune_grpo.training.distributed.WORLD` for
+            get every row): :data:`~torchtune_grpo.distributed.WORLD` for
             ``grpo_eval``, the trainer ranks in the asynchronous recipe.
         fingerprint: with ``partial_dir``, what identifies this evaluation
             (:func:`~torchtune_grpo.evaluation.results.eval_fingerprint`): rows that an

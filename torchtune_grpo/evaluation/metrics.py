@@ -14,8 +14,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from torchtune_grpo.evaluation.settings import EvalSettings
 from torchtune_grpo.evaluation.stats import wilson_interval
-from torchtune_grpo.training.settings import EvalSettings
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

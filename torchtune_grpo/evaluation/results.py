@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from torchtune_grpo.training.settings import EvalSettings
+from torchtune_grpo.evaluation.settings import EvalSettings
 
 RESULTS_FILE = "eval_results.json"
 #: Folder of a training run's ``output_dir`` that holds its start evaluation (step 0).

@@ -293,7 +293,7 @@ def hf_model(model_dir: str, max_seq_len: int | None = None) -> PolicyDecoder:
     """The policy model with the architecture of the HF folder ``model_dir``.
 
     Only ``config.json`` is read; the weights are loaded by the checkpointer
-    (:func:`torchtune_grpo.training.checkpointing.hf_checkpointer`).
+    (:func:`torchtune_grpo.models.hf_checkpointer`).
 
     Args:
         model_dir: the HF model folder.

@@ -192,7 +192,7 @@ def read_hf_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
     Raises:
         FileNotFoundError: the folder has no weight file.
     """
-    from torchtune_grpo.training.checkpointing import weight_files
+    from torchtune_grpo.models.checkpointer import weight_files
 
     folder = Path(model_dir).expanduser()
     weights: dict[str, torch.Tensor] = {}

@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from torch import nn
 from torchtune.modules import TransformerDecoder
 
-from torchtune_grpo.algorithm.trajectory import attention_mask, position_ids, trim_to_extent
 from torchtune_grpo.policy.decoder import PolicyDecoder
 from torchtune_grpo.policy.head import (
     LAST_POSITION,
@@ -37,6 +36,7 @@ from torchtune_grpo.policy.packing import (
     install_packed_attention,
     shared_prompt_layout,
 )
+from torchtune_grpo.policy.positions import attention_mask, position_ids, trim_to_extent
 
 
 def _run(model: nn.Module, tokens: torch.Tensor, *, mask, input_pos: torch.Tensor,
@@ -103,7 +103,7 @@ def response_logprobs(
         tokens: ``[N, P + T]`` prompt (left-padded to ``P``) followed by the response.
         prompt_len: ``P``.
         mask: ``[N, P + T, P + T]`` boolean attention mask (see
-            :func:`torchtune_grpo.algorithm.trajectory.attention_mask`).
+            :func:`torchtune_grpo.policy.positions.attention_mask`).
         input_pos: ``[N, P + T]`` position ids.
         temperature: logits are divided by it, as at sampling time.
         logit_bias: ``[V]`` additive bias (``-inf`` forbids a token id), as at sampling time.

@@ -24,11 +24,7 @@ from torchtune.modules.peft import (
 
 from torchtune_grpo.errors import CheckpointError
 from torchtune_grpo.policy.decoder import PolicyDecoder, policy_decoder
-from torchtune_grpo.rollout.sampling import (
-    allowed_token_mask,
-    logit_bias_from_mask,
-    stop_token_ids,
-)
+from torchtune_grpo.token_rules import allowed_token_mask, logit_bias_from_mask, stop_token_ids
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

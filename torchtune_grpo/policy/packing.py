@@ -94,7 +94,7 @@ def _segment_attention(original, q, k, v, mask=None, dropout_p=0.0, is_causal=Tr
 
     ``q, k, v``: ``[1, heads, S, head_dim]`` (k and v already expanded to the query heads).
     ``sdpa``: the module's attention kernel (SDPA's signature; a soft-capped module's own, see
-    :func:`~torchtune_grpo.models.families.layers.attention_kernel`).
+    :func:`~torchtune_grpo.policy.kv_cache.attention_kernel`).
     """
     if isinstance(mask, SharedPrefixSegments):
         return _shared_prefix_attention(q, k, v, mask.blocks, dropout_p=dropout_p, sdpa=sdpa)
@@ -116,11 +116,11 @@ def install_packed_attention(model: nn.Module) -> None:
     Wraps each module's ``_attention_call`` (torchtune's SDPA/flex dispatcher, an instance
     attribute); any other mask (boolean tensors, ``BlockMask``, None) goes to the original
     call unchanged. The segments are computed by the module's own attention kernel
-    (:func:`~torchtune_grpo.models.families.layers.attention_kernel`: SDPA, or a soft-capped
+    (:func:`~torchtune_grpo.policy.kv_cache.attention_kernel`: SDPA, or a soft-capped
     attention's eager kernel). Idempotent; safe before or after FSDP sharding, activation
     checkpointing or LoRA.
     """
-    from torchtune_grpo.models.families.layers import attention_kernel
+    from torchtune_grpo.policy.kv_cache import attention_kernel
 
     for module in model.modules():
         call = module.__dict__.get("_attention_call")

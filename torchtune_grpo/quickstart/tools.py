@@ -69,10 +69,10 @@ def tool_rollout(model, tokenizer, questions: list[str], *, tools: bool = True,
     """
     from torchtune_grpo.rollout.multiturn import ToolUseGenerator
     from torchtune_grpo.rollout.native import NativeGenerator
-    from torchtune_grpo.rollout.sampling import allowed_token_mask, logit_bias_from_mask
     from torchtune_grpo.rollout.tool_trajectory import decode_with_tools
     from torchtune_grpo.rollout.tools.calculator import Calculator
     from torchtune_grpo.rollout.tools.syntax import ToolCallSyntax
+    from torchtune_grpo.token_rules import allowed_token_mask, logit_bias_from_mask
 
     was_training = model.training
     model.eval()

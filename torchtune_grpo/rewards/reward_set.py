@@ -6,7 +6,7 @@ set, not to the component: ``weight``, ``name``, ``success``, ``success_threshol
 ``on_error`` and ``requires_success``. :func:`check_reward_entry` is the one place those keys are
 checked: by :func:`~torchtune_grpo.rewards.build.build_reward_set` (which builds a reward set
 from a config), by :class:`RewardSet` for entries made in code, and by
-:func:`torchtune_grpo.training.validation.validate_config` before any model is loaded.
+:func:`torchtune_grpo.config.validation.validate_config` before any model is loaded.
 
 The :class:`RewardSet` applies the weights, validates every component's output and turns
 exceptions into messages that name the component and the sample.

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from torchtune_grpo.algorithm.trajectory import Trajectory
-from torchtune_grpo.rollout.sampling import decode_completions, stop_token_ids
+from torchtune_grpo.rollout.sampling import decode_completions
+from torchtune_grpo.token_rules import stop_token_ids
 
 __all__ = ["concat_reward_outputs", "score_rollout"]
 

@@ -271,7 +271,7 @@ class ToolUseGenerator(Generator):
         return out
 
     def _decode(self, ids: Sequence[int]) -> str:
-        from torchtune_grpo.rollout.sampling import safe_decode
+        from torchtune_grpo.token_rules import safe_decode
 
         return safe_decode(self.tokenizer, ids)
 

@@ -6,7 +6,7 @@ Guarantees the recipe relies on:
   separately (it may stop early), then all are padded to one ``P`` and one ``T``
   (:func:`~torchtune_grpo.algorithm.trajectory.concat_trajectories`).
 * **No undefined ids.** Sampling only ever picks ids of the tokenizer's ordinary vocabulary
-  or its stop tokens (:func:`~torchtune_grpo.rollout.sampling.allowed_token_mask`); a model
+  or its stop tokens (:func:`~torchtune_grpo.token_rules.allowed_token_mask`); a model
   whose embedding table is larger than the tokenizer (Llama 3 reserves ids it never defines)
   cannot emit the rest. The same ``-inf`` bias is applied to the training log-probs, so both
   see one distribution.
@@ -29,15 +29,11 @@ import torch
 from torch import nn
 from torchtune.modules.common_utils import delete_kv_caches
 
-from torchtune_grpo.algorithm.trajectory import (
-    Trajectory,
-    attention_mask,
-    concat_trajectories,
-    position_ids,
-)
+from torchtune_grpo.algorithm.trajectory import Trajectory, concat_trajectories
 from torchtune_grpo.backends import backend_for
 from torchtune_grpo.policy.forward import last_logits
-from torchtune_grpo.rollout.kv_cache import KVCacheStorage, SpanKVCache, attached
+from torchtune_grpo.policy.kv_cache import KVCacheStorage, SpanKVCache, attached
+from torchtune_grpo.policy.positions import attention_mask, position_ids
 from torchtune_grpo.rollout.protocol import GenerationContext, Generator
 from torchtune_grpo.rollout.sampling import sample_next_token
 from torchtune_grpo.rollout.seeding import mix_seeds
@@ -179,7 +175,7 @@ def generate_micro_batch(
         stop_tokens: ``[s]`` ids that end a completion.
         pad_id: id written after a completion ended.
         logit_bias: ``[V]`` bias forbidding undefined ids (see
-            :func:`~torchtune_grpo.rollout.sampling.allowed_token_mask`).
+            :func:`~torchtune_grpo.token_rules.allowed_token_mask`).
         seeds: ``[n]`` int64 per-row sampling seeds (see
             :func:`~torchtune_grpo.rollout.seeding.counter_uniform`).
         all_done: given whether this rank's rows have all stopped, says whether every rank's

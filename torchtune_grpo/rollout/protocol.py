@@ -72,7 +72,7 @@ class Generator(Protocol):
     Every method is called on every rank, in the order of the module docstring. An
     implementation may subclass this protocol (as both built-in engines do) or merely have the
     same methods; ``isinstance(obj, Generator)`` checks that the methods exist, the tests in
-    ``tests/unit/test_generator_protocol.py`` that the recipe calls no others.
+    ``tests/unit/rollout/test_generator_protocol.py`` that the recipe calls no others.
     """
 
     def setup(self, context: GenerationContext) -> None:

@@ -1,113 +1,27 @@
-"""Token rules and sampling primitives of the rollout.
+"""Sampling primitives of the rollout.
 
-* **Which ids a completion may hold.** :func:`stop_token_ids` end a completion;
-  :func:`allowed_token_mask` lets sampling emit only the tokenizer's ordinary vocabulary and
-  its stop tokens, so a model whose embedding table is larger than the tokenizer (Llama 3
-  reserves ids it never defines) cannot emit the rest; :func:`logit_bias_from_mask` turns the
-  mask into the ``-inf`` bias applied both to sampling and to the training log-probs, so both
-  see one distribution.
+* **Which ids a completion may hold**: :mod:`torchtune_grpo.token_rules`.
 * **One token per row.** :func:`sample_next_token` samples by inverse CDF
   (:func:`inverse_cdf_sample`) with counter-based random numbers
   (:func:`~torchtune_grpo.rollout.seeding.counter_uniform`) and returns the tempered log-prob
   of each sampled token.
-* **Text.** :func:`safe_decode` and :func:`decode_completions` decode without ever raising on
-  ids the tokenizer does not define.
+* **Text.** :func:`decode_completions` decodes without ever raising on ids the tokenizer does
+  not define.
 
 The KV-cache engine that calls these is :mod:`torchtune_grpo.rollout.native`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-
 import torch
 import torch.nn.functional as F
 
 from torchtune_grpo.algorithm.trajectory import Trajectory
-from torchtune_grpo.errors import UserError
 from torchtune_grpo.rollout.seeding import counter_uniform
+from torchtune_grpo.token_rules import safe_decode, stop_token_ids
 
 
-# ---------------------------------------------------------------------------- vocabulary
-def stop_token_ids(tokenizer) -> list[int]:
-    """The ids that end a completion: ``tokenizer.stop_tokens`` or, failing that, ``eos_id``."""
-    stops = getattr(tokenizer, "stop_tokens", None) or [tokenizer.eos_id]
-    return sorted({int(t) for t in stops})
-
-
-def _ordinary_ids(tokenizer) -> Iterable[int] | None:
-    """Ids of the tokenizer's ordinary (non-special) vocabulary, when it exposes them."""
-    ordinary = getattr(tokenizer, "ordinary_token_ids", None)
-    if callable(ordinary):  # e.g. torchtune_grpo.models.HFTokenizer
-        return list(ordinary())
-    tt = getattr(getattr(tokenizer, "tt_model", None), "tt_model", None)
-    if tt is not None and hasattr(tt, "_mergeable_ranks"):  # tiktoken (Llama 3 and co.)
-        return tt._mergeable_ranks.values()
-    encoder = getattr(tokenizer, "encoder", None)
-    if isinstance(encoder, dict):  # byte-level BPE (Qwen2 and co.)
-        return encoder.values()
-    return None
-
-
-def allowed_token_mask(tokenizer, vocab_size: int) -> torch.Tensor:
-    """Ids sampling may emit: ordinary tokens plus stop tokens, within the model's vocabulary.
-
-    Special tokens other than the stop tokens (chat headers, Llama 3's reserved ids, padding)
-    are excluded, and so is every id the tokenizer does not define at all.
-
-    Args:
-        tokenizer: a torchtune tokenizer.
-        vocab_size: ``V``, the size of the model's output layer.
-
-    Returns:
-        ``[V]`` bool, True where the id may be sampled.
-    """
-    allowed = torch.zeros(vocab_size, dtype=torch.bool)
-    ids = _ordinary_ids(tokenizer)
-    if ids is None:  # generic fallback: probe the decoder one id at a time
-        specials = set(getattr(tokenizer, "special_tokens", {}).values())
-        ids = [i for i in range(vocab_size) if i not in specials and _decodes(tokenizer, i)]
-    ids = torch.tensor([i for i in ids if 0 <= i < vocab_size], dtype=torch.long)
-    allowed[ids] = True
-    stops = [t for t in stop_token_ids(tokenizer) if t < vocab_size]
-    if not stops:
-        raise UserError(
-            f"none of the tokenizer's stop tokens {stop_token_ids(tokenizer)} fits in the "
-            f"model's vocabulary of {vocab_size}: check `tokenizer` against `model`"
-        )
-    allowed[stops] = True
-    return allowed
-
-
-def logit_bias_from_mask(allowed: torch.Tensor) -> torch.Tensor:
-    """``[V]`` float32 bias: 0 where ``allowed``, ``-inf`` elsewhere."""
-    bias = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
-    return bias.masked_fill_(~allowed, float("-inf"))
-
-
-def _decodes(tokenizer, token_id: int) -> bool:
-    try:
-        tokenizer.decode([token_id])
-        return True
-    except Exception:  # noqa: BLE001 - any failure means "not decodable"
-        return False
-
-
-def safe_decode(tokenizer, token_ids: Sequence[int], allowed: torch.Tensor | None = None) -> str:
-    """Decode ``token_ids`` without ever raising on ids the tokenizer does not define.
-
-    Ids outside ``allowed`` (when given) are dropped; if decoding still fails, ids are decoded
-    one by one and the undecodable ones are skipped.
-    """
-    ids = [int(i) for i in token_ids]
-    if allowed is not None:
-        ids = [i for i in ids if 0 <= i < allowed.numel() and bool(allowed[i])]
-    try:
-        return tokenizer.decode(ids)
-    except Exception:  # noqa: BLE001
-        return "".join(tokenizer.decode([i]) for i in ids if _decodes(tokenizer, i))
-
-
+# ---------------------------------------------------------------------------- text
 def decode_completions(tokenizer, trajectory: Trajectory, allowed: torch.Tensor) -> list[str]:
     """Text of each completion, without its stop token and padding."""
     stops = set(stop_token_ids(tokenizer))

@@ -13,9 +13,11 @@ never overflows int64, and broadcast like any tensor operation.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-__all__ = ["counter_uniform", "hash32", "mix_seeds"]
+__all__ = ["counter_uniform", "hash32", "mix_seeds", "rollout_seeds"]
 
 _MASK32 = 0xFFFFFFFF
 
@@ -69,3 +71,27 @@ def counter_uniform(seeds: torch.Tensor, counter: int) -> torch.Tensor:
     """
     bits = mix_seeds(seeds, counter)
     return (bits.double() + 0.5) / 2.0**32
+
+
+#: Salt mixed with the draw index into the rollout seeds of extra draws.
+EXTRA_ROLLOUT_SALT = 0xD5A
+
+
+def rollout_seeds(seed: int, step: int, indices: Any, draw: int = 0) -> torch.Tensor:
+    """``[B]`` per-prompt rollout seeds of a batch of step ``step``.
+
+    Draw 0 (the step's main batch) is ``mix_seeds(seed, step, index)``; extra draw ``k >= 1`` of
+    dynamic sampling mixes ``k`` in as well, so a prompt drawn again in the same step (by an
+    extra draw or on a dataset smaller than the draws) gets other samples, and each extra
+    draw's rollouts are a pure function of ``(seed, step, k, index)``.
+
+    Args:
+        seed: run seed.
+        step: zero-based step.
+        indices: ``[B]`` dataset indices (tensor or list).
+        draw: 0 for the main batch, ``k`` for extra draw ``k``.
+    """
+    indices = torch.as_tensor(indices, dtype=torch.long)
+    if draw == 0:
+        return mix_seeds(seed, step, indices)
+    return mix_seeds(seed, step, indices, EXTRA_ROLLOUT_SALT, draw)

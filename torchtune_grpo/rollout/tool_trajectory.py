@@ -158,7 +158,7 @@ def tool_segments(tokenizer: Any, traj: Trajectory,
     Returns:
         ``N`` lists of ``{"source": "model" | "tool", "text": ...}``, in order.
     """
-    from torchtune_grpo.rollout.sampling import safe_decode
+    from torchtune_grpo.token_rules import safe_decode
 
     stops = {int(t) for t in stop_tokens}
     out = []

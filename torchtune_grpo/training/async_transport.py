@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchtune_grpo.training import distributed as D
+from torchtune_grpo import distributed as D
 
 __all__ = [
     "AsyncWorld",

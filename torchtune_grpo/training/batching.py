@@ -32,30 +32,6 @@ from torchtune_grpo.rollout.seeding import mix_seeds
 EXTRA_DRAW_SALT = 0xE7A5
 
 
-#: Salt mixed with the draw index into the rollout seeds of extra draws.
-EXTRA_ROLLOUT_SALT = 0xD5A
-
-
-def rollout_seeds(seed: int, step: int, indices: Any, draw: int = 0) -> torch.Tensor:
-    """``[B]`` per-prompt rollout seeds of a batch of step ``step``.
-
-    Draw 0 (the step's main batch) is ``mix_seeds(seed, step, index)``; extra draw ``k >= 1`` of
-    dynamic sampling mixes ``k`` in as well, so a prompt drawn again in the same step (by an
-    extra draw or on a dataset smaller than the draws) gets other samples, and each extra
-    draw's rollouts are a pure function of ``(seed, step, k, index)``.
-
-    Args:
-        seed: run seed.
-        step: zero-based step.
-        indices: ``[B]`` dataset indices (tensor or list).
-        draw: 0 for the main batch, ``k`` for extra draw ``k``.
-    """
-    indices = torch.as_tensor(indices, dtype=torch.long)
-    if draw == 0:
-        return mix_seeds(seed, step, indices)
-    return mix_seeds(seed, step, indices, EXTRA_ROLLOUT_SALT, draw)
-
-
 class StepBatches:
     """Deterministic per-step prompt batches (see the module docstring).
 
@@ -237,7 +213,7 @@ def dynamic_sample(first: tuple[Any, Any],
         group_size: ``G``.
         max_batches: most extra draws (``K >= 1``).
         all_ranks_true: ``flag -> bool``, True when ``flag`` is True on every rank (a
-            collective; :func:`torchtune_grpo.training.distributed.all_ranks_true`).
+            collective; :func:`torchtune_grpo.distributed.all_ranks_true`).
 
     Returns:
         :class:`SampledGroups`.

@@ -21,7 +21,7 @@ them, and returns what changed: the conditions that turned on at this step (warn
 log) and ``health/<condition>`` flags (0 or 1) that go into the metric log, so that
 ``tune-grpo plot`` can shade the steps where a condition held. :meth:`RunHealth.summary` says,
 at the end of a run, which conditions held and over which steps. Thresholds are the fields of
-:class:`~torchtune_grpo.training.settings.HealthSettings` (the ``run_health:`` config block;
+:class:`~torchtune_grpo.config.settings.HealthSettings` (the ``run_health:`` config block;
 ``run_health: null`` turns it off).
 
 Success means the success component's training reward (``success_rate``): noisy from step to
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from torchtune_grpo.training.settings import HealthSettings
+from torchtune_grpo.config.settings import HealthSettings
 
 __all__ = ["CONDITIONS", "INFO_CONDITIONS", "HealthSettings", "RunHealth"]
 

@@ -84,13 +84,13 @@ def peak_memory_gb(device: Any) -> float:
     """Peak memory of this process since the start, in GB (10**9 bytes).
 
     CUDA: ``torch.cuda.max_memory_allocated`` (tensors only). CPU: the process's peak resident
-    set size (:func:`~torchtune_grpo.training.memory.peak_rss_bytes`; Python, libraries and data
+    set size (:func:`~torchtune_grpo.backends.memory.peak_rss_bytes`; Python, libraries and data
     included), the only peak the OS keeps.
     """
     import torch
 
     if getattr(device, "type", device) == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
-    from torchtune_grpo.training.memory import peak_rss_bytes
+    from torchtune_grpo.backends.memory import peak_rss_bytes
 
     return peak_rss_bytes() / 1e9

@@ -23,8 +23,8 @@ One GRPO step (``docs/design.md``), each part a named method of :class:`GRPOReci
 
 :meth:`GRPORecipe.train_step` is steps 2-6 as a list of those calls. Single process (no
 torchrun) runs the same code with no process group and no FSDP. Config defaults live in
-:data:`torchtune_grpo.training.schema.RECIPE_KEYS`: the recipe reads ``cfg.key`` after
-:func:`~torchtune_grpo.training.schema.with_defaults`.
+:data:`torchtune_grpo.config.schema.RECIPE_KEYS`: the recipe reads ``cfg.key`` after
+:func:`~torchtune_grpo.config.schema.with_defaults`.
 """
 
 from __future__ import annotations
@@ -42,15 +42,25 @@ from omegaconf import DictConfig
 from torch import nn
 from torchtune import training, utils
 
+from torchtune_grpo import distributed as D
 from torchtune_grpo.algorithm.advantages import AdvantageOutput, group_advantages, loss_token_mask
 from torchtune_grpo.algorithm.trajectory import Trajectory, concat_trajectories
 from torchtune_grpo.backends import backend_for
+from torchtune_grpo.checkpoints.recipe_state import RecipeCheckpoints
+from torchtune_grpo.config.schema import RECIPE_KEYS, Key, per_rank_batch_size, with_defaults
+from torchtune_grpo.config.settings import (
+    AdvantageSettings,
+    DynamicSamplingSettings,
+    settings_from_config,
+)
+from torchtune_grpo.config.validation import check_device, validate_config
+from torchtune_grpo.evaluation.during_training import RecipeEvaluation
 from torchtune_grpo.evaluation.evaluate import EvaluationInterrupted
+from torchtune_grpo.evaluation.settings import EvalSettings
 from torchtune_grpo.policy.model import DTYPES
 from torchtune_grpo.rewards.reward_set import RewardOutput
 from torchtune_grpo.rewards.scoring import concat_reward_outputs, score_rollout
 from torchtune_grpo.rollout.tool_trajectory import ToolStats
-from torchtune_grpo.training import distributed as D
 from torchtune_grpo.training.batching import (
     SampledGroups,
     dynamic_sample,
@@ -58,18 +68,8 @@ from torchtune_grpo.training.batching import (
 )
 from torchtune_grpo.training.interrupts import StopSignals
 from torchtune_grpo.training.metrics import PhaseTimer, peak_memory_gb
-from torchtune_grpo.training.recipe_checkpoint import RecipeCheckpoints
-from torchtune_grpo.training.recipe_eval import RecipeEvaluation
 from torchtune_grpo.training.recipe_setup import RecipeSetup
 from torchtune_grpo.training.recipe_update import RecipeUpdate
-from torchtune_grpo.training.schema import RECIPE_KEYS, Key, per_rank_batch_size, with_defaults
-from torchtune_grpo.training.settings import (
-    AdvantageSettings,
-    DynamicSamplingSettings,
-    EvalSettings,
-    settings_from_config,
-)
-from torchtune_grpo.training.validation import check_device, validate_config
 
 log = utils.get_logger("INFO")
 
@@ -108,7 +108,7 @@ class GRPORecipe(RecipeSetup, RecipeUpdate, RecipeCheckpoints, RecipeEvaluation)
         cfg: the merged config; validated before anything is built.
     """
 
-    #: config keys of this recipe beyond :data:`~torchtune_grpo.training.schema.RECIPE_KEYS`
+    #: config keys of this recipe beyond :data:`~torchtune_grpo.config.schema.RECIPE_KEYS`
     EXTRA_KEYS: dict[str, Key] = {}
 
     def __init__(self, cfg: DictConfig) -> None:
@@ -151,7 +151,7 @@ class GRPORecipe(RecipeSetup, RecipeUpdate, RecipeCheckpoints, RecipeEvaluation)
 
     def validate(self, cfg: DictConfig) -> None:
         """Check the config before anything is built
-        (:func:`~torchtune_grpo.training.validation.validate_config` with the world size torchrun
+        (:func:`~torchtune_grpo.config.validation.validate_config` with the world size torchrun
         set)."""
         validate_config(cfg, world_size=_world_size_from_env(), extra_keys=self.EXTRA_KEYS)
 
@@ -246,7 +246,7 @@ class GRPORecipe(RecipeSetup, RecipeUpdate, RecipeCheckpoints, RecipeEvaluation)
 
     def _gathered(self, model: nn.Module | None) -> contextlib.AbstractContextManager:
         """Under FSDP2, ``model``'s weights all-gathered once for a no-grad phase and freed at
-        its end (:func:`~torchtune_grpo.training.distributed.gathered_for_inference`), not once per
+        its end (:func:`~torchtune_grpo.distributed.gathered_for_inference`), not once per
         forward; off with ``rollout_gather_weights: false``, a no-op on one device or for
         None."""
         return D.gathered_for_inference(model, enabled=self.cfg.rollout_gather_weights)

@@ -10,46 +10,43 @@ import torch
 from torch import nn
 from torchtune import config, training, utils
 
+from torchtune_grpo.checkpoints.run_lock import FolderLock
+from torchtune_grpo.checkpoints.saving import (
+    check_finite,
+    check_writable,
+    claim_output_dir,
+    load_recipe_state,
+    resolve_resume,
+)
+from torchtune_grpo.checkpoints.step_folder import (
+    check_model_folder,
+    model_folder_files,
+    write_missing_files,
+)
+from torchtune_grpo.config.settings import HealthSettings, settings_from_config
+from torchtune_grpo.config.validation import (
+    ConfigError,
+    check_input_files,
+)
 from torchtune_grpo.datasets import collate_prompts
 from torchtune_grpo.errors import CheckpointError, one_line
+from torchtune_grpo.models.checkpointer import weight_files
 from torchtune_grpo.policy.logprobs import auto_chunk_size
 from torchtune_grpo.policy.model import build_model, has_adapters, meta_model, token_rules
 from torchtune_grpo.rewards.build import build_reward_set
 from torchtune_grpo.rollout.multiturn import ToolUseGenerator
 from torchtune_grpo.rollout.native import NativeGenerator
 from torchtune_grpo.rollout.protocol import GenerationContext, Generator
-from torchtune_grpo.rollout.tool_trajectory import ToolStats
-from torchtune_grpo.training.batching import (
-    StepBatches,
-)
-from torchtune_grpo.training.checkpointing import (
-    check_finite,
-    check_writable,
-    claim_output_dir,
-    load_recipe_state,
-    resolve_resume,
-    weight_files,
-)
-from torchtune_grpo.training.health import RunHealth
-from torchtune_grpo.training.rollouts import (
+from torchtune_grpo.rollout.runtime import (
     RolloutRuntime,
     check_context_length,
     generation_context,
 )
-from torchtune_grpo.training.run_lock import FolderLock
-from torchtune_grpo.training.settings import (
-    HealthSettings,
-    settings_from_config,
+from torchtune_grpo.rollout.tool_trajectory import ToolStats
+from torchtune_grpo.training.batching import (
+    StepBatches,
 )
-from torchtune_grpo.training.step_folder import (
-    check_model_folder,
-    model_folder_files,
-    write_missing_files,
-)
-from torchtune_grpo.training.validation import (
-    ConfigError,
-    check_input_files,
-)
+from torchtune_grpo.training.health import RunHealth
 
 log = utils.get_logger("INFO")
 

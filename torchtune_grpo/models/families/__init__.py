@@ -12,9 +12,9 @@ checkpointer, the same interface:
   ``final_logit_softcapping``) is not a builder argument: ``hf_architecture`` moves it into
   ``HFArchitecture.final_logit_softcap``, the policy's output head's soft-cap;
 * ``build(**kwargs)`` and ``build_lora(lora_attn_modules, ..., **kwargs)``: the decoder, made
-  by :func:`~torchtune_grpo.models.families.decoder.build_decoder` from a
-  :class:`~torchtune_grpo.models.families.decoder.DecoderSpec`;
-* ``NAMES``: its :class:`~torchtune_grpo.models.families.hf_weights.WeightNames` (HF <->
+  by :func:`~torchtune_grpo.models.decoder.build_decoder` from a
+  :class:`~torchtune_grpo.models.decoder.DecoderSpec`;
+* ``NAMES``: its :class:`~torchtune_grpo.models.hf_weights.WeightNames` (HF <->
   torchtune weight names; ``NAMES.model_type`` is the checkpointer's ``model_type``).
 
 :data:`FAMILY_MODULES` lists them; :func:`family_module` imports one on first use (nothing

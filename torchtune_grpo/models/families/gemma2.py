@@ -20,7 +20,7 @@ used here. What differs from a Llama layer, and where it lives:
   :class:`~.layers.SoftCappedAttention`, scores ``cap * tanh(scores / cap)`` after the scaling
   and before the mask, in each path that computes attention: torchtune's forward (training,
   padded), the packed training rows (:mod:`torchtune_grpo.policy.packing`), the native
-  KV-cache engine (:func:`~torchtune_grpo.rollout.kv_cache.attend_projected`). The CPU decode
+  KV-cache engine (:func:`~torchtune_grpo.policy.kv_cache.attend_projected`). The CPU decode
   backend's fused layer does not take these layers (:func:`~torchtune_grpo.backends.cpu_decode.
   _fusable`); a flex-attention ``BlockMask`` is refused.
 * **Final-logit soft-cap** (``final_logit_softcapping``, 30): not part of the decoder; it is
@@ -62,13 +62,13 @@ from typing import Any
 
 from torchtune.modules import TransformerDecoder
 
-from torchtune_grpo.models.families.decoder import (
+from torchtune_grpo.models.decoder import (
     DecoderSpec,
     build_decoder,
     build_lora_decoder,
 )
-from torchtune_grpo.models.families.hf_weights import HFFamilyCheckpointer, WeightNames
-from torchtune_grpo.models.families.layers import query_factor
+from torchtune_grpo.models.hf_weights import HFFamilyCheckpointer, WeightNames
+from torchtune_grpo.models.layers import query_factor
 
 __all__ = ["GEMMA2_NAMES", "Gemma2HFCheckpointer", "check_gemma2_config", "gemma2",
            "lora_gemma2"]
@@ -98,7 +98,7 @@ _LAYER = {  # suffix after model.layers.{i}. -> suffix after layers.{i}.
     "post_feedforward_layernorm.weight": "mlp_scale.scale",
 }
 
-#: This family's names (:class:`~torchtune_grpo.models.families.hf_weights.WeightNames`).
+#: This family's names (:class:`~torchtune_grpo.models.hf_weights.WeightNames`).
 GEMMA2_NAMES = WeightNames(
     family="Gemma 2", model_type="GEMMA2", global_names=_GLOBAL, layer_names=_LAYER,
     tied_by_default=True, not_part="part of a Gemma2ForCausalLM (no biases, no q/k norms)")

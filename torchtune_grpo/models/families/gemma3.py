@@ -55,13 +55,13 @@ from typing import Any
 
 from torchtune.modules import TransformerDecoder
 
-from torchtune_grpo.models.families.decoder import (
+from torchtune_grpo.models.decoder import (
     DecoderSpec,
     build_decoder,
     build_lora_decoder,
 )
-from torchtune_grpo.models.families.hf_weights import HFFamilyCheckpointer, WeightNames
-from torchtune_grpo.models.families.layers import query_factor
+from torchtune_grpo.models.hf_weights import HFFamilyCheckpointer, WeightNames
+from torchtune_grpo.models.layers import query_factor
 
 __all__ = ["GEMMA3_NAMES", "Gemma3HFCheckpointer", "check_gemma3_config", "gemma3",
            "lora_gemma3"]
@@ -90,7 +90,7 @@ _LAYER = {  # suffix after model.layers.{i}. -> suffix after layers.{i}.
     "post_feedforward_layernorm.weight": "mlp_scale.scale",
 }
 
-#: This family's names (:class:`~torchtune_grpo.models.families.hf_weights.WeightNames`).
+#: This family's names (:class:`~torchtune_grpo.models.hf_weights.WeightNames`).
 GEMMA3_NAMES = WeightNames(
     family="Gemma 3", model_type="GEMMA3", global_names=_GLOBAL, layer_names=_LAYER,
     tied_by_default=True, not_part="part of a text-only Gemma3ForCausalLM")

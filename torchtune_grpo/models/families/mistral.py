@@ -10,7 +10,8 @@ no biases, rotate-half RoPE with one ``rope_theta``, grouped-query attention. Wh
 * **A sliding window.** ``sliding_window`` (null in v0.2 and later, 4096 in v0.1) applies to
   every layer when set. ``transformers`` lets query ``q`` see key ``k`` when ``k <= q`` and
   ``k > q - sliding_window``: the last ``sliding_window`` keys *including the query itself*,
-  which is what :class:`~.layers.SlidingWindowLayer` keeps (``tests/unit/test_mistral_smollm3.py``
+  which is what :class:`~.layers.SlidingWindowLayer` keeps
+  (``tests/unit/models/families/test_mistral_smollm3.py``
   shows that a window one key wider or narrower moves the logits). Every layer is then a
   sliding layer; the CPU decode backend does not fuse those (its fused layer has no window)
   and runs their own forward on packed linear weights. Layers of a model without a window are
@@ -50,12 +51,12 @@ from typing import Any
 
 from torchtune.modules import TransformerDecoder
 
-from torchtune_grpo.models.families.decoder import (
+from torchtune_grpo.models.decoder import (
     DecoderSpec,
     build_decoder,
     build_lora_decoder,
 )
-from torchtune_grpo.models.families.hf_weights import HFFamilyCheckpointer, WeightNames
+from torchtune_grpo.models.hf_weights import HFFamilyCheckpointer, WeightNames
 
 __all__ = ["MISTRAL_NAMES", "MistralHFCheckpointer", "check_mistral_config", "lora_mistral",
            "mistral"]
@@ -83,7 +84,7 @@ LLAMA_LAYER_NAMES = {
     "input_layernorm.weight": "sa_norm.scale",
     "post_attention_layernorm.weight": "mlp_norm.scale",
 }
-#: This family's names (:class:`~torchtune_grpo.models.families.hf_weights.WeightNames`).
+#: This family's names (:class:`~torchtune_grpo.models.hf_weights.WeightNames`).
 MISTRAL_NAMES = WeightNames(
     family="Mistral", model_type="MISTRAL_HF", global_names=LLAMA_GLOBAL_NAMES,
     layer_names=LLAMA_LAYER_NAMES, tied_by_default=False,

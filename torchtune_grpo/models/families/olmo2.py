@@ -53,12 +53,12 @@ from typing import Any
 
 from torchtune.modules import TransformerDecoder
 
-from torchtune_grpo.models.families.decoder import (
+from torchtune_grpo.models.decoder import (
     DecoderSpec,
     build_decoder,
     build_lora_decoder,
 )
-from torchtune_grpo.models.families.hf_weights import HFFamilyCheckpointer, WeightNames
+from torchtune_grpo.models.hf_weights import HFFamilyCheckpointer, WeightNames
 
 __all__ = ["OLMO2_ARCHITECTURE", "OLMO2_NAMES", "Olmo2HFCheckpointer", "check_olmo2_config",
            "lora_olmo2", "olmo2"]
@@ -84,7 +84,7 @@ _LAYER = {  # suffix after model.layers.{i}. -> suffix after layers.{i}.
     "post_attention_layernorm.weight": "sa_scale.scale",
     "post_feedforward_layernorm.weight": "mlp_scale.scale",
 }
-#: This family's names (:class:`~torchtune_grpo.models.families.hf_weights.WeightNames`).
+#: This family's names (:class:`~torchtune_grpo.models.hf_weights.WeightNames`).
 OLMO2_NAMES = WeightNames(
     family="OLMo 2", model_type="OLMO2", global_names=_GLOBAL, layer_names=_LAYER,
     tied_by_default=False, not_part="part of an Olmo2ForCausalLM (no biases, no experts)")

@@ -62,12 +62,12 @@ from typing import Any
 
 from torchtune.modules import TransformerDecoder
 
-from torchtune_grpo.models.families.decoder import (
+from torchtune_grpo.models.decoder import (
     DecoderSpec,
     build_decoder,
     build_lora_decoder,
 )
-from torchtune_grpo.models.families.hf_weights import Fused, HFFamilyCheckpointer, WeightNames
+from torchtune_grpo.models.hf_weights import Fused, HFFamilyCheckpointer, WeightNames
 
 __all__ = ["PHI3_ARCHITECTURE", "PHI3_NAMES", "Phi3HFCheckpointer", "check_phi3_config",
            "lora_phi3", "phi3"]

@@ -12,7 +12,7 @@ module is torchtune's own, with ``q_norm = k_norm = None``, and the norm is part
 and key projections instead (:class:`~.layers.NormedProjection`: linear, then the per-head
 RMSNorm), built by :func:`~.decoder.build_decoder` with ``qk_norm="head"``.
 Every consumer of the attention module (torchtune's forward, the native engine's grouped-query
-attention in :mod:`torchtune_grpo.rollout.kv_cache`, packed training forwards) calls
+attention in :mod:`torchtune_grpo.policy.kv_cache`, packed training forwards) calls
 ``q_proj(x)`` / ``k_proj(x)`` and rotates what they return, so all of them compute Qwen3's
 order without knowing about it.
 
@@ -52,12 +52,12 @@ from typing import Any
 
 from torchtune.modules import TransformerDecoder
 
-from torchtune_grpo.models.families.decoder import (
+from torchtune_grpo.models.decoder import (
     DecoderSpec,
     build_decoder,
     build_lora_decoder,
 )
-from torchtune_grpo.models.families.hf_weights import HFFamilyCheckpointer, WeightNames
+from torchtune_grpo.models.hf_weights import HFFamilyCheckpointer, WeightNames
 
 __all__ = ["QWEN3_NAMES", "Qwen3HFCheckpointer", "check_qwen3_config", "lora_qwen3", "qwen3"]
 
@@ -82,7 +82,7 @@ _LAYER = {  # suffix after model.layers.{i}. -> suffix after layers.{i}.
     "input_layernorm.weight": "sa_norm.scale",
     "post_attention_layernorm.weight": "mlp_norm.scale",
 }
-#: This family's names (:class:`~torchtune_grpo.models.families.hf_weights.WeightNames`).
+#: This family's names (:class:`~torchtune_grpo.models.hf_weights.WeightNames`).
 QWEN3_NAMES = WeightNames(
     family="Qwen3", model_type="QWEN3", global_names=_GLOBAL, layer_names=_LAYER,
     tied_by_default=False, not_part="part of a dense Qwen3ForCausalLM (no biases, no experts)")

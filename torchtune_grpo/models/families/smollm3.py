@@ -36,12 +36,11 @@ from typing import Any
 
 from torchtune.modules import TransformerDecoder
 
-from torchtune_grpo.models.families.decoder import (
+from torchtune_grpo.models.decoder import (
     DecoderSpec,
     build_decoder,
     build_lora_decoder,
 )
-from torchtune_grpo.models.families.hf_weights import HFFamilyCheckpointer, WeightNames
 from torchtune_grpo.models.families.mistral import (
     LLAMA_GLOBAL_NAMES,
     LLAMA_LAYER_NAMES,
@@ -49,6 +48,7 @@ from torchtune_grpo.models.families.mistral import (
     config_pad_id,
     refuse_llama_extras,
 )
+from torchtune_grpo.models.hf_weights import HFFamilyCheckpointer, WeightNames
 
 __all__ = ["SMOLLM3_NAMES", "SmolLM3HFCheckpointer", "check_smollm3_config", "lora_smollm3",
            "smollm3"]
@@ -57,7 +57,7 @@ __all__ = ["SMOLLM3_NAMES", "SmolLM3HFCheckpointer", "check_smollm3_config", "lo
 SMOLLM3_ARCHITECTURE = "SmolLM3ForCausalLM"
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
-#: This family's names (:class:`~torchtune_grpo.models.families.hf_weights.WeightNames`).
+#: This family's names (:class:`~torchtune_grpo.models.hf_weights.WeightNames`).
 SMOLLM3_NAMES = WeightNames(
     family="SmolLM3", model_type="SMOLLM3", global_names=LLAMA_GLOBAL_NAMES,
     layer_names=LLAMA_LAYER_NAMES, tied_by_default=True,

@@ -1,0 +1,500 @@
+"""Estimate the peak memory of a GRPO config on one rank, before launching it.
+
+:func:`estimate_memory` reads a config (and the number of ranks), instantiates the model on the
+``meta`` device to learn its shapes (free: no weights are allocated) and adds up what the
+recipe keeps alive, component by component:
+
+* **weights**: every parameter in the config's ``dtype``, divided by ``world_size`` under FSDP2
+  (plus the unsharded layers FSDP gathers around the one it is computing).
+* **gathered weights**: under FSDP2 with ``rollout_gather_weights`` (the default), the rollout
+  of the native engine and the no-grad reference pass hold one full, unsharded copy of the
+  weights for their whole duration (gathered once instead of once per decode step,
+  :func:`torchtune_grpo.distributed.gathered_for_inference`); freed before the update.
+* **gradients**: trainable parameters only (LoRA: the adapters), sharded like the weights.
+* **optimizer state**: ``torch.optim.AdamW``/``Adam`` keep two states per trainable parameter
+  (three with ``amsgrad``) *in the parameter's dtype* (``torch.zeros_like(param)``), SGD one
+  with momentum and none without; plus the step's temporaries (non-fused AdamW).
+* **reference model**: a second frozen copy of the weights, only when ``loss.kl_coeff != 0``
+  and the model is not LoRA (a LoRA reference is the policy with its adapters disabled).
+* **KV cache**: ``2 x layers x kv_heads x head_dim x (P + T)`` values per sequence for the
+  ``forward_batch_size`` sequences of one generation micro-batch, in ``dtype``; it lives only
+  during the rollout (next to the gathered weights). With ``tools:`` a turn re-prefills a
+  row's whole sequence and may decode up to the model's ``max_seq_len``, so the cache is sized
+  for ``max(P + T, max_seq_len)`` positions per row.
+* **activations**: what autograd saves for the backward pass of one update micro-batch of
+  ``forward_batch_size`` sequences of ``P + T`` tokens (per layer and token: the two RMSNorms'
+  float32 inputs, the float32 RoPE inputs, the attention's q/k/v/output, the MLP's four
+  ``hidden_dim`` tensors, the additive attention mask); with activation checkpointing only each
+  layer's input plus one recomputed layer.
+* **packed weights**: on CPU in float32, the native engine's rollout decodes on oneDNN-reordered
+  copies of the linear weights (``generator.packed_weights``, the default): one more copy of
+  the body's and the output projection's weights during the rollout (not LoRA layers, not under
+  FSDP).
+* **logits**: chunked log-probs hold one ``logprob_chunk_size x vocab`` block of float32 logits
+  at a time, times :data:`FUSED_LOGIT_COPIES` for the fused log-prob function (the default), or
+  :data:`LOGIT_COPIES` on the checkpointed path (entropy bonus, LoRA on the output); the fused
+  update also keeps the softmax of its first chunks for the backward, up to
+  ``logprob_keep_probs_mib`` (whole chunks).
+
+* **learned rewards** (:mod:`torchtune_grpo.cli.memory_rewards`): frozen models on the
+  policy's device are static state (``reward_models``) plus a ``rewards`` phase; on another
+  device they are listed apart (``other_devices``).
+
+The peak is the static part (weights, optimizer state, reference, reward models) plus the
+largest of the phases that follow each other: rollout (KV cache), reference pass, rewards,
+update (gradients, activations, logits) and, on ``device: cpu`` only, checkpoint loading
+(the checkpoint's state dict sits in the same memory as the model while it is copied in).
+Quantities are bytes;
+``GiB`` in tables. The prompt length ``P`` is ``dataset.max_prompt_tokens`` when the config
+sets it, else ``prompt_tokens`` (default :data:`DEFAULT_PROMPT_TOKENS`, GSM8K-style prompts;
+:data:`KNOWN_PROMPT_TOKENS` for the quickstart's short addition prompts).
+
+The estimate was checked against measured peak memory on CPU (``tests/unit/cli/test_memory.py``,
+``docs/memory.md``); it leaves out allocator fragmentation, CUDA context (~0.5-1 GiB) and
+communication buffers, so keep a margin of 10-20% below the device's memory.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from torchtune_grpo.cli.memory_rewards import DTYPE_BYTES, by_device, learned_reward_memory
+from torchtune_grpo.policy.logprobs import auto_chunk_size
+
+#: Prompt tokens assumed when the dataset sets no ``max_prompt_tokens`` (GSM8K prompts with a
+#: chat template are ~100-250 tokens).
+DEFAULT_PROMPT_TOKENS = 256
+#: Float32 ``[chunk, V]`` blocks alive at once in the checkpointed log-prob backward (logits,
+#: their float copy, log-softmax, probabilities for the entropy, and the gradients of the
+#: recompute): the path taken when the entropy is differentiated (``loss.entropy_coeff != 0``)
+#: or the output projection is not a plain linear map (LoRA on the output).
+LOGIT_COPIES = 6
+#: Float32 ``[chunk, V]`` blocks of the fused log-prob function (``logprobs._FusedLinearLogProbs``),
+#: reused by every chunk: the logits buffer and the probabilities (the metric entropy in the
+#: forward, the softmax gradient in the backward); plus one block in ``dtype`` when that is not
+#: float32 (the matmul's own output).
+FUSED_LOGIT_COPIES = 2
+GIB = 1024**3
+#: Prompt lengths of shipped datasets whose prompts are far from the default, by builder name.
+KNOWN_PROMPT_TOKENS = {"addition_dataset": 16}
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Shapes of a decoder, read from the model built on the meta device.
+
+    Attributes:
+        num_params: every parameter (tied embeddings counted once).
+        trainable_params: parameters that get gradients (LoRA: the adapters only).
+        layer_params: parameters of the largest transformer layer.
+        largest_param: elements of the largest single parameter.
+        num_layers: transformer layers.
+        num_heads: query heads.
+        num_kv_heads: key/value heads.
+        head_dim: dimension per head.
+        embed_dim: model dimension ``D``.
+        hidden_dim: MLP hidden dimension ``F``.
+        vocab_size: rows of the output projection ``V``.
+        max_seq_len: the model's context length.
+        is_lora: the config builds LoRA/DoRA adapters.
+    """
+
+    num_params: int
+    trainable_params: int
+    layer_params: int
+    largest_param: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    embed_dim: int
+    hidden_dim: int
+    vocab_size: int
+    max_seq_len: int
+    is_lora: bool
+
+
+def model_dims(cfg_model: DictConfig) -> ModelDims:
+    """Instantiate ``cfg_model`` on the meta device and read its dimensions (no allocation)."""
+    from torchtune import config
+    from torchtune.modules.peft import get_adapter_params
+
+    from torchtune_grpo.policy.kv_cache import attention_modules
+    from torchtune_grpo.policy.model import output_vocab_size
+
+    with torch.device("meta"):
+        model = config.instantiate(cfg_model)
+    adapters = get_adapter_params(model)
+    params = dict(model.named_parameters())  # de-duplicates tied weights
+    attn = attention_modules(model)[0]
+    layers = list(getattr(model, "layers", []))
+    layer_params = max((sum(p.numel() for p in layer.parameters()) for layer in layers),
+                       default=0)
+    hidden_dim = 0
+    for name, p in params.items():
+        if name.endswith(("mlp.w1.weight", "mlp.w1.base_weight")):
+            hidden_dim = int(p.shape[0])
+            break
+    if not hidden_dim:  # LoRA linears keep the frozen weight as ``weight`` too
+        for module in model.modules():
+            w1 = getattr(module, "w1", None)
+            if w1 is not None and hasattr(w1, "out_dim"):
+                hidden_dim = int(w1.out_dim)
+                break
+    return ModelDims(
+        num_params=sum(p.numel() for p in params.values()),
+        trainable_params=(sum(p.numel() for p in adapters.values()) if adapters
+                          else sum(p.numel() for p in params.values())),
+        layer_params=layer_params,
+        largest_param=max(p.numel() for p in params.values()),
+        num_layers=len(attention_modules(model)),
+        num_heads=int(attn.num_heads),
+        num_kv_heads=int(attn.num_kv_heads),
+        head_dim=int(attn.head_dim),
+        embed_dim=int(attn.embed_dim),
+        hidden_dim=hidden_dim,
+        vocab_size=output_vocab_size(model),
+        max_seq_len=int(getattr(model, "max_seq_len", 0) or 0),
+        is_lora=bool(adapters),
+    )
+
+
+@dataclass
+class MemoryEstimate:
+    """Estimated peak memory of one rank, broken down by component (bytes).
+
+    Attributes:
+        config: the config's name (for tables).
+        world_size: ranks the estimate is for.
+        components: device bytes by component (``weights``, ``gradients``,
+            ``optimizer_state``, ``reference_model``, ``kv_cache``, ``activations``,
+            ``logits``, ``gathered_weights``, ``other``); ``gathered_weights`` is the full
+            copy a no-grad phase holds under FSDP2 (``rollout_gather_weights``), counted in the
+            rollout and reference phases only.
+        phases: device bytes at the peak of each phase (``load`` only on CPU).
+        peak_bytes: the largest phase.
+        peak_phase: which phase it is.
+        host_bytes: host (CPU) memory of offloaded state (``fsdp_cpu_offload``), not in the peak.
+        other_devices: bytes of learned-reward models on other devices than the policy's,
+            by device (weights plus one scoring batch); not in the peak.
+        settings: the numbers the estimate used (rows, lengths, dtype, ...).
+        dims: the model's dimensions.
+    """
+
+    config: str
+    world_size: int
+    components: dict[str, int]
+    phases: dict[str, int]
+    peak_bytes: int
+    peak_phase: str
+    host_bytes: int = 0
+    other_devices: dict[str, int] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+    dims: ModelDims | None = None
+
+    @property
+    def peak_gib(self) -> float:
+        """The peak in GiB."""
+        return self.peak_bytes / GIB
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (bytes and GiB)."""
+        out = asdict(self)
+        out["peak_gib"] = round(self.peak_gib, 3)
+        return out
+
+    def table(self) -> str:
+        """A plain-text breakdown: one row per component, then the phases and the peak."""
+        s = self.settings
+        kind = "LoRA" if s["lora"] else "full"
+        dims = self.dims
+        lines = [
+            (f"{self.config}  (world_size={self.world_size}, dtype={s['dtype']}, {kind}, "
+             f"activation_checkpointing={s['activation_checkpointing']})"),
+            (f"  model: {dims.num_params / 1e9:.3f}B params, "
+             f"{dims.trainable_params / 1e6:.1f}M trainable, {dims.num_layers} layers, "
+             f"V={dims.vocab_size}"),
+            (f"  rows per rank={s['rows']} (micro-batch {s['micro_batch']}), "
+             f"P={s['prompt_tokens']}, T={s['max_generated_tokens']}"),
+            f"  {'component':<18}{'GiB':>10}",
+        ]
+        for name, value in self.components.items():
+            lines.append(f"  {name:<18}{value / GIB:>10.2f}")
+        lines.append(f"  {'phase':<18}{'GiB':>10}")
+        for name, value in self.phases.items():
+            mark = "  <- peak" if name == self.peak_phase else ""
+            lines.append(f"  {name:<18}{value / GIB:>10.2f}{mark}")
+        if self.host_bytes:
+            lines.append(f"  {'host (offloaded)':<18}{self.host_bytes / GIB:>10.2f}")
+        lines.append(f"  {'PEAK':<18}{self.peak_gib:>10.2f}")
+        lines += [f"  {'rewards on ' + device:<18}{value / GIB:>10.2f}  (not in the peak)"
+                  for device, value in self.other_devices.items()]
+        lines += [f"  not counted: {note}" for note in s.get("not_counted", [])]
+        return "\n".join(lines)
+
+
+def optimizer_states(cfg_optimizer: DictConfig | None) -> float:
+    """Per-parameter states the optimizer keeps (in the parameter's dtype)."""
+    if cfg_optimizer is None:
+        return 2.0
+    name = str(cfg_optimizer.get("_component_", "")).rsplit(".", 1)[-1].lower()
+    if name == "sgd":
+        return 1.0 if float(cfg_optimizer.get("momentum", 0.0) or 0.0) else 0.0
+    if name in ("adamw", "adam"):
+        return 3.0 if cfg_optimizer.get("amsgrad", False) else 2.0
+    if "8bit" in name:
+        return 0.5  # two 8-bit states at 2 bytes/param -> about half of two bf16 states
+    return 2.0
+
+
+def activation_bytes_per_token(dims: ModelDims, dtype_bytes: int) -> dict[str, float]:
+    """Bytes autograd saves per token: per transformer layer and once after the last layer.
+
+    Per layer: each RMSNorm saves its float32 input and its normalised output (``4 + b``
+    bytes per value); RoPE saves float32 q and k; SDPA saves q, the (GQA-expanded) k and v and
+    its output, and the output projection its input (``5 D`` values); the SwiGLU MLP saves
+    ``w1(x)``, ``silu``, ``w3(x)`` and their product (``4 F``).
+    """
+    d, f = dims.embed_dim, dims.hidden_dim
+    kv = dims.num_kv_heads * dims.head_dim
+    q = dims.num_heads * dims.head_dim
+    b = dtype_bytes
+    norm = (4 + b) * d
+    layer = 2 * norm + 4 * (q + kv) + b * (4 * q + d) + 4 * b * f
+    return {"layer": float(layer), "final": float(norm + b * d)}
+
+
+def _prompt_tokens(cfg: DictConfig, default: int) -> int:
+    """``dataset.max_prompt_tokens``, a known dataset's prompt length, else ``default``."""
+    dataset = cfg.get("dataset") or {}
+    value = dataset.get("max_prompt_tokens")
+    if value:
+        return int(value)
+    builder = str(dataset.get("_component_", "")).rsplit(".", 1)[-1]
+    return int(KNOWN_PROMPT_TOKENS.get(builder, default))
+
+
+def estimate_memory(cfg: DictConfig, world_size: int = 1, *,
+                    prompt_tokens: int | None = None, name: str = "config",
+                    verbose: bool = False) -> MemoryEstimate:
+    """Estimate the peak memory per rank of a GRPO training config.
+
+    Args:
+        cfg: a training config (as from :func:`torchtune_grpo.config.loading.load_config`).
+        world_size: ranks (FSDP2 shards weights, gradients and optimizer state over them);
+            for an asynchronous config (``rollout_ranks`` set) all processes, of which the
+            trainer ranks' estimate is returned.
+        prompt_tokens: assumed prompt length ``P``; default ``dataset.max_prompt_tokens``, else
+            :data:`KNOWN_PROMPT_TOKENS` for the dataset, else :data:`DEFAULT_PROMPT_TOKENS`.
+        name: the config's name, for the table.
+        verbose: print the breakdown table.
+
+    Returns:
+        The :class:`MemoryEstimate` (bytes per component and per phase).
+    """
+    from torchtune_grpo.config.schema import per_rank_batch_size
+
+    if cfg.get("rollout_ranks") is not None:
+        # async_grpo_full_finetune_distributed: the trainer ranks' peak, FSDP2 over the
+        # world_size - rollout_ranks trainers (each also keeps max_staleness shard copies of the
+        # weights, a small extra not counted; a rollout rank holds the whole model and its KV
+        # cache, about the one-rank estimate's rollout phase)
+        world_size = max(1, world_size - int(cfg.rollout_ranks))
+    dims = model_dims(cfg.model)
+    dtype = str(cfg.get("dtype", "bf16"))
+    b = DTYPE_BYTES[dtype]
+    device = str(cfg.get("device", "cuda"))
+    fsdp = world_size > 1
+    offload = fsdp and bool(cfg.get("fsdp_cpu_offload", False))
+    reshard = bool(cfg.get("fsdp_reshard_after_forward", True))
+    gather_once = fsdp and bool(cfg.get("rollout_gather_weights", True))
+    native = str((cfg.get("generator") or {}).get("_component_", "NativeGenerator")).endswith(
+        "NativeGenerator")
+    ac = bool(cfg.get("enable_activation_checkpointing", False))
+    kl = float((cfg.get("loss") or {}).get("kl_coeff", 0.0) or 0.0) != 0.0
+
+    rows = per_rank_batch_size(cfg, world_size) * int(cfg.group_size)
+    accum = int(cfg.get("gradient_accumulation_steps", 1) or 1)
+    fbs = int(cfg.get("forward_batch_size") or rows)
+    gen_rows = min(fbs, rows // accum)
+    micro = min(fbs, rows)
+    group = int(cfg.group_size)
+    t_gen = int(cfg.max_generated_tokens)
+    p = prompt_tokens if prompt_tokens is not None else _prompt_tokens(cfg, DEFAULT_PROMPT_TOKENS)
+    seq = p + t_gen
+    vocab, d = dims.vocab_size, dims.embed_dim
+    chunk = cfg.get("logprob_chunk_size")
+    chunk = auto_chunk_size(vocab) if chunk is None else int(chunk)
+
+    # ---- static state
+    shard = world_size if fsdp else 1
+    weights = dims.num_params * b / shard
+    # FSDP2 gathers the layer it computes (and prefetches the next); without resharding the
+    # gathered layers stay until the backward.
+    gathered = 0.0
+    if fsdp:
+        gathered = (2 if reshard else dims.num_layers) * dims.layer_params * b
+    grads = dims.trainable_params * b / shard
+    states = optimizer_states(cfg.get("optimizer"))
+    optimizer = dims.trainable_params * b * states / shard
+    fused = bool((cfg.get("optimizer") or {}).get("fused", False)) and device == "cuda"
+    if device == "cuda" and not fused:  # foreach AdamW: about one parameter-sized temporary
+        opt_temp = dims.trainable_params * b / shard
+    else:  # fused kernel, or the per-parameter loop used on CPU
+        opt_temp = 2 * min(dims.largest_param, dims.trainable_params) * b / shard
+    reference = dims.num_params * b / shard if kl and not dims.is_lora else 0.0
+    # rollout_gather_weights: a no-grad phase holds one full copy (policy or reference) instead
+    # of FSDP's per-forward layers
+    full_copy = dims.num_params * b if gather_once else 0.0
+    rollout_gathered = full_copy if native and gather_once else gathered
+    reference_gathered = full_copy if gather_once else gathered
+
+    # ---- rollout: KV cache of one generation micro-batch, prefill and sampling temporaries
+    # with tools a turn's prompt is a row's whole sequence so far: up to max_seq_len positions
+    kv_positions = max(seq, dims.max_seq_len) if cfg.get("tools") else seq
+    kv_cache = (gen_rows * dims.num_layers * 2 * dims.num_kv_heads * dims.head_dim
+                * kv_positions * b)
+    prompts_per_micro = max(1, -(-gen_rows // group))
+    act = activation_bytes_per_token(dims, b)
+    prefill = prompts_per_micro * p * (act["layer"] + b * dims.num_heads * p)
+    sampling = gen_rows * vocab * 4 * 4
+    # NativeGenerator(packed_weights=True) on CPU: oneDNN-reordered copies of the float32
+    # linear weights (body and output projection; not LoRA layers, not FSDP shards) for the
+    # rollout's duration
+    gen_cfg = cfg.get("generator") or {}
+    packed = 0.0
+    if (native and device == "cpu" and dtype == "fp32" and not fsdp
+            and bool(gen_cfg.get("packed_weights", True))
+            and not bool(gen_cfg.get("compile_decode", False))):
+        body = 0 if dims.is_lora else dims.num_layers * dims.layer_params
+        packed = (body + dims.vocab_size * dims.embed_dim) * b
+    generation = kv_cache + prefill + sampling + rollout_gathered + packed
+
+    # ---- update: one micro-batch of `micro` rows of `seq` tokens
+    tokens = micro * seq
+    response_tokens = micro * t_gen
+    mask_layer = micro * seq * seq * b  # SDPA turns the bool mask into an additive float mask
+    if ac:
+        activations = (dims.num_layers * b * d + act["layer"]) * tokens + mask_layer
+    else:
+        activations = dims.num_layers * (act["layer"] * tokens + mask_layer)
+    activations += act["final"] * response_tokens
+    loss_cfg = cfg.get("loss") or {}
+    entropy_grad = float(loss_cfg.get("entropy_coeff", 0.0) or 0.0) != 0.0
+    lora_output = bool((cfg.model or {}).get("apply_lora_to_output", False))
+    fused = not (entropy_grad or lora_output)
+    block = min(chunk, response_tokens) * vocab
+    low = block * b if b != 4 else 0  # the fused matmul's own low-precision output block
+    logits = (FUSED_LOGIT_COPIES * block * 4 + low) if fused else LOGIT_COPIES * block * 4
+    if fused:  # softmax blocks the forward keeps for the backward (logprob_keep_probs_mib)
+        keep = int(cfg.get("logprob_keep_probs_mib", 512)) * 2**20 // 4
+        kept = (response_tokens if response_tokens * vocab <= keep
+                else keep // vocab // chunk * chunk)
+        logits += kept * vocab * 4
+    # rollout buffers kept through the update: the [N, S, S] bool mask, tokens, log-probs
+    buffers = rows * seq * seq + rows * seq * 8 + rows * t_gen * 4 * 4 + micro * seq * seq
+    update = grads + max(activations + logits, opt_temp) + buffers + gathered
+    ref_logits = (block * 4 + low) if fused else 3 * block * 4  # no grad: one block when fused
+    reference_pass = (act["layer"] * tokens + mask_layer + ref_logits + buffers
+                      + reference_gathered) if kl else 0.0
+
+    host = 0.0
+    if offload:  # FSDP keeps shards, gradients and optimizer state on the host
+        host = weights + grads + optimizer + reference
+        weights = grads = optimizer = reference = 0.0
+        update = max(activations + logits, 0.0) + buffers + gathered
+
+    learned, not_counted = learned_reward_memory(cfg)
+    local, other_devices = by_device(learned, device)
+    reward_models = float(sum(r.weights for r in local))
+
+    static = weights + optimizer + reference + reward_models
+    phases = {"rollout": static + generation}
+    if kl:
+        phases["reference"] = static + reference_pass
+    if local:  # components score one after the other: the largest batch counts
+        phases["rewards"] = static + buffers + max(r.scoring for r in local)
+    phases["update"] = static + update
+    if device == "cpu":  # the checkpoint's state dict and the fresh model side by side
+        phases["load"] = 2 * weights + reference + reward_models
+    peak_phase = max(phases, key=phases.get)
+    components = {
+        "weights": weights,
+        "gradients": grads if not offload else 0.0,
+        "optimizer_state": optimizer,
+        "reference_model": reference,
+        "kv_cache": kv_cache,
+        "activations": activations,
+        "logits": logits,
+        "gathered_weights": full_copy if native or kl else 0.0,
+        "packed_weights": packed,
+        "reward_models": reward_models,
+        "other": buffers + gathered + sampling + prefill,
+    }
+    estimate = MemoryEstimate(
+        config=name,
+        world_size=world_size,
+        components={k: int(v) for k, v in components.items()},
+        phases={k: int(v) for k, v in phases.items()},
+        peak_bytes=int(phases[peak_phase]),
+        peak_phase=peak_phase,
+        host_bytes=int(host),
+        other_devices=other_devices,
+        settings={
+            "dtype": dtype, "device": device, "lora": dims.is_lora, "kl": kl,
+            "activation_checkpointing": ac, "fsdp_cpu_offload": offload,
+            "rollout_gather_weights": gather_once,
+            "rows": rows, "micro_batch": micro, "generation_rows": gen_rows,
+            "prompt_tokens": p, "max_generated_tokens": t_gen, "logprob_chunk_size": chunk,
+            "optimizer_states_per_param": states, "kv_positions": kv_positions,
+            "learned_rewards": [asdict(r) for r in learned], "not_counted": not_counted,
+        },
+        dims=dims,
+    )
+    if verbose:
+        print(estimate.table())
+    return estimate
+
+
+def training_configs() -> list[str]:
+    """Shipped configs that train (not ``eval_*``), by name."""
+    from torchtune_grpo.config.loading import list_shipped_configs
+
+    return [n for n in list_shipped_configs() if "eval" not in n.rsplit("/", 1)[-1]]
+
+
+def summary_table(estimates: list[MemoryEstimate]) -> str:
+    """One Markdown row per estimate: the components and the peak, in GiB."""
+    cols = ["weights", "gradients", "optimizer_state", "reference_model", "kv_cache",
+            "activations", "logits", "gathered_weights", "packed_weights", "other"]
+    short = ["weights", "grads", "optim", "ref", "KV", "acts", "logits", "gathered", "packed",
+             "other"]
+    head = "| config | ranks | " + " | ".join(short) + " | peak (phase) |"
+    lines = [head, "|" + "---|" * (len(cols) + 3)]
+    for e in estimates:
+        cells = " | ".join(f"{e.components[c] / GIB:.2f}" for c in cols)
+        lines.append(f"| {e.config} | {e.world_size} | {cells} | "
+                     f"**{e.peak_gib:.2f}** ({e.peak_phase}) |")
+    return "\n".join(lines)
+
+
+def dump_json(estimates: list[MemoryEstimate], path: str) -> None:
+    """Write the estimates to ``path`` as a JSON list."""
+    with open(path, "w") as f:
+        json.dump([e.to_dict() for e in estimates], f, indent=1)
+
+
+def intended_world_size(config: str) -> int:
+    """Ranks a config's header comment launches it with (``--nproc_per_node N``), else 1."""
+    import re
+
+    from torchtune_grpo.config.loading import resolve_config_path
+
+    text = resolve_config_path(config).read_text()
+    match = re.search(r"--nproc_per_node[ =](\d+)", text)
+    return int(match.group(1)) if match else 1
