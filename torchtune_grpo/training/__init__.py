@@ -1,3 +1,2 @@
-"""Recipe plumbing: the training recipe and its asynchronous variant, config loading and
-validation, settings, batching, metrics, run health, distributed helpers, checkpoints and
-memory estimates."""
+"""The training recipe and its asynchronous variant, with the parts they compose: setup, the
+update, prompt batching, metrics, run health and interrupts."""
