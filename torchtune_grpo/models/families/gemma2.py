@@ -72,22 +72,20 @@ def _cap(cfg: dict[str, Any], key: str, where: str) -> float | None:
 
 def check_gemma2_config(cfg: dict[str, Any], *, where: str, heads: int,
                         rope_scaling: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Refuse what this implementation does not compute; return the Gemma 2 builder kwargs.
+    """Refuse the Gemma 2 ``config.json`` fields this implementation does not compute.
 
     Args:
-        cfg: the parsed ``config.json``.
-        where: how to name the file in messages.
-        heads: ``num_attention_heads``.
-        rope_scaling: the config's RoPE scaling (``None``: plain RoPE).
+        cfg, where, heads, rope_scaling: the parsed ``config.json``, the file's name in
+            messages, ``num_attention_heads``, the folder's RoPE scaling (None: plain RoPE).
 
     Returns:
         ``head_dim``, ``query_pre_attn_scalar``, ``attn_softcap``, ``sliding_window``,
-        ``layer_types``, ``pad_id`` (builder arguments) and ``final_logit_softcap`` (the
-        output head's, which ``hf_architecture`` takes out of the builder arguments).
+        ``layer_types``, ``pad_id`` and the output head's ``final_logit_softcap``.
 
     Raises:
-        ValueError: one line naming the field: a RoPE scaling, bidirectional attention,
-            attention biases, another activation, an unknown layer type, a cap <= 0.
+        ValueError: one line naming the field: a RoPE scaling,
+            bidirectional attention, attention biases, another activation, an unknown layer
+            type, a cap <= 0.
     """
     if rope_scaling is not None:
         kind = rope_scaling.get("rope_type", rope_scaling.get("type"))

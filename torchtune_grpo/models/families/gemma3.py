@@ -70,20 +70,20 @@ def _rope(params: Any, where: str, key: str) -> tuple[float, float]:
 
 
 def check_gemma3_config(cfg: dict[str, Any], *, where: str, heads: int) -> dict[str, Any]:
-    """Refuse what this implementation does not compute; return the Gemma-only builder kwargs.
+    """Refuse the Gemma 3 ``config.json`` fields this implementation does not compute.
 
     Args:
-        cfg: the parsed ``config.json``.
-        where: how to name the file in messages.
-        heads: ``num_attention_heads``.
+        cfg, where, heads: the parsed ``config.json``, the file's name in messages,
+            ``num_attention_heads``.
 
     Returns:
         ``head_dim``, ``query_pre_attn_scalar``, ``sliding_window``, ``layer_types``,
         ``rope_base``, ``rope_scale``, ``local_rope_base``, ``pad_id``.
 
     Raises:
-        ValueError: one line naming the field: soft-capping, bidirectional attention,
-            attention biases, another activation, another RoPE type, an unknown layer type.
+        ValueError: one line naming the field: soft-capping,
+            bidirectional attention, attention biases, another activation, another RoPE type,
+            an unknown layer type.
     """
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         if cfg.get(key) is not None:

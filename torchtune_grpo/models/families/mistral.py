@@ -103,18 +103,14 @@ def check_mistral_config(cfg: dict[str, Any], *, where: str, heads: int,
     """Refuse the Mistral ``config.json`` fields this implementation does not compute.
 
     Args:
-        cfg: the parsed ``config.json``.
-        where: how to name the file in messages.
-        heads: ``num_attention_heads``.
-        rope_scaling: the folder's RoPE scaling (``rope_scaling`` or a non-default
-            ``rope_parameters``), None for plain RoPE.
+        cfg, where, heads, rope_scaling: the parsed ``config.json``, the file's name in
+            messages, ``num_attention_heads``, the folder's RoPE scaling (None: plain RoPE).
 
     Returns:
-        ``head_dim`` (the config's, else ``hidden_size // num_attention_heads``),
-        ``sliding_window`` (an int or None) and ``pad_id``.
+        ``head_dim``, ``sliding_window`` (an int or None) and ``pad_id``.
 
     Raises:
-        ValueError: one line naming the field and what is supported: RoPE scaling,
+        ValueError: one line naming the field: RoPE scaling,
             ``attention_bias``/``mlp_bias`` true, ``hidden_act`` other than ``silu``,
             ``layer_types``, a ``sliding_window`` that is not a positive integer, an odd
             ``head_dim``.

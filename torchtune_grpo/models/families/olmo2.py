@@ -60,17 +60,14 @@ def check_olmo2_config(cfg: dict[str, Any], *, where: str, heads: int,
     """Refuse the OLMo 2 ``config.json`` fields this implementation does not compute.
 
     Args:
-        cfg: the parsed ``config.json``.
-        where: how to name the file in messages.
-        heads: ``num_attention_heads``.
-        rope_scaling: the folder's RoPE scaling, None for plain RoPE.
+        cfg, where, heads, rope_scaling: the parsed ``config.json``, the file's name in
+            messages, ``num_attention_heads``, the folder's RoPE scaling (None: plain RoPE).
 
     Returns:
-        ``head_dim`` (the config's, else ``hidden_size // num_attention_heads``) and
-        ``pad_id`` (``pad_token_id`` when it is a token id: the embedding row without gradient).
+        ``head_dim`` and ``pad_id``.
 
     Raises:
-        ValueError: one line naming the field and what is supported: RoPE scaling,
+        ValueError: one line naming the field: RoPE scaling,
             ``attention_bias: true``, ``hidden_act`` other than ``silu``, an odd ``head_dim``.
     """
     if cfg.get("hidden_act", "silu") != "silu":

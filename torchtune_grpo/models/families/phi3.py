@@ -94,19 +94,16 @@ def check_phi3_config(cfg: dict[str, Any], *, where: str, heads: int,
     """Refuse the Phi-3 ``config.json`` fields this implementation does not compute.
 
     Args:
-        cfg: the parsed ``config.json``.
-        where: how to name the file in messages.
-        heads: ``num_attention_heads``.
-        rope_scaling: the folder's RoPE scaling (``rope_scaling`` or a non-default
-            ``rope_parameters``), None for plain RoPE.
+        cfg, where, heads, rope_scaling: the parsed ``config.json``, the file's name in
+            messages, ``num_attention_heads``, the folder's RoPE scaling (None: plain RoPE).
 
     Returns:
         ``rotary_dim``, ``sliding_window``, ``pad_id``, and for LongRoPE ``rope_factors``,
         ``rope_attention_factor``, ``rope_original_max``.
 
     Raises:
-        ValueError: one line naming the field and what is supported: a RoPE scaling other
-            than ``longrope``, ``hidden_act`` other than ``silu``, residual or embedding
+        ValueError: one line naming the field: a RoPE scaling
+            other than ``longrope``, ``hidden_act`` other than ``silu``, residual or embedding
             dropout, a ``head_dim`` other than ``hidden_size / num_attention_heads``, a
             ``partial_rotary_factor`` that rotates an odd or zero number of channels.
     """
@@ -189,20 +186,13 @@ def phi3(
     """A Phi-3 / Phi-4 decoder.
 
     Args:
-        vocab_size: ``V``.
-        num_layers: decoder layers.
-        num_heads: query heads (``head_dim = embed_dim // num_heads``).
-        num_kv_heads: key/value heads (a divisor of ``num_heads``).
-        embed_dim: ``D``, the residual width (``hidden_size``).
-        intermediate_dim: the gated MLP's width.
-        max_seq_len: context length (RoPE cache, KV caches).
-        rotary_dim: channels RoPE turns per head (``partial_rotary_factor * head_dim``);
-            ``None``: all.
+        vocab_size: ``V``. num_layers, num_heads, num_kv_heads, embed_dim (``D``),
+            intermediate_dim, max_seq_len: the dimensions (``head_dim = D // num_heads``).
+        rotary_dim: channels RoPE turns per head; ``None``: all.
         sliding_window: keys each query sees (itself included), ``None``: all.
         rope_factors: LongRoPE's ``short_factor`` (divides each frequency), ``None``: none.
         rope_attention_factor: LongRoPE's cos/sin factor.
-        rope_original_max: LongRoPE's ``original_max_position_embeddings``: ``max_seq_len``
-            may not exceed it.
+        rope_original_max: LongRoPE's ``original_max_position_embeddings``.
         attn_dropout: attention dropout (training only).
         norm_eps: epsilon of every RMSNorm (``rms_norm_eps``).
         rope_base: RoPE ``theta``.

@@ -59,17 +59,14 @@ def check_qwen3_config(cfg: dict[str, Any], *, where: str, heads: int,
     """Refuse the Qwen3 ``config.json`` fields this implementation does not compute.
 
     Args:
-        cfg: the parsed ``config.json``.
-        where: how to name the file in messages.
-        heads: ``num_attention_heads``.
-        rope_scaling: the folder's RoPE scaling (``rope_scaling`` or a non-default
-            ``rope_parameters``), None for plain RoPE.
+        cfg, where, heads, rope_scaling: the parsed ``config.json``, the file's name in
+            messages, ``num_attention_heads``, the folder's RoPE scaling (None: plain RoPE).
 
     Returns:
         ``head_dim``: the config's, else ``hidden_size // num_attention_heads``.
 
     Raises:
-        ValueError: one line naming the field and what is supported: RoPE scaling,
+        ValueError: one line naming the field: RoPE scaling,
             ``use_sliding_window: true`` or a sliding ``layer_types`` entry,
             ``attention_bias: true``, ``hidden_act`` other than ``silu``.
     """

@@ -64,21 +64,18 @@ def check_smollm3_config(cfg: dict[str, Any], *, where: str, heads: int,
     """Refuse the SmolLM3 ``config.json`` fields this implementation does not compute.
 
     Args:
-        cfg: the parsed ``config.json``.
-        where: how to name the file in messages.
-        heads: ``num_attention_heads``.
-        rope_scaling: the folder's RoPE scaling (``rope_scaling`` or a non-default
-            ``rope_parameters``), None for plain RoPE.
+        cfg, where, heads, rope_scaling: the parsed ``config.json``, the file's name in
+            messages, ``num_attention_heads``, the folder's RoPE scaling (None: plain RoPE).
 
     Returns:
-        ``head_dim``, ``use_rope`` (per layer), ``sliding_windows`` (per layer, an int or
-        None), ``pad_id``, and ``tie_word_embeddings`` (true when the config does not say).
+        ``head_dim``, ``use_rope`` and ``sliding_windows`` (per layer), ``pad_id``,
+        ``tie_word_embeddings`` (true when unset).
 
     Raises:
-        ValueError: one line naming the field and what is supported: RoPE scaling,
+        ValueError: one line naming the field: RoPE scaling,
             ``attention_bias``/``mlp_bias`` true, ``hidden_act`` other than ``silu``, a bad
-            ``no_rope_layers`` or ``layer_types``, sliding layers without a
-            ``sliding_window`` or with ``use_sliding_window: false``.
+            ``no_rope_layers`` or ``layer_types``, sliding layers without a ``sliding_window``
+            or with ``use_sliding_window: false``.
     """
     refuse_llama_extras(cfg, where=where, arch=SMOLLM3_ARCHITECTURE, rope_scaling=rope_scaling)
     layers = int(cfg["num_hidden_layers"])
@@ -151,18 +148,12 @@ def smollm3(
     """A SmolLM3 decoder.
 
     Args:
-        vocab_size: ``V``.
-        num_layers: decoder layers.
-        num_heads: query heads.
-        num_kv_heads: key/value heads (a divisor of ``num_heads``).
-        embed_dim: ``D``, the residual width (``hidden_size``).
-        intermediate_dim: the gated MLP's width.
-        max_seq_len: context length (RoPE cache, KV caches).
-        use_rope: per layer, whether it applies RoPE (``no_rope_layers``); ``None``: every
-            4th layer without (``transformers``' default interval).
+        vocab_size: ``V``. num_layers, num_heads, num_kv_heads, embed_dim (``D``),
+            intermediate_dim, max_seq_len: the dimensions.
+        use_rope: per layer, whether it applies RoPE; ``None``: every 4th layer without.
         head_dim: channels per head; ``None``: ``embed_dim // num_heads``.
-        sliding_windows: per layer, the keys it sees (the query included) or ``None`` for full
-            attention; ``None``: full attention everywhere.
+        sliding_windows: per layer, the keys it sees (query included) or ``None``; ``None``:
+            full attention everywhere.
         attn_dropout: attention dropout (training only).
         norm_eps: epsilon of every RMSNorm (``rms_norm_eps``).
         rope_base: RoPE ``theta`` of the layers that rotate.
