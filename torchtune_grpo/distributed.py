@@ -1,11 +1,6 @@
-"""Process-group helpers shared by the recipes: one code path for 1 or many ranks.
+"""Process-group helpers: one code path for 1 or many ranks.
 
-Without torchrun's environment (``RANK``/``WORLD_SIZE``) nothing is initialised and every
-reduction is the identity, so the single-device recipe and a one-process run of the
-distributed recipe execute the same code. Collectives go through a :class:`Ranks`, which names
-the ranks they reach; the recipes pass theirs explicitly.
-:func:`gathered_for_inference` holds an FSDP2 model's full weights through a no-grad phase
-(rollout, reference log-probs, evaluation) instead of gathering them on every forward.
+Without torchrun's environment nothing is initialised and every reduction is the identity.
 """
 
 from __future__ import annotations
@@ -54,11 +49,8 @@ LOCAL = "local"
 class Ranks:
     """The ranks that a recipe's collectives reach, passed explicitly to whoever reduces.
 
-    The synchronous recipes and ``grpo_eval`` use :data:`WORLD` (every rank of the default
-    process group, or this process alone without torchrun). The asynchronous recipe gives its
-    trainer ranks ``Ranks(trainer_group)`` and its rollout ranks :data:`ALONE`, so the shared
-    GRPO step runs unchanged on each role. Without an initialised process group every method
-    acts on this process alone. gloo has no ``ReduceOp.AVG``: means are SUM / n.
+    Without an initialised process group every method acts on this process alone. gloo has no
+    ``ReduceOp.AVG``: means are SUM / n.
 
     Args:
         group: None (the default process group), a ``ProcessGroup`` (its members; use it only
@@ -153,23 +145,12 @@ def _param_groups(state) -> list:
 def gathered_for_inference(*models: nn.Module | None, enabled: bool = True) -> Iterator[None]:
     """All-gather the FSDP2-sharded ``models``' weights once and hold them for the block.
 
-    FSDP2 gathers a layer's weights before each forward through it and, with
-    ``reshard_after_forward`` (the config's ``fsdp_reshard_after_forward``, default true),
-    frees them after. A rollout runs one forward per decode step, so it would all-gather every
-    layer ``max_generated_tokens`` times. Inside this block every FSDP module of ``models`` is
-    unsharded once (``FSDPModule.unshard``) and set not to reshard after forward
-    (``set_reshard_after_forward(False)``), so the forwards in it reuse the gathered weights;
-    on exit (also on an exception) every module is resharded (``FSDPModule.reshard``: the full
-    weights are freed before the update) and its own ``reshard_after_forward`` setting is
-    restored. The cost is one full, unsharded copy of the weights for the block's duration
-    (``tune-grpo estimate-memory`` counts it in the rollout and reference phases).
-
-    A no-op when ``enabled`` is False or no model is FSDP-sharded (one device), and for
-    ``None`` entries (e.g. no reference model). Works with LoRA (adapters are parameters of the
-    same FSDP modules), activation checkpointing (a no-grad forward recomputes nothing) and
-    CPU offload (the gathered copy lives on the device). Use it only around no-grad work: a
-    backward inside would find the parameters in the wrong state. A collective: every rank
-    must enter and leave the block together.
+    Inside the block every FSDP module is unsharded once and set not to reshard after forward,
+    so the no-grad forwards of a rollout reuse the gathered weights; on exit (also on an
+    exception) every module is resharded and its ``reshard_after_forward`` setting restored. Costs
+    one full copy of the weights for the block. A no-op when ``enabled`` is False, for ``None``
+    entries and for models that are not FSDP-sharded. Use it only around no-grad work; a
+    collective: every rank must enter and leave the block together.
 
     Args:
         models: FSDP2 roots (as built by :func:`torchtune_grpo.policy.model.build_model`) or

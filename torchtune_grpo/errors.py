@@ -1,13 +1,8 @@
 """The one error type for mistakes a user can fix, and how entry points report it.
 
-A :class:`UserError` says what is wrong in one line: the file, the row or line (counted from 1),
-the config key or the path, and what to do. The entry points (the ``tune run`` recipes and
-``tune-grpo``) print it as ``error: ...`` and exit with status 2, with no traceback; anything
-else is a bug and keeps its traceback. ``TUNE_GRPO_DEBUG=1`` shows the traceback of a user
-error too.
-
-An interrupted run (Ctrl-C, SIGTERM) before there is anything to save is an :class:`Interrupted`:
-one line and exit status 130 (SIGINT) or 143 (SIGTERM), as a shell reports such a stop.
+Entry points print a :class:`UserError` as one line (``error: ...``) and exit 2; an
+:class:`Interrupted` run exits 130 (SIGINT) or 143 (SIGTERM). ``TUNE_GRPO_DEBUG=1`` keeps the
+traceback of a user error.
 """
 
 from __future__ import annotations

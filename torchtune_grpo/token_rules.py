@@ -1,14 +1,7 @@
 """Token rules: which ids a completion may hold, where it stops, and decoding that never raises.
 
-:func:`stop_token_ids` end a completion; :func:`allowed_token_mask` lets sampling emit only the
-tokenizer's ordinary vocabulary and its stop tokens, so a model whose embedding table is larger
-than the tokenizer (Llama 3 reserves ids it never defines) cannot emit the rest;
-:func:`logit_bias_from_mask` turns the mask into the ``-inf`` bias applied both to sampling and to
-the training log-probs, so both see one distribution. :func:`safe_decode` decodes without ever
-raising on ids the tokenizer does not define.
-
-Read by the policy (:func:`~torchtune_grpo.policy.model.token_rules`) and by the rollout
-(:mod:`torchtune_grpo.rollout.sampling`), so it sits below both.
+Read by both the policy and the rollout, so sampling and the training log-probs see one
+distribution.
 """
 
 from __future__ import annotations

@@ -1,46 +1,9 @@
 """Group-relative advantages: GRPO's group z-score, Dr. GRPO, RLOO and REINFORCE++.
 
-Every prompt is sampled ``group_size`` (``G``) times; the ``N = prompts * G`` completions are laid
-out contiguously, so rows ``g*G .. g*G + G - 1`` form the group of prompt ``g``. A completion's
-advantage is its reward relative to the other completions of its group (``mean_g``: the group's
-mean reward), one number per completion, the same for all its tokens:
-
-* ``estimator="grpo"`` (the default), by ``scale``:
-
-  * ``"group"`` (GRPO, DeepSeekMath): ``(r - mean_g) / (std_g + eps)``
-  * ``"batch"``: ``(r - mean_g) / (std_batch + eps)``, one scale for the whole global batch
-    (every rank's rewards), so that groups with a small spread are not blown up; TRL calls this
-    ``scale_rewards="batch"``.
-  * ``"none"`` (Dr. GRPO, Liu et al. 2025): ``r - mean_g``, no division at all.
-
-* ``estimator="rloo"`` (REINFORCE Leave-One-Out; Kool et al. 2019, Ahmadian et al. 2024): the
-  baseline of a completion is the mean reward of the *other* ``G - 1`` completions of its group,
-  ``r_i - (sum_g - r_i) / (G - 1) = G / (G - 1) * (r_i - mean_g)``: unbiased, because no
-  completion's baseline depends on its own reward. No division by a standard deviation.
-* ``estimator="reinforce_pp"`` (REINFORCE++ with the group baseline, Hu et al. 2025,
-  "REINFORCE++: An Efficient RLHF Algorithm with Robustness to Both Prompt and Reward Models"):
-  ``c = r - mean_g``, then normalised over the **global batch of response tokens**:
-  ``(c - mean_tok(c)) / (std_tok(c) + eps)``, where each completion's ``c`` counts once per
-  response token (``token_counts``) and the mean and (population) standard deviation are taken
-  over every rank's tokens. A long completion weighs more in the statistics, as in the paper,
-  whose advantages are per token.
-
-Standard deviations of ``"group"`` and ``"batch"`` are the *unbiased* sample standard deviation
-(Bessel's correction, divisor ``G - 1`` or ``N_global - 1``), which is what ``torch.std`` returns
-by default and what the GRPO paper's reference implementations (e.g. TRL) use. With ``G = 1`` the
-group statistics are undefined: ``grpo`` gives 0 everywhere (each group is its own mean),
-``rloo`` and ``reinforce_pp`` refuse it.
-
-The batch-wide statistics (``scale="batch"``, ``reinforce_pp``) are sums over every rank, reduced
-through ``reduce_sum`` in float64: the advantages do not depend on how many ranks share the batch
-(up to float64 rounding), and they are computed once per step, before micro-batching, so
-micro-batches and gradient accumulation never change them.
-
-A group whose rewards are all equal carries no learning signal; it is flagged in
-``zero_std_groups``. For ``grpo`` and ``rloo`` its advantages are exactly ``0.0`` (not a rounding
-residue of ``r - mean``). ``reinforce_pp`` gives such a group ``-mean_tok(c) / std_tok(c)``, the
-same shift as every other completion gets (0 when the token-weighted mean of ``c`` is 0, as it is
-when all completions have one length).
+``N = prompts * G`` completions lie in contiguous groups of ``G``; each completion gets one
+advantage, relative to its group. Batch-wide statistics are float64 sums over every rank, so
+the advantages do not depend on how many ranks share the batch. ``docs/losses.md`` gives the
+formulas of each estimator.
 """
 
 from __future__ import annotations
@@ -97,18 +60,14 @@ def _unbiased_std(x: Tensor, dim: int | None = None) -> Tensor:
 def _global_mean_std(values: Tensor, weights: Tensor,
                      reduce_sum: Callable[[Tensor], Tensor] | None,
                      *, unbiased: bool) -> tuple[float, float]:
-    """Weighted mean and standard deviation of ``values`` over every rank, in float64.
-
-    Two passes (the mean, then the squared deviations from it), each one ``reduce_sum`` of a
-    float64 tensor, so that no ``E[x^2] - E[x]^2`` cancellation enters.
+    """Weighted mean and standard deviation of ``values`` over every rank, in float64 (two passes).
 
     Args:
         values: ``[N]`` this rank's values.
         weights: ``[N]`` their non-negative weights (1 each, or token counts).
         reduce_sum: sums a float64 tensor over the ranks in place and returns it (None: this
             process holds every value).
-        unbiased: divide the squared deviations by ``sum(w) - 1`` (Bessel; for unit weights)
-            instead of ``sum(w)``.
+        unbiased: divide by ``sum(w) - 1`` (Bessel) instead of ``sum(w)``.
 
     Returns:
         ``(mean, std)``; ``(0, 0)`` when the weights sum to 0, std 0 when ``unbiased`` and the
@@ -142,23 +101,21 @@ def group_advantages(
 ) -> AdvantageOutput:
     """Group-relative advantages of ``N`` completions in contiguous groups of ``group_size``.
 
-    Pure function: the input is not modified and no state is kept (``reduce_sum`` is the only
-    communication, and only for the batch-wide statistics).
+    A group whose rewards are all equal is flagged in ``zero_std_groups``; under ``grpo`` and
+    ``rloo`` its advantages are exactly 0. Standard deviations are unbiased (divisor ``G - 1``).
 
     Args:
-        rewards (Tensor): ``[N]`` rewards (any real dtype), ``N = prompts * group_size``, groups
-            contiguous.
-        group_size (int): ``G``, the number of completions per prompt; must divide ``N``.
-        estimator (str): ``"grpo"``, ``"rloo"`` or ``"reinforce_pp"`` (module docstring).
-        scale (str | None): for ``grpo`` only: ``"group"`` divides by the group's unbiased std
-            (GRPO; the default when None), ``"batch"`` by the unbiased std of the global batch's
-            rewards, ``"none"`` does not divide (Dr. GRPO).
+        rewards (Tensor): ``[N]`` rewards (any real dtype), groups contiguous.
+        group_size (int): ``G``, completions per prompt; must divide ``N``.
+        estimator (str): ``"grpo"``, ``"rloo"`` or ``"reinforce_pp"``.
+        scale (str | None): ``grpo`` only: ``"group"`` (default when None) divides by the
+            group's std, ``"batch"`` by the global batch's std, ``"none"`` does not divide.
         eps (float): added to the standard deviation before dividing; ``>= 0``.
-        token_counts (Tensor | None): ``[N]`` response tokens of each completion, the weights of
+        token_counts (Tensor | None): ``[N]`` response tokens per completion, the weights of
             ``reinforce_pp``'s token-level statistics (None: 1 each).
-        reduce_sum (callable | None): sums a float64 tensor over the ranks that share the batch
-            (e.g. ``Ranks.all_reduce``); None: this process holds the whole batch. Only
-            ``scale="batch"`` and ``reinforce_pp`` call it, once, on every rank.
+        reduce_sum (callable | None): sums a float64 tensor over the ranks that share the batch;
+            called once, on every rank, by ``scale="batch"`` and ``reinforce_pp`` only. None: this
+            process holds the whole batch.
 
     Returns:
         AdvantageOutput: ``advantages [N]`` float32 and ``zero_std_groups [N // G]`` bool.
@@ -243,11 +200,9 @@ def loss_token_mask(
         response_mask: ``[N, T]`` bool, generated tokens.
         stopped: ``[N]`` bool, the completion ended on a stop token.
         zero_std_groups: ``[N // G]`` bool, groups whose rewards were all equal.
-        mask_truncated_completions: drop completions that hit ``max_generated_tokens``
-            without a stop token (DAPO's overlong filtering): their reward judges an unfinished
-            answer.
-        exclude_zero_std_groups: drop groups with equal rewards: their advantage is 0, so they
-            only dilute a token- or sequence-mean normaliser (and add KL/entropy terms).
+        mask_truncated_completions: drop completions that hit ``max_generated_tokens`` without
+            a stop token.
+        exclude_zero_std_groups: drop groups with equal rewards.
 
     Returns:
         ``[N, T]`` bool.

@@ -1,33 +1,10 @@
 """The GRPO policy loss: one configurable module for GRPO, DAPO, Dr. GRPO, GSPO and CISPO.
 
-Shapes: ``N`` sequences (``prompts * group_size``, groups contiguous), ``T`` response tokens
-(right-padded). ``response_mask [N, T]`` is True on real response tokens, stop token included.
-
-:class:`GRPOLoss` checks its options (:mod:`~torchtune_grpo.algorithm.loss_checks`) and composes
-the pure tensor parts of :mod:`~torchtune_grpo.algorithm.loss_parts`, whose docstrings give the
-formulas (``docs/losses.md`` the papers and the choice). Per response token ``t`` of sequence
-``i``, with advantage ``A_i``:
-
-* the importance ratio ``r_it`` against ``old_logprobs``, at token level (GRPO) or sequence level
-  (GSPO: ``importance_level="sequence"``), log-ratios clamped to ``[-20, 20]`` before ``exp``;
-* the policy term ``l_it``: PPO's clipped surrogate with ``[1 - epsilon_low, 1 + epsilon_high]``
-  (``clip_mode="ppo"``, DAPO's clip-higher when the two differ, optional ``dual_clip``) or
-  CISPO's clipped, stop-gradient weight times ``A_i * logp_it`` (``clip_mode="cispo"``);
-* with an ``off_policy_correction`` (asynchronous training, engine mismatch), ``old_logprobs``
-  are the proximal policy's and ``l_it`` is multiplied by the constant behaviour weight
-  ``pi_prox / mu = exp(old_logp_it - behav_it)`` (sequence-level with GSPO), dropped above
-  ``is_weight_cap`` (``"decoupled"``) or truncated at it (``"tis"``);
-* plus ``kl_coeff * kl_it`` (an estimator of ``KL(pi || pi_ref)``) and
-  ``- entropy_coeff * entropy_it``, never weighted;
-* summed per ``aggregation`` (per-sequence means for ``"sequence_mean"``, a plain sum for
-  ``"token_mean"`` and ``"constant"``) and divided by the global normalizer.
-
-Exact normalisation across micro-batches, gradient accumulation and ranks: the loss of a
-micro-batch is ``local_sum / normalizer`` where ``normalizer`` is the *global* sum of
-:meth:`GRPOLoss.normalizer_contribution` over every micro-batch of the optimizer step on every
-rank. Summing the gradients of all micro-batches (accumulation, then all-reduce SUM across ranks,
-i.e. *not* averaged by the data-parallel wrapper, or multiplied back by the world size) then gives
-exactly the gradient of the whole global batch.
+:class:`GRPOLoss` checks its options (:mod:`~torchtune_grpo.algorithm.loss_checks`) and
+composes the pure parts of :mod:`~torchtune_grpo.algorithm.loss_parts`; ``docs/losses.md``
+gives the formulas. A micro-batch's loss is ``local_sum / normalizer``, with ``normalizer`` the
+global sum of :meth:`GRPOLoss.normalizer_contribution` over the optimizer step on every rank, so
+summed gradients (not averaged across ranks) equal the whole global batch's.
 """
 
 from __future__ import annotations
@@ -83,41 +60,28 @@ _MAX_STATS = ("ratio_max", "is_weight_max")
 class GRPOLoss(nn.Module):
     """Clipped GRPO policy loss with the variants of GRPO, DAPO, Dr. GRPO, GSPO and CISPO.
 
-    The per-token objective is described in the module docstring. It is aggregated over the
-    response tokens of the micro-batch and divided by the caller's global ``normalizer``, the sum
-    of :meth:`normalizer_contribution`: the number of sequences for ``"sequence_mean"`` (GRPO),
-    of response tokens for ``"token_mean"`` (DAPO), ``sequences * max_generated_tokens`` for
-    ``"constant"`` (Dr. GRPO). A sequence with no response token contributes 0.
-
     Args:
         epsilon (float): clip range: ratios are clipped to ``[1 - epsilon, 1 + epsilon]``.
-        epsilon_low (float | None): lower clip range (DAPO "clip-higher" sets it apart from
-            ``epsilon_high``); ``None`` uses ``epsilon``. Must lie in ``[0, 1]``.
+        epsilon_low (float | None): lower clip range; ``None`` uses ``epsilon``. In ``[0, 1]``.
         epsilon_high (float | None): upper clip range; ``None`` uses ``epsilon``.
-        dual_clip (float | None): dual-clip bound ``c > 1``: for negative advantages the
-            per-token loss is capped at ``-c * A``. ``None`` disables it. PPO mode only.
-        importance_level (str): ``"token"`` (GRPO) or ``"sequence"`` (GSPO, which uses
-            much smaller clip ranges, e.g. ``epsilon_low=3e-4, epsilon_high=4e-4``).
-        aggregation (str): ``"sequence_mean"``, ``"token_mean"`` (default) or ``"constant"``;
-            see ``docs/losses.md`` for which to choose.
+        dual_clip (float | None): bound ``c > 1``: for negative advantages the per-token loss is
+            capped at ``-c * A``. ``None`` disables it. PPO mode only.
+        importance_level (str): ``"token"`` (GRPO) or ``"sequence"`` (GSPO).
+        aggregation (str): ``"sequence_mean"``, ``"token_mean"`` (default) or ``"constant"``.
         max_generated_tokens (int | None): the constant of ``"constant"`` aggregation (required
-            for it; usually the rollout's ``max_generated_tokens``).
+            for it).
         kl_coeff (float): weight of the KL penalty towards the reference policy; ``0`` disables
-            it (then no reference log-probs are needed).
+            it.
         kl_estimator (str): ``"k1"``, ``"k2"`` or ``"k3"`` (see
             :func:`~torchtune_grpo.algorithm.loss_parts.kl_per_token`).
-        entropy_coeff (float): weight of the entropy bonus (subtracted from the loss); ``0``
-            disables it.
-        clip_mode (str): ``"ppo"`` (clipped surrogate) or ``"cispo"`` (clipped, stop-gradient
-            importance weight times ``logp * A``; token-level only).
+        entropy_coeff (float): weight of the entropy bonus (subtracted); ``0`` disables it.
+        clip_mode (str): ``"ppo"`` (clipped surrogate) or ``"cispo"`` (token-level only).
         off_policy_correction (str): ``"none"`` (default), ``"decoupled"`` or ``"tis"``: how the
-            policy term is re-weighted by the behaviour weight
-            ``pi_prox / mu = exp(old_logprobs - behavior_logprobs)`` (see the module docstring
-            and ``docs/losses.md``). With a correction, :meth:`forward` needs
-            ``behavior_logprobs`` and ``old_logprobs`` are the proximal policy's.
-        is_weight_cap (float | None): cap ``C > 1`` on the behaviour weight: ``"decoupled"``
-            drops tokens whose weight exceeds it (optional), ``"tis"`` truncates the weight to
-            it (required). Must be ``None`` with ``"none"``.
+            policy term is re-weighted by ``pi_prox / mu``. With a correction, :meth:`forward`
+            needs ``behavior_logprobs`` and ``old_logprobs`` are the proximal policy's.
+        is_weight_cap (float | None): cap ``C > 1`` on the behaviour weight: ``"decoupled"`` drops
+            tokens above it (optional), ``"tis"`` truncates at it (required). ``None`` with
+            ``"none"``.
 
     Raises:
         ValueError: for an out-of-range or inconsistent argument, naming it.
@@ -175,9 +139,9 @@ class GRPOLoss(nn.Module):
 
     @property
     def needs_proximal_logprobs(self) -> bool:
-        """bool: whether an off-policy correction is on: :meth:`forward` then needs
-        ``behavior_logprobs`` (the rollout engine's) and ``old_logprobs`` must be the proximal
-        policy's (the trainer's weights before the step, from a no-grad forward)."""
+        """bool: whether an off-policy correction is on (:meth:`forward` then needs
+        ``behavior_logprobs`` and proximal-policy ``old_logprobs``).
+        """
         return self.off_policy_correction != "none"
 
     @property
@@ -200,16 +164,14 @@ class GRPOLoss(nn.Module):
     def normalizer_contribution(self, response_mask: Tensor) -> Tensor:
         """This micro-batch's share of the global normalizer.
 
-        Sum it over every micro-batch of the optimizer step and all-reduce it (SUM) across ranks
-        *before* the first forward; pass the total as ``normalizer`` to every :meth:`forward`.
+        Sum it over every micro-batch of the optimizer step and all ranks before the first forward.
 
         Args:
             response_mask (Tensor): ``[N, T]`` bool, True on response tokens.
 
         Returns:
-            Tensor: scalar float32 on ``response_mask``'s device: ``N`` for
-            ``"sequence_mean"``, the number of True entries for ``"token_mean"``,
-            ``N * max_generated_tokens`` for ``"constant"``.
+            Tensor: scalar float32: ``N`` for ``"sequence_mean"``, the number of True entries for
+            ``"token_mean"``, ``N * max_generated_tokens`` for ``"constant"``.
         """
         if response_mask.dim() != 2:
             raise ValueError(
@@ -232,53 +194,28 @@ class GRPOLoss(nn.Module):
         """Loss of one micro-batch, normalised by the global ``normalizer``.
 
         Args:
-            logprobs (Tensor): ``[N, T]`` log-probs of the sampled tokens under the current
-                policy (with gradient).
-            old_logprobs (Tensor): ``[N, T]`` log-probs under the policy the ratio is taken
-                against (treated as constants): the policy that sampled the tokens with
-                ``off_policy_correction="none"``, the proximal policy (the trainer's weights
-                before the step) with a correction.
+            logprobs (Tensor): ``[N, T]`` log-probs of the sampled tokens under the current policy
+                (with gradient).
+            old_logprobs (Tensor): ``[N, T]`` log-probs the ratio is taken against (constants): the
+                sampler's, or the proximal policy's with a correction.
             advantages (Tensor): ``[N]`` one advantage per sequence (constants).
             response_mask (Tensor): ``[N, T]`` bool, True on response tokens.
-            normalizer (float | Tensor): global sum of :meth:`normalizer_contribution` over
-                all micro-batches and ranks of this optimizer step. ``0`` only when the whole
-                global batch is empty, which gives a zero loss.
-            ref_logprobs (Tensor | None): ``[N, T]`` reference-policy log-probs (constants);
-                required when :attr:`needs_reference`.
-            entropy (Tensor | None): ``[N, T]`` per-token entropy of the current policy (with
-                gradient); required when :attr:`needs_entropy`, summarised whenever given.
-            behavior_logprobs (Tensor | None): ``[N, T]`` log-probs of the sampled tokens under
-                the behaviour policy (the rollout engine's; constants); required when
-                :attr:`needs_proximal_logprobs`. With ``"none"`` its values are ignored (only its
-                shape is checked).
+            normalizer (float | Tensor): global sum of :meth:`normalizer_contribution` for this
+                optimizer step; ``0`` gives a zero loss.
+            ref_logprobs (Tensor | None): ``[N, T]`` reference log-probs; required when
+                :attr:`needs_reference`.
+            entropy (Tensor | None): ``[N, T]`` per-token entropy (with gradient); required when
+                :attr:`needs_entropy`.
+            behavior_logprobs (Tensor | None): ``[N, T]`` rollout engine's log-probs (constants);
+                required when :attr:`needs_proximal_logprobs`.
 
         Returns:
-            tuple[Tensor, dict[str, Tensor]]: the scalar loss (float32) and stats: detached
-            float32 scalars to be *summed* over micro-batches and ranks (``ratio_max``,
-            ``is_weight_max``: max):
-
-            * ``loss``, ``policy_loss``, ``kl_loss``, ``entropy_loss``: the loss and its terms,
-              already divided by ``normalizer`` (``kl_loss`` includes ``kl_coeff``,
-              ``entropy_loss`` is ``-entropy_coeff * entropy`` aggregated).
-            * ``normalizer_share``: this micro-batch's contribution / ``normalizer`` (sums to 1
-              over one optimizer step; lets several steps be averaged).
-            * ``tokens``, ``sequences``: number of response tokens and of sequences.
-            * ``ratio_sum``, ``ratio_max``: importance ratio over response tokens (the
-              sequence ratio, repeated on each token, with ``importance_level="sequence"``).
-            * ``clip_low_sum``: response tokens with ``A < 0`` and ``r < 1 - epsilon_low``;
-              ``clip_high_sum``: with ``A > 0`` and ``r > 1 + epsilon_high`` (where PPO's clip
-              zeroes the gradient). For ``"cispo"``: tokens whose weight is truncated below /
-              above, whatever the advantage's sign. ``dual_clip_sum``: tokens capped by the
-              dual clip.
-            * ``approx_kl_sum``: k3 estimate of ``KL(pi_old || pi)`` per token,
-              ``(r - 1) - log r`` with the token-level ratio.
-            * ``kl_sum``: the ``kl_estimator`` vs the reference (0 without ``ref_logprobs``).
-            * ``entropy_sum``: the entropy (0 without ``entropy``).
-            * ``is_weight_sum``: the behaviour weight applied to the policy term, after
-              truncation or dropping, summed over response tokens (1 per token with ``"none"``).
-            * ``is_weight_max``: the largest raw (untruncated) behaviour weight over response
-              tokens: how far off-policy the batch was.
-            * ``is_dropped_sum``: response tokens dropped by the ``"decoupled"`` cap.
+            tuple[Tensor, dict[str, Tensor]]: the scalar float32 loss and detached float32 stats to
+            be summed over micro-batches and ranks (``ratio_max``, ``is_weight_max``: max):
+            ``loss``, ``policy_loss``, ``kl_loss``, ``entropy_loss`` (divided by ``normalizer``),
+            ``normalizer_share``, ``tokens``, ``sequences``, ``ratio_sum``, ``ratio_max``,
+            ``clip_low_sum``, ``clip_high_sum``, ``dual_clip_sum``, ``approx_kl_sum``, ``kl_sum``,
+            ``entropy_sum``, ``is_weight_sum``, ``is_weight_max`` (raw) and ``is_dropped_sum``.
 
         Raises:
             ValueError: on inconsistent shapes or a missing required input.
@@ -412,28 +349,20 @@ def summarize_loss_stats(
 ) -> dict[str, float]:
     """Turn the stats of many micro-batches (and ranks) into exact global metrics.
 
-    The stats are summed over ``stats_list`` (``ratio_max``, ``is_weight_max``: max), then, if
-    ``all_reduce`` is given, reduced across ranks with two collective calls (one ``"sum"`` on a
-    stacked vector, one ``"max"``), so every rank must call this function with the same stat
-    names.
+    A collective when ``all_reduce`` is given (one ``"sum"``, one ``"max"``): every rank calls it
+    with the same stat names.
 
     Args:
-        stats_list (Sequence[dict[str, Tensor]]): the stats returned by :meth:`GRPOLoss.forward`
-            for each micro-batch on this rank (any number of optimizer steps; the losses are
-            averaged over steps through ``normalizer_share``).
+        stats_list (Sequence[dict[str, Tensor]]): :meth:`GRPOLoss.forward`'s stats of each
+            micro-batch on this rank.
         all_reduce (Callable[[Tensor, str], Tensor] | None): ``f(tensor, op)`` with ``op`` in
-            ``{"sum", "max"}`` returning the reduced tensor, e.g.
-            :func:`torchtune_grpo.distributed.all_reduce`. ``None`` for a single process.
+            ``{"sum", "max"}``; ``None`` for a single process.
 
     Returns:
-        dict[str, float]: ``loss``, ``policy_loss``, ``kl`` (mean per-token KL to the reference
-        estimate), ``entropy`` (mean per token), ``clip_fraction`` (``clip_fraction/low`` +
-        ``clip_fraction/high``, fractions of response tokens), ``ratio/mean``, ``ratio/max``,
-        ``approx_kl`` (mean per token), ``is_weight/mean`` (mean behaviour weight applied per
-        token, after truncation or dropping; 1 with ``off_policy_correction="none"``),
-        ``is_weight/max`` (largest raw behaviour weight), ``is_weight/dropped_fraction``
-        (fraction of response tokens dropped by the ``"decoupled"`` cap). Token means are 0 when
-        there are no response tokens.
+        dict[str, float]: ``loss``, ``policy_loss``, ``kl``, ``entropy``, ``clip_fraction``
+        (with ``/low`` and ``/high``), ``ratio/mean``, ``ratio/max``, ``approx_kl``,
+        ``is_weight/mean``, ``is_weight/max``, ``is_weight/dropped_fraction``; token means are 0
+        without response tokens.
 
     Raises:
         ValueError: if ``stats_list`` is empty or its dicts have different keys.

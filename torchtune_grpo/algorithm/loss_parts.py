@@ -1,24 +1,7 @@
-"""The parts :class:`~torchtune_grpo.algorithm.loss.GRPOLoss` is composed of: pure tensor functions.
+"""The pure tensor parts :class:`~torchtune_grpo.algorithm.loss.GRPOLoss` is composed of.
 
-Shapes: ``N`` sequences, ``T`` response tokens (right-padded), ``mask [N, T]`` bool, True on
-response tokens, ``lengths [N]`` float32 response tokens per sequence (``mask.sum(dim=1)``),
-``adv [N, 1]`` one advantage per sequence. Every input is float32; inputs at padded positions
-are expected to be zeroed with :func:`masked` first, and outputs at padded positions are
-meaningless until masked.
-
-The loss of one micro-batch is, in order:
-
-1. the importance ratio (:func:`clamped_log_ratio`, then :func:`importance_ratio` at token or
-   sequence level);
-2. the policy term from the ratio: :func:`ppo_clipped_surrogate` (optionally
-   :func:`apply_dual_clip`) or :func:`cispo_surrogate`;
-3. an optional behaviour weight for off-policy batches (:func:`behaviour_weight`, then
-   :func:`drop_above_cap` or :func:`truncate_at_cap`) multiplying the policy term;
-4. the penalties, :func:`kl_per_token` and the entropy, added per token;
-5. the reduction to a local sum (:func:`aggregate`), divided by the global normalizer
-   (:func:`normalizer_contribution` summed over the step, made safe by :func:`safe_normalizer`).
-
-``docs/losses.md`` gives the formulas, the papers and which variant to choose.
+Shapes: ``mask [N, T]`` bool response mask, ``lengths [N]`` float32 response tokens per
+sequence, ``adv [N, 1]``; inputs are float32 and zeroed at padded positions with :func:`masked`.
 """
 
 from __future__ import annotations
@@ -146,15 +129,11 @@ def importance_ratio(token_log_ratio: Tensor, lengths: Tensor, level: str) -> Te
 def ppo_clipped_surrogate(ratio: Tensor, adv: Tensor, lower: float, upper: float) -> PolicyTerm:
     """PPO's clipped surrogate ``l = -min(r * A, clip(r, lower, upper) * A)``.
 
-    ``lower = 1 - epsilon_low`` and ``upper = 1 + epsilon_high`` (DAPO's clip-higher sets them
-    apart). Clipped tokens (whose gradient is 0) are those with ``A < 0, r < lower`` and with
-    ``A > 0, r > upper``.
-
     Args:
         ratio (Tensor): ``[N, T]`` importance ratio.
         adv (Tensor): ``[N, 1]`` advantages (constants).
-        lower (float): lower clip bound.
-        upper (float): upper clip bound.
+        lower (float): lower clip bound ``1 - epsilon_low``.
+        upper (float): upper clip bound ``1 + epsilon_high``.
 
     Returns:
         PolicyTerm: ``[N, T]`` loss and clip indicators (``dual_clipped`` all False).
@@ -189,9 +168,6 @@ def cispo_surrogate(
     ratio: Tensor, adv: Tensor, logp: Tensor, lower: float, upper: float
 ) -> PolicyTerm:
     """CISPO's ``l = -sg(clip(r, lower, upper)) * A * logp`` (``sg``: stop-gradient).
-
-    The gradient ``-clip(r) * A * grad logp`` never vanishes; only the weight is truncated.
-    Clipped tokens are those with ``r < lower`` or ``r > upper``, whatever the sign of ``A``.
 
     Args:
         ratio (Tensor): ``[N, T]`` token-level importance ratio.
@@ -259,19 +235,13 @@ def truncate_at_cap(raw_weight: Tensor, cap: float) -> Tensor:
 
 
 def kl_per_token(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
-    """Per-token estimator of ``KL(pi || pi_ref)`` from tokens sampled from ``pi``.
+    """Per-token estimator of ``KL(pi || pi_ref)``, with ``x = log pi - log pi_ref``.
 
-    With ``x = log pi - log pi_ref`` (the names follow Schulman's "Approximating KL
-    Divergence"):
-
-    * ``"k1"``: ``x``; unbiased for the KL value, high variance, can be negative.
-    * ``"k2"``: ``x**2 / 2``; biased, low variance, always ``>= 0``.
-    * ``"k3"``: ``exp(-x) + x - 1`` (``-x`` clamped like a log-ratio); unbiased, low variance,
-      always ``>= 0``. This is the estimator of the GRPO paper.
+    ``"k1"``: ``x``; ``"k2"``: ``x**2 / 2``; ``"k3"``: ``exp(-x) + x - 1`` (``-x`` clamped).
 
     Args:
         logprobs (Tensor): ``[N, T]`` log-probs of the sampled tokens under the policy.
-        ref_logprobs (Tensor): ``[N, T]`` log-probs of the same tokens under the reference.
+        ref_logprobs (Tensor): ``[N, T]`` the same under the reference.
         estimator (str): ``"k1"``, ``"k2"`` or ``"k3"``.
 
     Returns:
@@ -341,10 +311,7 @@ def normalizer_contribution(
 
 
 def safe_normalizer(normalizer: float | Tensor, device: torch.device) -> Tensor:
-    """The global normalizer as a float32 scalar on ``device``, with 0 replaced by 1.
-
-    Only an entirely empty global batch has normalizer 0; every local sum is then 0 too, so the
-    loss is 0 rather than NaN.
+    """The global normalizer as a float32 scalar on ``device``, 0 (an empty batch) becoming 1.
 
     Args:
         normalizer (float | Tensor): a number or a one-element tensor (detached here).

@@ -1,24 +1,8 @@
 """The padded trajectory of one GRPO rollout, and the helpers that keep its shapes uniform.
 
-Every tensor of a :class:`Trajectory` has a fixed layout, whatever length each completion
-had: prompts are left-padded to a common ``P`` and responses right-padded to a common ``T``.
-Micro-batches generated separately (each may stop at a different step) are merged with
-:func:`concat_trajectories`, which pads before concatenating; the original torchtune recipe
-crashed there (``torch.cat`` of ``[16, 512]`` and ``[16, 300]``).
-
-Multi-turn rollouts with tools (:mod:`torchtune_grpo.rollout.multiturn`) add a third kind of
-response token: a tool's result, appended to the sequence as context. Three masks over the
-response part then say what each position holds, and they never overlap:
-
-* ``response_mask [N, T]``: tokens the **policy produced** (sampled). Every log-prob, loss,
-  normaliser, entropy, KL and length metric uses this mask, so tool tokens are never scored.
-* ``tool_mask [N, T]``: tokens a **tool produced** (its result text). They exist: later tokens
-  attend to them and their positions count; they carry log-prob 0 and no loss.
-* neither: right padding.
-
-Attention masks and position ids (:mod:`torchtune_grpo.policy.positions`) come from
-:attr:`Trajectory.padding_mask`, which is ``prompt_mask | response_mask | tool_mask`` (every
-token that exists).
+Prompts are left-padded to a common ``P``, responses right-padded to a common ``T``. Response
+positions hold a policy token (``response_mask``, the only ones scored), a tool-result token
+(``tool_mask``, context only) or padding; the masks never overlap.
 """
 
 from __future__ import annotations
@@ -41,9 +25,8 @@ class Trajectory:
             (tempered, with forbidden ids removed), 0 where ``response_mask`` is False.
         stopped: ``[N]`` True where the completion ended on a stop token.
         pad_id: the id used for padding.
-        tool_mask: ``[N, T]`` True on tool-result tokens inside the response part (context
-            the policy attends to, never scored; disjoint from ``response_mask``). Optional:
-            None (the default) becomes all False, so single-turn rollouts are unchanged.
+        tool_mask: ``[N, T]`` True on tool-result tokens (disjoint from ``response_mask``);
+            None becomes all False.
     """
 
     tokens: torch.Tensor
@@ -128,10 +111,7 @@ class Trajectory:
 
 
 def prompt_mask(tokens: torch.Tensor, prompt_lengths: torch.Tensor) -> torch.Tensor:
-    """``[B, P]`` True on the real tokens of left-padded prompts.
-
-    Left padding is the only padding, so the mask comes from the lengths alone (a prompt may
-    itself contain ``pad_id``).
+    """``[B, P]`` True on the real tokens of left-padded prompts (from the lengths alone).
 
     Args:
         tokens: ``[B, P]`` left-padded prompt ids.

@@ -1,18 +1,9 @@
 """Device-specific speed machinery behind one seam, chosen once from device and dtype.
 
-The rollout engine and the recipes are written for any device; what only pays (or only
-exists) on one device lives here, behind :class:`Backend`:
-
-* :meth:`Backend.configure_process`: process-wide settings made before any tensor is
-  allocated. CPU: glibc ``malloc`` keeps freed memory for reuse
-  (:mod:`torchtune_grpo.backends.allocator`).
-* :meth:`Backend.decode_weights`: what the decode steps of one rollout run on. CPU: linear
-  layers on oneDNN-reordered weights, plain decoder layers fused
-  (:mod:`torchtune_grpo.backends.cpu_decode`).
-
-:func:`backend_for` picks the backend. A GPU path (bf16 kernels, CUDA graphs for the decode
-step, FlashAttention through SDPA) plugs in as another :class:`Backend` subclass here; the
-engine and the recipes do not change.
+:class:`Backend` holds the process-wide settings (:meth:`Backend.configure_process`) and the
+weights a rollout's decode steps run on (:meth:`Backend.decode_weights`); :func:`backend_for`
+picks it. The CPU backend keeps freed memory (:mod:`~torchtune_grpo.backends.allocator`) and
+decodes on oneDNN-reordered, fused layers (:mod:`~torchtune_grpo.backends.cpu_decode`).
 """
 
 from __future__ import annotations

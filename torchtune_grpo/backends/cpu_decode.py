@@ -1,15 +1,8 @@
 """CPU decoding on oneDNN-reordered weights, and decoder layers fused for the decode step.
 
-For the skinny products of a decode step (a few rows times every weight) MKL's ``F.linear``
-runs far below the CPU's matmul rate; oneDNN on a weight reordered once per rollout is faster
-(see :func:`packed_linear_weights`). Where a decoder layer has the plain torchtune structure
-(RMSNorm, attention, RMSNorm, gated feed-forward) its decode step also runs as one function
-(:func:`fused_decode_layer`): the query, key and value projections as one product, the gate and
-up projections as one product, and no module calls in between.
-
-:func:`~torchtune_grpo.rollout.native.generate_trajectory` enters
-:func:`packed_linear_weights` for a rollout (``NativeGenerator(packed_weights=True)``, the
-default); every module gets its own ``forward`` back on exit.
+:func:`packed_linear_weights` gives a rollout's small-batch linears reordered weights and
+plain torchtune layers a fused decode forward (:func:`fused_decode_layer`); every module gets
+its own ``forward`` back on exit.
 """
 
 from __future__ import annotations
@@ -41,30 +34,21 @@ PACKED_MAX_ROWS = 64
 
 def attend_decode_step(attn: MultiHeadAttention, qkv: torch.Tensor, *, mask: torch.Tensor,
                        input_pos: torch.Tensor | None) -> torch.Tensor | None:
-    """``attend_projected`` (:mod:`torchtune_grpo.policy.kv_cache`) for one decode step, from
-    the stacked projection, in few ops.
-
-    A decode step of a fused layer (:func:`fused_decode_layer`) has its queries, keys and
-    values side by side in one ``[b, 1, (heads + 2 kv_heads) * head_dim]`` product. Here the
-    query and key heads are rotated together (one complex product on their ``heads +
-    kv_heads`` heads), the new key and value are stored by the span cache's own ``update``,
-    and the attention reads the span with the step's additive mask broadcast over the heads
-    (``[b, 1, 1, S]``, made once per step for all layers). The same arithmetic as
-    ``attend_projected`` (equal results in the tests) with nine fewer tensor operations per
-    layer and step.
+    """``attend_projected`` (:mod:`torchtune_grpo.policy.kv_cache`) for one decode step, from the
+    stacked projection, in few ops (query and key heads rotated together, the mask broadcast over
+    the heads).
 
     Args:
         attn (MultiHeadAttention): the module; its ``kv_cache`` a span-decoding
             :class:`~torchtune_grpo.policy.kv_cache.SpanKVCache`.
         qkv (Tensor): ``[b, 1, (heads + 2 * kv_heads) * head_dim]`` query|key|value projection.
-        mask (Tensor): ``[b, 1, S]`` bool, True where the new position may attend (``S``: the
-            filled span including it).
+        mask (Tensor): ``[b, 1, S]`` bool, True where the new position may attend.
         input_pos (Tensor | None): ``[b, 1]`` position ids.
 
     Returns:
         Tensor | None: ``[b, 1, heads * head_dim]``, the input of the output projection; None
-        (nothing done) where this shortcut does not apply: another cache or phase, q/k norms,
-        or a position embedding ``rotate`` does not compute itself.
+        where the shortcut does not apply (another cache or phase, q/k norms, or a position
+        embedding ``rotate`` does not compute itself).
     """
     cache, rope = attn.kv_cache, attn.pos_embeddings
     if (type(cache) is not SpanKVCache or cache.write_pos is not None or cache.prefilling
@@ -165,21 +149,10 @@ def _fusable(layer: nn.Module, adapters: set[int]) -> bool:
 def fused_decode_layer(layer: TransformerSelfAttentionLayer) -> Callable[..., torch.Tensor]:
     """A ``forward`` for ``layer`` that runs decode steps as one function on packed weights.
 
-    The decode step of a torchtune ``TransformerSelfAttentionLayer`` calls a dozen modules
-    (two RMSNorms, the attention and its four projections, the feed-forward and its three) and
-    seven matmuls. Here the same arithmetic runs with three matmuls fewer and no module calls:
-    ``x -> RMSNorm -> [q | k | v]`` (one product with the three weights stacked) ``->``
-    :func:`~torchtune_grpo.policy.kv_cache.attend_projected` ``-> output projection + x ->
-    RMSNorm -> [gate | up]`` (one product) ``-> activation(gate) * up -> down projection +``
-    residual, each residual sum a post-op of its product; a decode step's attention goes through
-    :func:`attend_decode_step` (straight from the stacked
-    product). Every output element is the same dot product as the layer's own, so results agree
-    to float32 rounding of oneDNN's summation order (equal in the tests).
-
-    Runs only for inputs of at most :data:`PACKED_MAX_ROWS` positions, without autograd, on a
-    layer whose attention decodes into a rollout's
-    :class:`~torchtune_grpo.policy.kv_cache.SpanKVCache`; anything else (prefill of long prompts,
-    training forwards) goes to the layer's own forward.
+    Stacked ``[q | k | v]`` and ``[gate | up]`` products, residual sums as post-ops, no module
+    calls; results agree with the layer's own to float32 rounding. Inputs of more than
+    :data:`PACKED_MAX_ROWS` positions, autograd, or a cache other than a rollout's
+    :class:`~torchtune_grpo.policy.kv_cache.SpanKVCache` go to the layer's own forward.
 
     Args:
         layer: a layer :func:`_fusable` accepts.
@@ -228,37 +201,18 @@ def fused_decode_layer(layer: TransformerSelfAttentionLayer) -> Callable[..., to
 def packed_linear_weights(model: nn.Module, enabled: bool = True) -> Iterator[int]:
     """Run ``model``'s small-batch linear layers on weights reordered for oneDNN; undo on exit.
 
-    CPU decoding multiplies ``[rows, D]`` activations (``rows`` = the decode batch, a few to a
-    few dozen) by every weight once per step. For such skinny products ``F.linear`` (MKL) runs
-    far below the CPU's matmul rate (the A/B: ``python -m benchmarks.decode_kernels``,
-    ``docs/performance.md``). oneDNN's
-    ``_linear_pointwise`` on a weight reordered once (``_reorder_linear_weight``) is faster, so
-    for the duration of a rollout every plain ``nn.Linear`` (and torchtune's ``TiedLinear``
-    output projection) whose weight is a float32 CPU tensor gets an instance ``forward`` that
-    uses the reordered copy for inputs of at most :data:`PACKED_MAX_ROWS` rows (prefill keeps
-    ``F.linear``, which is as fast there). Results agree with ``F.linear`` to float32 rounding
-    of a different summation order (SmolLM2-135M's logits, of magnitude ~100, move by ~1e-4,
-    its log-probs by ~5e-5), so a sampled token can differ where a row's uniform draw falls
-    within that rounding of a CDF boundary: rollouts are reproducible for a given setting,
-    and equal between the settings in the tiny-model tests, not always on a real model.
-
-    Decoder layers of the plain torchtune structure (Llama, Qwen2 and the like, without LoRA)
-    get a fused forward instead (:func:`fused_decode_layer`): their q/k/v weights and their
-    gate/up weights are reordered as one matrix each, and a decode step runs the layer as
-    one function.
-
-    Untouched: LoRA/DoRA layers (base weights and adapters), FSDP2-wrapped models (sharded or
-    gathered), other dtypes and devices, and builds without oneDNN. The copies cost one
-    more copy of the packed weights' memory for the rollout, and one pass over them to make
-    (~0.3 s for 135M parameters on 2 cores).
+    Every plain float32 CPU ``nn.Linear`` (and ``TiedLinear``) uses the reordered copy for inputs of
+    at most :data:`PACKED_MAX_ROWS` rows; plain decoder layers get :func:`fused_decode_layer`.
+    Results agree with ``F.linear`` to float32 rounding, so a sampled token can differ on a real
+    model. LoRA/DoRA layers, FSDP2 models, other dtypes and devices, and builds without oneDNN are
+    untouched. Costs one more copy of the packed weights for the rollout.
 
     Args:
         model: a torchtune decoder.
         enabled: False makes this a no-op.
 
     Yields:
-        int: the number of linear layers that decode on packed weights, the fused layers' seven
-        included (0 when none could).
+        int: the number of linear layers that decode on packed weights (0 when none could).
     """
     from torch.distributed.fsdp import FSDPModule
     from torchtune.modules import TiedLinear

@@ -1,11 +1,4 @@
-"""Measure the peak memory of a process, and of a recipe run in a fresh CPU process.
-
-:func:`peak_rss_bytes` is this process's high-water mark of resident memory (what the recipe
-logs as its CPU peak); :func:`measure_peak_memory` runs a config's training in a child process
-and returns its peak above the baseline of the imports: the measurement that
-:func:`torchtune_grpo.cli.memory_estimate.estimate_memory` is checked against
-(``tests/unit/cli/test_memory.py``, ``docs/memory.md``).
-"""
+"""Measure the peak memory of this process, and of a recipe run in a fresh CPU process."""
 
 from __future__ import annotations
 
@@ -26,13 +19,8 @@ def proc_field_bytes(path: str, field: str) -> int | None:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process in bytes.
-
-    Reads ``VmHWM`` from ``/proc/self/status`` (Linux): the high-water mark of this process's
-    own address space. ``getrusage``'s ``ru_maxrss`` is not used where ``/proc`` exists because
-    Linux carries it across ``fork``/``exec``: a child started by a large parent (a test
-    session that has loaded a model) reports the parent's peak as its own. Elsewhere it falls
-    back to ``ru_maxrss`` (KiB on Linux, bytes on macOS).
+    """Peak resident set size of this process in bytes: ``VmHWM`` of ``/proc/self/status``
+    (``ru_maxrss``, which Linux carries across ``fork``/``exec``, only without ``/proc``).
     """
     import sys
 
@@ -70,11 +58,8 @@ print('RESULT ' + json.dumps({'baseline': base, 'peak': peak}))
 
 def measure_peak_memory(config: str, overrides: list[str], *, threads: int = 1,
                         timeout: float = 300) -> int:
-    """Run the recipe in a fresh CPU process; return its peak RSS increase over the baseline.
-
-    The baseline is the resident memory after the imports (Python, torch, torchtune); the peak
-    is :func:`peak_rss_bytes`. ``MALLOC_MMAP_THRESHOLD_`` makes glibc give large blocks back to the
-    system when freed, so the peak measures live tensors rather than the allocator's habits.
+    """Run the recipe in a fresh CPU process; return its peak RSS above the baseline of the imports
+    (with ``MALLOC_MMAP_THRESHOLD_`` set so the peak measures live tensors).
 
     Args:
         config: config name or path (``device`` must be ``cpu``).

@@ -1,57 +1,10 @@
 """Estimate the peak memory of a GRPO config on one rank, before launching it.
 
-:func:`estimate_memory` reads a config (and the number of ranks), instantiates the model on the
-``meta`` device to learn its shapes (free: no weights are allocated) and adds up what the
-recipe keeps alive, component by component:
-
-* **weights**: every parameter in the config's ``dtype``, divided by ``world_size`` under FSDP2
-  (plus the unsharded layers FSDP gathers around the one it is computing).
-* **gathered weights**: under FSDP2 with ``rollout_gather_weights`` (the default), the rollout
-  of the native engine and the no-grad reference pass hold one full, unsharded copy of the
-  weights for their whole duration (gathered once instead of once per decode step,
-  :func:`torchtune_grpo.distributed.gathered_for_inference`); freed before the update.
-* **gradients**: trainable parameters only (LoRA: the adapters), sharded like the weights.
-* **optimizer state**: ``torch.optim.AdamW``/``Adam`` keep two states per trainable parameter
-  (three with ``amsgrad``) *in the parameter's dtype* (``torch.zeros_like(param)``), SGD one
-  with momentum and none without; plus the step's temporaries (non-fused AdamW).
-* **reference model**: a second frozen copy of the weights, only when ``loss.kl_coeff != 0``
-  and the model is not LoRA (a LoRA reference is the policy with its adapters disabled).
-* **KV cache**: ``2 x layers x kv_heads x head_dim x (P + T)`` values per sequence for the
-  ``forward_batch_size`` sequences of one generation micro-batch, in ``dtype``; it lives only
-  during the rollout (next to the gathered weights). With ``tools:`` a turn re-prefills a
-  row's whole sequence and may decode up to the model's ``max_seq_len``, so the cache is sized
-  for ``max(P + T, max_seq_len)`` positions per row.
-* **activations**: what autograd saves for the backward pass of one update micro-batch of
-  ``forward_batch_size`` sequences of ``P + T`` tokens (per layer and token: the two RMSNorms'
-  float32 inputs, the float32 RoPE inputs, the attention's q/k/v/output, the MLP's four
-  ``hidden_dim`` tensors, the additive attention mask); with activation checkpointing only each
-  layer's input plus one recomputed layer.
-* **packed weights**: on CPU in float32, the native engine's rollout decodes on oneDNN-reordered
-  copies of the linear weights (``generator.packed_weights``, the default): one more copy of
-  the body's and the output projection's weights during the rollout (not LoRA layers, not under
-  FSDP).
-* **logits**: chunked log-probs hold one ``logprob_chunk_size x vocab`` block of float32 logits
-  at a time, times :data:`FUSED_LOGIT_COPIES` for the fused log-prob function (the default), or
-  :data:`LOGIT_COPIES` on the checkpointed path (entropy bonus, LoRA on the output); the fused
-  update also keeps the softmax of its first chunks for the backward, up to
-  ``logprob_keep_probs_mib`` (whole chunks).
-
-* **learned rewards** (:mod:`torchtune_grpo.cli.memory_rewards`): frozen models on the
-  policy's device are static state (``reward_models``) plus a ``rewards`` phase; on another
-  device they are listed apart (``other_devices``).
-
-The peak is the static part (weights, optimizer state, reference, reward models) plus the
-largest of the phases that follow each other: rollout (KV cache), reference pass, rewards,
-update (gradients, activations, logits) and, on ``device: cpu`` only, checkpoint loading
-(the checkpoint's state dict sits in the same memory as the model while it is copied in).
-Quantities are bytes;
-``GiB`` in tables. The prompt length ``P`` is ``dataset.max_prompt_tokens`` when the config
-sets it, else ``prompt_tokens`` (default :data:`DEFAULT_PROMPT_TOKENS`, GSM8K-style prompts;
-:data:`KNOWN_PROMPT_TOKENS` for the quickstart's short addition prompts).
-
-The estimate was checked against measured peak memory on CPU (``tests/unit/cli/test_memory.py``,
-``docs/memory.md``); it leaves out allocator fragmentation, CUDA context (~0.5-1 GiB) and
-communication buffers, so keep a margin of 10-20% below the device's memory.
+:func:`estimate_memory` builds the model on the ``meta`` device and adds up, in bytes, the
+static state (weights, optimizer state, reference model, reward models) and the largest of the
+phases (load on CPU, rollout, reference, rewards, update). ``docs/memory.md`` gives every
+component's formula; the estimate leaves out allocator fragmentation, the CUDA context and
+communication buffers.
 """
 
 from __future__ import annotations
@@ -172,16 +125,14 @@ class MemoryEstimate:
         config: the config's name (for tables).
         world_size: ranks the estimate is for.
         components: device bytes by component (``weights``, ``gradients``,
-            ``optimizer_state``, ``reference_model``, ``kv_cache``, ``activations``,
-            ``logits``, ``gathered_weights``, ``other``); ``gathered_weights`` is the full
-            copy a no-grad phase holds under FSDP2 (``rollout_gather_weights``), counted in the
-            rollout and reference phases only.
+            ``optimizer_state``, ``reference_model``, ``kv_cache``, ``activations``, ``logits``,
+            ``gathered_weights``, ``other``).
         phases: device bytes at the peak of each phase (``load`` only on CPU).
         peak_bytes: the largest phase.
         peak_phase: which phase it is.
-        host_bytes: host (CPU) memory of offloaded state (``fsdp_cpu_offload``), not in the peak.
-        other_devices: bytes of learned-reward models on other devices than the policy's,
-            by device (weights plus one scoring batch); not in the peak.
+        host_bytes: host memory of offloaded state (``fsdp_cpu_offload``), not in the peak.
+        other_devices: bytes of learned-reward models on other devices, by device; not in the
+            peak.
         settings: the numbers the estimate used (rows, lengths, dtype, ...).
         dims: the model's dimensions.
     """
@@ -286,16 +237,15 @@ def estimate_memory(cfg: DictConfig, world_size: int = 1, *,
 
     Args:
         cfg: a training config (as from :func:`torchtune_grpo.config.loading.load_config`).
-        world_size: ranks (FSDP2 shards weights, gradients and optimizer state over them);
-            for an asynchronous config (``rollout_ranks`` set) all processes, of which the
-            trainer ranks' estimate is returned.
+        world_size: ranks; for an asynchronous config all processes, of which the trainer
+            ranks' estimate is returned.
         prompt_tokens: assumed prompt length ``P``; default ``dataset.max_prompt_tokens``, else
             :data:`KNOWN_PROMPT_TOKENS` for the dataset, else :data:`DEFAULT_PROMPT_TOKENS`.
         name: the config's name, for the table.
         verbose: print the breakdown table.
 
     Returns:
-        The :class:`MemoryEstimate` (bytes per component and per phase).
+        The :class:`MemoryEstimate`.
     """
     from torchtune_grpo.config.schema import per_rank_batch_size
 

@@ -1,12 +1,8 @@
 """Plot a run's metrics: ``python -m torchtune_grpo.cli.plot OUTPUT_DIR [--out FILE.png]``.
 
-Reads the DiskLogger files of ``OUTPUT_DIR/logs`` and draws reward, success rate, held-out
-``eval/pass@1``, response length, KL and entropy against the step, one panel each, into a PNG
-(default ``OUTPUT_DIR/metrics.png``). Panels whose metric was never logged say so. Steps where a
-run-health condition held (``health/<condition>`` = 1, see
-:mod:`torchtune_grpo.training.health`) are
-shaded in every panel, one colour per condition, named in the legend. The length panel's y axis
-starts at 0, so that a small change does not look like a collapse.
+One panel per metric (reward, success rate, ``eval/pass@1``, response length from 0, KL,
+entropy) against the step, from ``OUTPUT_DIR/logs``, with the steps where a run-health
+condition held shaded; default output ``OUTPUT_DIR/metrics.png``.
 """
 
 from __future__ import annotations

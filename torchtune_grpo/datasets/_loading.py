@@ -1,18 +1,6 @@
-"""Where prompt datasets come from: loading rows from local files or the Hugging Face Hub
-(:func:`load_rows`), and the skeleton every question/answer dataset builder shares
-(:func:`build_prompt_dataset`).
-
-A builder such as :func:`~torchtune_grpo.datasets.gsm8k_dataset` only knows its own data: its
-default source and template, and how one row becomes a ``(question, gold answer)`` pair (its
-field names and its answer extraction). Everything else is :func:`build_prompt_dataset`:
-checking ``invalid_rows``, resolving the template, loading the rows (local file or Hub, split
-slicing, one or several Hub configurations), turning bad rows into errors that name the source,
-the row and the field (or skipping and counting them), and handing the pairs to
-:class:`~torchtune_grpo.datasets.PromptDataset`, which tokenizes the prompts and applies
-``max_prompt_tokens``.
-
-A row reader returns ``(question, answer)`` and raises :class:`InvalidRow` for a row it cannot
-use; :func:`required_text` checks the common case of a field that must be a non-empty string.
+"""Where prompt datasets come from: rows from local files or the Hugging Face Hub
+(:func:`load_rows`), and the skeleton every question/answer builder shares
+(:func:`build_prompt_dataset`); a builder gives only its source, template and row reader.
 """
 
 
@@ -170,24 +158,17 @@ def load_rows(
 ) -> Any:
     """Load the rows of a dataset split as a ``datasets.Dataset``.
 
-    Local data is used when ``data_files`` is given or ``source`` is an existing file or
-    folder; otherwise ``source`` is a Hub dataset id loaded with
-    ``datasets.load_dataset(source, name, split=split)``. For local data the format is
-    ``source`` itself when it is ``"json"``, ``"parquet"`` or ``"csv"``, else it comes from the
-    file extension (``.jsonl``/``.json`` -> json). A folder is handed to ``datasets``, which
-    infers the format and the splits from the file names (``train.jsonl``, ``test.jsonl``).
-
-    Split slicing (``"train[:200]"``, ``"train[200:]"``, ``"train[:10%]"``) works for local
-    files too: single files and lists of files are registered under the split name the
-    expression uses, so ``split="test[:100]"`` on one file reads that file.
+    Local data when ``data_files`` is given or ``source`` exists on disk (format from ``source``
+    when it is ``"json"``, ``"parquet"`` or ``"csv"``, else from the extension; a folder's splits
+    from its file names); otherwise a Hub dataset. Split slicing (``"train[:200]"``,
+    ``"train[:10%]"``) works for local files too.
 
     Args:
         source: a Hub dataset id, a path to a file or folder, or a format name used together
             with ``data_files``.
         data_files: local file(s): a path, a list of paths or a mapping split -> path(s).
         split: split expression, with optional slicing.
-        name: the Hub dataset configuration (e.g. ``"main"`` for ``openai/gsm8k``); ignored for
-            local files.
+        name: the Hub dataset configuration; ignored for local files.
         **kwargs: passed to ``datasets.load_dataset`` (e.g. ``cache_dir``, ``revision``).
 
     Returns:
@@ -262,14 +243,7 @@ RowReader = Callable[[Mapping[str, Any]], tuple[str, str]]
 
 
 def required_text(row: Mapping[str, Any], field: str) -> str:
-    """The value of a field that must be a non-empty string.
-
-    Args:
-        row: a source row.
-        field: the field's name.
-
-    Returns:
-        The value, unchanged.
+    """The value of a field that must be a non-empty string, unchanged.
 
     Raises:
         InvalidRow: when the field is missing, not a string, or only white space.
@@ -304,43 +278,27 @@ def build_prompt_dataset(
 ) -> PromptDataset:
     """Load a question/answer source and build its :class:`PromptDataset`.
 
-    The steps, in order: check ``invalid_rows``; resolve ``template`` (``None``:
-    ``default_template``); expand ``name`` with ``configurations``; for each configuration,
-    load the split with :func:`~torchtune_grpo.datasets.load_rows` (lazily, one after the
-    other) and read every row with ``read_row``; build the dataset, which tokenizes the prompts
-    and drops or raises on those over ``max_prompt_tokens``. Rows are indexed across all
-    configurations in order.
-
-    A row that ``read_row`` rejects raises (``invalid_rows="error"``)
-    ``DataError("{builder} ({source}, split '...'): [{configuration} ]row {i} field '{field}'
-    {what}. Fix the data, ...")``, the configuration named only when there are several and
-    ``i`` the row's number within it, counted from 1; with ``invalid_rows="skip"`` it
-    is dropped and counted in ``dataset.skipped_rows``, together with the prompts dropped
-    for their length.
+    Each configuration's split is loaded in turn and every row read with ``read_row``; rows are
+    indexed across configurations. A rejected row raises a ``DataError`` naming the builder, the
+    source, the split, the row (from 1) and the field (``invalid_rows="error"``), or is dropped and
+    counted in ``dataset.skipped_rows`` (``"skip"``).
 
     Args:
         tokenizer: a torchtune model tokenizer.
         builder: the public builder's name (``"gsm8k_dataset"``), the start of every message.
-        read_row: the builder's row reader: ``row -> (question, answer)``, raising
-            :class:`InvalidRow` for a row it cannot use.
+        read_row: ``row -> (question, answer)``, raising :class:`InvalidRow`.
         default_template: the template used when ``template`` is ``None``.
         source: Hub dataset id, local file/folder, or a format name used with ``data_files``.
-        split: split expression, slicing allowed (``"train[:200]"``); applied per configuration.
+        split: split expression, slicing allowed; applied per configuration.
         data_files: local file(s), see :func:`~torchtune_grpo.datasets.load_rows`.
-        name: the builder's ``name`` argument: the Hub configuration (``None``: the source's
-            default), or whatever ``configurations`` expands.
-        configurations: for builders whose data comes in several configurations (MATH
-            subjects): turns ``name`` into the configurations to load and concatenate, in order,
-            raising ``ValueError`` on a bad ``name``; the dataset's own messages then name the
-            data ``{source}/{config}+{config}...``. ``None``: load ``name`` alone, and name the
-            data by ``source`` only.
+        name: the Hub configuration (``None``: the default), or what ``configurations`` expands.
+        configurations: turns ``name`` into the configurations to load and concatenate
+            (raising ``ValueError`` on a bad ``name``); ``None``: load ``name`` alone.
         template: anything :func:`~torchtune_grpo.datasets.resolve_template` accepts.
         max_prompt_tokens: the longest prompt allowed, or ``None``.
         invalid_rows: ``"error"`` or ``"skip"``.
         load_kwargs: passed to ``datasets.load_dataset``.
-        difficulty_file: per-row pass rates (``tune-grpo difficulty``); keep only the rows whose
-            pass rate lies strictly inside ``difficulty_band`` (see
-            :class:`~torchtune_grpo.datasets.PromptDataset`). ``None``: every row.
+        difficulty_file: per-row pass rates; keep the rows strictly inside ``difficulty_band``.
         difficulty_band: ``[low, high]``; default ``(0, 1)``.
 
     Returns:

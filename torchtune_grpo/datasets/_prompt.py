@@ -1,10 +1,5 @@
-"""Prompt templates, prompt tokenization and the generic prompt dataset.
-
-A GRPO dataset yields *prompts* (token ids the policy continues) together with the gold answer
-the rewards compare against. :class:`PromptTemplate` says how a question becomes a prompt,
-:func:`tokenize_prompt` applies it with a torchtune tokenizer, :class:`PromptDataset` holds the
-tokenized prompts of any question/answer source, and :func:`collate_prompts` left-pads a batch
-so that every prompt ends at the same column, where generation starts.
+"""Prompt templates, prompt tokenization, the generic prompt dataset and its left-padding
+collate function.
 """
 
 from __future__ import annotations
@@ -41,20 +36,17 @@ class PromptTemplate:
     """How a question becomes a prompt.
 
     Attributes:
-        user: the user message; ``{question}`` is replaced by the question (write literal braces
-            as ``{{`` and ``}}``).
+        user: the user message; ``{question}`` is replaced by the question (literal braces:
+            ``{{`` and ``}}``).
         system: optional system message.
-        assistant_prefix: text that starts the assistant's turn (e.g. ``"<think>"``); the
-            completion continues it, so it is not part of the completion. Tokenizers strip
-            message content, so leading/trailing whitespace of the prefix is lost in chat mode.
-        chat: use the tokenizer's chat format (``tokenize_messages``); ``False`` encodes
+        assistant_prefix: text that starts the assistant's turn (e.g. ``"<think>"``), not part
+            of the completion; its outer whitespace is lost in chat mode.
+        chat: use the tokenizer's chat format; ``False`` encodes
             ``system + "\\n\\n" + user + assistant_prefix`` as plain text.
         think_tag: name of the reasoning tag the template asks for, or ``None``.
         answer_tag: name of the final-answer tag the template asks for, or ``None``.
-        answer_phrase: the sentence start the template asks the final answer to follow (e.g.
-            ``"The answer is"``), or ``None``. ``think_tag``, ``answer_tag`` and
-            ``answer_phrase`` only describe the format to :func:`format_reference_completion`
-            and to the reward components' configs; they do not change the prompt.
+        answer_phrase: the sentence start the final answer follows, or ``None``. These three
+            describe the format only; they do not change the prompt.
     """
 
     user: str = "{question}"
@@ -66,14 +58,7 @@ class PromptTemplate:
     answer_phrase: str | None = None
 
     def format_user(self, question: str) -> str:
-        """The user message for ``question``.
-
-        Args:
-            question: the question text.
-
-        Returns:
-            ``user`` with ``{question}`` filled in.
-        """
+        """``user`` with ``{question}`` filled in."""
         return self.user.format(question=question)
 
 
@@ -144,10 +129,8 @@ def resolve_template(
     """Turn a config value into a :class:`PromptTemplate`.
 
     Args:
-        template: a :class:`PromptTemplate`; a mapping of its fields (e.g. a ``DictConfig``
-            from YAML; a ``_component_`` key, if present, is ignored); a dotted import path to a
-            ``PromptTemplate`` object (e.g.
-            ``"torchtune_grpo.datasets.GSM8K_TEMPLATE"``); or ``None`` for ``default``.
+        template: a :class:`PromptTemplate`, a mapping of its fields (``_component_`` ignored), a
+            dotted import path to one, or ``None`` for ``default``.
         default: the template used for ``None``.
 
     Returns:
@@ -214,12 +197,9 @@ def _tokenize_messages_kwargs(tokenizer: Any) -> dict[str, bool]:
 def tokenize_prompt(tokenizer: Any, template: PromptTemplate, question: str) -> list[int]:
     """Token ids of the prompt for ``question``, ending where the completion starts.
 
-    In chat mode the messages ``[system (if any), user, assistant(assistant_prefix)]`` are
-    tokenized with ``tokenizer.tokenize_messages`` without end tokens, so the assistant turn
-    stays open: with an empty prefix the ids end right after the assistant header (for Llama 3:
-    ``<|start_header_id|>assistant<|end_header_id|>\\n\\n``). Otherwise the plain text
-    ``system + "\\n\\n" + user + assistant_prefix`` (just ``user + assistant_prefix`` without a
-    system message) is encoded with BOS and without EOS.
+    Chat mode tokenizes ``[system, user, assistant(assistant_prefix)]`` with the assistant turn
+    left open; plain mode encodes ``system + "\\n\\n" + user + assistant_prefix`` with BOS and
+    without EOS.
 
     Args:
         tokenizer: a torchtune model tokenizer (``tokenize_messages`` and ``encode``).
@@ -245,21 +225,11 @@ def tokenize_prompt(tokenizer: Any, template: PromptTemplate, question: str) -> 
 
 
 def format_reference_completion(template: PromptTemplate, reasoning: str, final_answer: str) -> str:
-    """A completion in the format ``template`` asks for (a "gold" completion).
+    """A gold completion in the format ``template`` asks for (without its ``assistant_prefix``).
 
-    With ``think_tag`` set, the reasoning goes inside the think block; its opening tag is
-    omitted when ``assistant_prefix`` already ends with it (the prompt pre-fills it). With
-    ``answer_tag`` set, the final answer goes inside the answer block; otherwise the
-    completion ends with ``"{answer_phrase} {final_answer}."`` (``answer_phrase`` defaulting
-    to ``"The final answer is"``).
-
-    Args:
-        template: the prompt template.
-        reasoning: the reasoning text.
-        final_answer: the final answer text.
-
-    Returns:
-        The completion text (without the template's ``assistant_prefix``).
+    The reasoning goes in the think block (its opening tag omitted when the prefix ends with it),
+    the final answer in the answer block, else after ``answer_phrase`` (default
+    ``"The final answer is"``).
     """
     reasoning = reasoning.strip()
     if template.think_tag:
@@ -278,27 +248,21 @@ def format_reference_completion(template: PromptTemplate, reasoning: str, final_
 class PromptDataset(Dataset):
     """Tokenized prompts with their gold answers; generic over the question source.
 
-    Prompts are tokenized once, up front, so over-long prompts are found (and raised on or
-    dropped) before training starts. A prompt is too long when it has more than
-    ``max_prompt_tokens`` tokens, or when the tokenizer has a ``max_seq_len`` and the prompt
-    reaches it (the tokenizer would have truncated it silently).
+    Prompts are tokenized up front; one is too long beyond ``max_prompt_tokens`` or when it reaches
+    the tokenizer's ``max_seq_len``.
 
     Args:
         samples: ``(question, answer, index)`` triples; ``index`` is the row's index in its
-            source, reported in error messages and returned with each item.
+            source.
         tokenizer: a torchtune model tokenizer.
-        template: the prompt template (anything :func:`resolve_template` accepts; ``None`` is
-            :data:`GSM8K_TEMPLATE`).
+        template: anything :func:`resolve_template` accepts (``None``: :data:`GSM8K_TEMPLATE`).
         max_prompt_tokens: the longest prompt allowed, or ``None``.
-        invalid_rows: ``"error"`` (raise on an over-long prompt) or ``"skip"`` (drop it and
-            count it in :attr:`skipped_rows`).
-        skipped_rows: rows the caller already dropped (added to :attr:`skipped_rows`).
+        invalid_rows: ``"error"`` (raise on an over-long prompt) or ``"skip"`` (drop it).
+        skipped_rows: rows the caller already dropped.
         name: the dataset's name, used in error messages.
-        difficulty_file: a file of per-row pass rates from ``tune-grpo difficulty``
-            (:mod:`torchtune_grpo.datasets.difficulty`); only rows whose pass rate lies
-            strictly inside ``difficulty_band`` are kept. ``None``: every row.
-        difficulty_band: ``[low, high]``, ``0 <= low < high <= 1``; default ``(0, 1)``: the
-            rows the scoring model solved sometimes.
+        difficulty_file: per-row pass rates (:mod:`torchtune_grpo.datasets.difficulty`); keep
+            the rows strictly inside ``difficulty_band``. ``None``: every row.
+        difficulty_band: ``[low, high]``, ``0 <= low < high <= 1``; default ``(0, 1)``.
 
     Raises:
         ValueError: on an unknown ``invalid_rows``, a non-positive ``max_prompt_tokens``, an
@@ -383,14 +347,7 @@ class PromptDataset(Dataset):
         return len(self._tokens)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        """One prompt.
-
-        Args:
-            i: position in the dataset.
-
-        Returns:
-            ``{"tokens": list[int] (length P), "answer": str, "question": str, "index": int}``.
-        """
+        """``{"tokens": list[int] (length P), "answer": str, "question": str, "index": int}``."""
         return {
             "tokens": list(self._tokens[i]),
             "answer": self._answers[i],

@@ -1,18 +1,8 @@
 """The quickstart task: add 1111 to a four-digit number (``"3812+1111="`` -> ``"4923"``).
 
-Problems are generated, not downloaded. The first operand is every four-digit number whose
-digits are 1-8, so adding 1111 never carries: each answer digit is the digit above it plus
-one. That is a task a 0.1M-parameter model learns within a minute of CPU, while every problem
-still needs its own answer (no constant output scores more than one problem in 4096, and
-echoing the first operand, the typical mistake, never scores).
-
-The 4096 problems are shuffled once with a fixed seed (:data:`SPLIT_SEED`, independent of a
-run's seed) and cut into three disjoint splits: ``test`` (held out for evaluation),
-``warmup`` (only for the quickstart's supervised warm-up, see
-:mod:`torchtune_grpo.quickstart.prepare`) and ``train`` (GRPO prompts). The prompt is the
-plain text ``"3812+1111="`` after the BOS token; the completion is the sum, ended by a stop
-token, and is scored by
-:class:`~torchtune_grpo.rewards.components.NumericCorrectness` with ``answer_tag: null``.
+The 4096 first operands have digits 1-8 (no carry). They are shuffled once with
+:data:`SPLIT_SEED` into disjoint ``test``, ``warmup`` (supervised warm-up) and ``train`` splits;
+the prompt is plain text after BOS.
 """
 
 from __future__ import annotations
@@ -43,7 +33,7 @@ def addition_operands(split: str) -> list[int]:
     """First operands of one split, in the split's fixed order.
 
     Args:
-        split: ``"train"``, ``"test"`` or ``"warmup"`` (see the module docstring).
+        split: ``"train"``, ``"test"`` or ``"warmup"``.
 
     Raises:
         ValueError: on an unknown split.
@@ -62,10 +52,10 @@ def addition_operands(split: str) -> list[int]:
 
 
 def addition_problems(split: str) -> list[tuple[str, str]]:
-    """Problems of one split as ``(question, answer)`` pairs, e.g. ``("3812+1111=", "4923")``.
+    """Problems of one split as ``(question, answer)`` pairs.
 
     Args:
-        split: ``"train"``, ``"test"`` or ``"warmup"`` (see the module docstring).
+        split: ``"train"``, ``"test"`` or ``"warmup"``.
 
     Raises:
         ValueError: on an unknown split.
@@ -87,10 +77,9 @@ def addition_dataset(
         tokenizer: a torchtune tokenizer.
         split: ``"train"``, ``"test"`` or ``"warmup"``.
         limit: keep only the first ``limit`` problems of the split.
-        difficulty_file: per-row pass rates from ``tune-grpo difficulty``: keep only the rows
-            whose pass rate lies strictly inside ``difficulty_band``
-            (:mod:`torchtune_grpo.evaluation.difficulty`). ``None``: every row.
-        difficulty_band: ``[low, high]``, default ``[0, 1]``: the rows solved sometimes.
+        difficulty_file, difficulty_band: keep only the rows whose pass rate in this
+            ``tune-grpo difficulty`` file lies strictly inside ``[low, high]`` (default
+            ``[0, 1]``); ``None``: every row.
     """
     problems = addition_problems(split)[:limit]
     samples = [(q, a, i) for i, (q, a) in enumerate(problems)]

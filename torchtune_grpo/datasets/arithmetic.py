@@ -1,27 +1,8 @@
 """Arithmetic in chat: "What is 47 + 38?" asked of a chat model in its own chat template.
 
-The first rung of the real-model ladder (``grpo/smollm2_arithmetic_cpu``): a task a small
-pretrained chat model solves *sometimes* (SmolLM2-135M-Instruct: about one problem in five),
-so that a group of completions often holds both right and wrong answers, which is the only
-case GRPO learns from. Problems are generated, not downloaded:
-
-- ``add``: ``a + b`` with ``a, b`` two-digit (10-99): 8,100 problems;
-- ``sub``: ``a - b`` with ``a, b`` two-digit and ``b <= a`` (non-negative results): 4,095;
-- ``mul``: ``a * b`` with ``a`` one-digit (2-9) and ``b`` two-digit (10-99): 720.
-
-Each operation's problems are shuffled once with a fixed seed (:data:`SPLIT_SEED`, independent
-of a run's seed); the first :data:`TEST_PER_OPERATION` of each form the ``test`` split (held
-out: 480 problems with all three operations), the rest ``train``. The splits never share a
-problem. ``train`` interleaves the operations in a fixed order so that any prefix of it holds
-all of them.
-
-The prompt is the question and "Reply with the result only." as the user turn
-(:data:`ARITHMETIC_TEMPLATE`), inside the model's chat template with its default system
-message, as a user would ask. (SmolLM2-135M-Instruct, greedy, 480 test problems: 0.058 with the
-question alone, 0.106 with the instruction: it rambles less.) Score it by the
-number the reply *ends* with (``NumericCorrectness(answer_tag=None)``, the lenient reading) or
-by an answer sentence (strict); :mod:`torchtune_grpo.datasets.word_problems` does the same for
-one-step word problems.
+Generated problems: ``add`` (two-digit + two-digit), ``sub`` (two-digit, non-negative) and
+``mul`` (one-digit x two-digit), each shuffled once with :data:`SPLIT_SEED`; the first
+:data:`TEST_PER_OPERATION` of each form ``test``, the rest ``train`` (operations interleaved).
 """
 
 from __future__ import annotations
@@ -97,15 +78,13 @@ def arithmetic_problems(
     """Problems of one split as ``(question, answer)`` pairs, e.g. ``("What is 47 + 38?", "85")``.
 
     Args:
-        split: ``"train"`` or ``"test"`` (see the module docstring).
+        split: ``"train"`` or ``"test"``.
         operations: which of ``"add"``, ``"sub"``, ``"mul"`` to include.
-        style: a key of :data:`QUESTION_STYLES` (``"equation"``: ``"47 + 38 ="``); the
-            problems and their order do not depend on it.
+        style: a key of :data:`QUESTION_STYLES`; the problems and their order do not depend on it.
 
     Returns:
-        The split's problems in their fixed order: ``test`` by operation; ``train`` with the
-        operations in turn, ``len(operations) * longest`` problems, the shorter operations'
-        lists repeated from their start (every operation equally often).
+        ``test`` by operation; ``train`` with the operations in turn, the shorter ones repeated
+        so every operation comes equally often.
 
     Raises:
         ValueError: on an unknown split or operation.
@@ -148,15 +127,12 @@ def arithmetic_dataset(
         tokenizer: a torchtune tokenizer (with a chat template for the default template).
         split: ``"train"`` or ``"test"``.
         operations: which of ``"add"``, ``"sub"``, ``"mul"`` to include.
-        style: ``"question"`` (``"What is 47 + 38?"``) or ``"equation"`` (``"47 + 38 ="``, for
-            a base model with :data:`EQUATION_TEMPLATE`).
-        template: the prompt template (``None``: :data:`ARITHMETIC_TEMPLATE`; anything
-            :func:`~torchtune_grpo.datasets.resolve_template` accepts).
+        style: ``"question"`` (``"What is 47 + 38?"``) or ``"equation"`` (``"47 + 38 ="``).
+        template: the prompt template (``None``: :data:`ARITHMETIC_TEMPLATE`).
         limit: keep only the first ``limit`` problems of the split.
-        difficulty_file: per-row pass rates from ``tune-grpo difficulty``: keep only the rows
-            whose pass rate lies strictly inside ``difficulty_band``
-            (:mod:`torchtune_grpo.evaluation.difficulty`). ``None``: every row.
-        difficulty_band: ``[low, high]``, default ``[0, 1]``: the rows solved sometimes.
+        difficulty_file, difficulty_band: keep only the rows whose pass rate in this
+            ``tune-grpo difficulty`` file lies strictly inside ``[low, high]`` (default
+            ``[0, 1]``); ``None``: every row.
 
     Raises:
         ValueError: on an unknown split or operation, or a non-positive ``limit``.

@@ -1,10 +1,5 @@
-"""Difficulty files on the data side: reading one and keeping the prompts a model can learn from.
-
-A *difficulty file* (written by ``tune-grpo difficulty``,
-:func:`torchtune_grpo.evaluation.difficulty.score_difficulty`) records, for every prompt of a
-dataset split, how often a given model solves it. A dataset built with ``difficulty_file``
-keeps only the prompts whose pass rate lies inside ``difficulty_band`` (by default strictly
-between 0 and 1: solved sometimes, so their groups hold both right and wrong answers).
+"""Difficulty files on the data side: reading one (written by ``tune-grpo difficulty``) and
+keeping the prompts whose pass rate lies inside a band.
 """
 
 from __future__ import annotations

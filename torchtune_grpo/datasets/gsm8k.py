@@ -74,43 +74,31 @@ def gsm8k_dataset(
     difficulty_band: Sequence[float] = (0.0, 1.0),
     **load_kwargs: Any,
 ) -> PromptDataset:
-    """GSM8K prompts with their gold final answers.
-
-    Each row needs a ``question`` and an ``answer`` string; the gold answer is the text after
-    ``####`` in ``answer``, stripped and without commas. Use it in a config as::
-
-        dataset:
-          _component_: torchtune_grpo.datasets.gsm8k_dataset
-          split: train
-          max_prompt_tokens: 512
+    """GSM8K prompts with their gold final answers (the text after ``####``, without commas).
 
     Args:
         tokenizer: a torchtune model tokenizer.
-        source: Hub dataset id, or a local file/folder (e.g. ``/data/gsm8k/test.jsonl``), or
-            ``"json"``/``"parquet"``/``"csv"`` with ``data_files`` (see
+        source: Hub dataset id, a local file/folder, or a format name with ``data_files`` (see
             :func:`~torchtune_grpo.datasets.load_rows`).
         name: Hub configuration (``"main"`` or ``"socratic"``).
         split: split expression, slicing allowed (``"train[:200]"``).
-        data_files: local file(s), see :func:`~torchtune_grpo.datasets.load_rows`.
-        template: prompt template (see :func:`~torchtune_grpo.datasets.resolve_template`);
-            default :data:`~torchtune_grpo.datasets.GSM8K_TEMPLATE`.
+        data_files: local file(s).
+        template: prompt template; default :data:`~torchtune_grpo.datasets.GSM8K_TEMPLATE`.
         max_prompt_tokens: the longest prompt allowed, or ``None``.
-        invalid_rows: ``"error"``: raise on the first invalid row (missing, empty or non-string
-            ``question``/``answer``, no ``####``) or too-long prompt; ``"skip"``: drop such rows
-            and count them in ``dataset.skipped_rows``.
-        difficulty_file: per-row pass rates from ``tune-grpo difficulty``: keep only the rows
-            whose pass rate lies strictly inside ``difficulty_band``
-            (:mod:`torchtune_grpo.evaluation.difficulty`). ``None``: every row.
-        difficulty_band: ``[low, high]``, default ``[0, 1]``: the rows solved sometimes.
-        **load_kwargs: passed to ``datasets.load_dataset`` (e.g. ``cache_dir``).
+        invalid_rows: ``"error"`` (raise on the first invalid row or too-long prompt) or
+            ``"skip"`` (drop and count them).
+        difficulty_file, difficulty_band: keep only the rows whose pass rate in this
+            ``tune-grpo difficulty`` file lies strictly inside ``[low, high]`` (default
+            ``[0, 1]``); ``None``: every row.
+        **load_kwargs: passed to ``datasets.load_dataset``.
 
     Returns:
-        A :class:`~torchtune_grpo.datasets.PromptDataset` whose items are
-        ``{"tokens", "answer", "question", "index"}`` (``index``: the row's index in the split).
+        A :class:`~torchtune_grpo.datasets.PromptDataset` of ``{"tokens", "answer", "question",
+        "index"}`` items.
 
     Raises:
         ValueError: on an invalid row or too-long prompt with ``invalid_rows="error"`` (naming
-            the row index and the field), an unknown ``invalid_rows``, or no usable row.
+            the row and the field), an unknown ``invalid_rows``, or no usable row.
         FileNotFoundError: when a local source does not exist.
     """
     return build_prompt_dataset(

@@ -1,13 +1,7 @@
-"""Competition math as GRPO prompt datasets: MATH (Hendrycks et al.) and DeepScaleR-format data.
+"""Competition math as prompt datasets: MATH and DeepScaleR-format data.
 
-Both formats hold a ``problem`` and a gold answer, either as an ``answer`` field (MATH-500,
-DeepScaleR, the rllm JSON files) or as the last ``\\boxed{...}`` of a worked ``solution`` (the
-original MATH release). The answer field wins when a row has both. Gold answers are LaTeX
-(``"\\frac{14}{3}"``, ``"(3, -1)"``, ``"\\text{Evelyn}"``) and are meant to be graded with
-:class:`~torchtune_grpo.rewards.math_grading.MathEquivalence`.
-
-The default prompt, :data:`MATH_TEMPLATE`, asks for step-by-step reasoning with the final answer
-in ``\\boxed{}``; :func:`format_boxed_completion` writes a gold completion in that format.
+The gold answer (LaTeX) is the ``answer`` field, else the last ``\\boxed{...}`` of
+``solution``; grade it with :class:`~torchtune_grpo.rewards.math_grading.MathEquivalence`.
 """
 
 from __future__ import annotations
@@ -166,49 +160,30 @@ def math_dataset(
     difficulty_band: Sequence[float] = (0.0, 1.0),
     **load_kwargs: Any,
 ) -> PromptDataset:
-    """MATH problems with their gold answers.
-
-    Each row needs a ``problem`` string and a gold answer: the ``answer`` field when present
-    and non-empty, else the last ``\\boxed{...}`` of ``solution`` (see
-    :func:`math_gold_answer`). Use it in a config as::
-
-        dataset:
-          _component_: torchtune_grpo.datasets.math_dataset
-          split: train                       # all seven subjects of EleutherAI/hendrycks_math
-        dataset:
-          _component_: torchtune_grpo.datasets.math_dataset
-          source: HuggingFaceH4/MATH-500
-          split: test
+    """MATH problems with their gold answers (:func:`math_gold_answer`).
 
     Args:
         tokenizer: a torchtune model tokenizer.
-        source: Hub dataset id, a local file/folder (``.json`` with a top-level list or JSON
-            lines, ``.jsonl``, ``.parquet``), or a format name with ``data_files`` (see
-            :func:`~torchtune_grpo.datasets.load_rows`).
-        name: Hub configuration: one subject (``"algebra"``) or a list of them, concatenated
-            in the given order. ``None``: every subject in :data:`MATH_SUBJECTS` for
-            ``EleutherAI/hendrycks_math``, no configuration for other sources.
-        split: split expression, slicing allowed (``"train[:200]"``); applied per subject.
+        source: Hub dataset id, a local file/folder, or a format name with ``data_files``.
+        name: one subject or a list of them, concatenated in order. ``None``: every subject in
+            :data:`MATH_SUBJECTS` for ``EleutherAI/hendrycks_math``, none for other sources.
+        split: split expression, slicing allowed; applied per subject.
         data_files: local file(s).
         template: prompt template; default :data:`MATH_TEMPLATE`.
         max_prompt_tokens: the longest prompt allowed, or ``None``.
-        invalid_rows: ``"error"``: raise on the first invalid row (missing, empty or non-string
-            ``problem``, no answer) or too-long prompt; ``"skip"``: drop such rows and count
-            them in ``dataset.skipped_rows``.
-        difficulty_file: per-row pass rates from ``tune-grpo difficulty``: keep only the rows
-            whose pass rate lies strictly inside ``difficulty_band``
-            (:mod:`torchtune_grpo.evaluation.difficulty`). ``None``: every row.
-        difficulty_band: ``[low, high]``, default ``[0, 1]``: the rows solved sometimes.
+        invalid_rows: ``"error"`` or ``"skip"``.
+        difficulty_file, difficulty_band: keep only the rows whose pass rate in this
+            ``tune-grpo difficulty`` file lies strictly inside ``[low, high]`` (default
+            ``[0, 1]``); ``None``: every row.
         **load_kwargs: passed to ``datasets.load_dataset``.
 
     Returns:
-        A :class:`~torchtune_grpo.datasets.PromptDataset` of ``{"tokens", "answer", "question",
-        "index"}`` items (``index``: the row's position, counted across subjects).
+        A :class:`~torchtune_grpo.datasets.PromptDataset` (``index`` counted across subjects).
 
     Raises:
-        ValueError: on an invalid row (naming the subject, the row index and the field) or
-            too-long prompt with ``invalid_rows="error"``, an unknown ``invalid_rows``, an
-            empty ``name`` list, or no usable row.
+        ValueError: on an invalid row (naming the subject, the row and the field) or too-long
+            prompt with ``invalid_rows="error"``, an unknown ``invalid_rows``, an empty ``name``
+            list, or no usable row.
         FileNotFoundError: when a local source does not exist.
     """
     return build_prompt_dataset(
@@ -234,10 +209,6 @@ def deepscaler_dataset(
 ) -> PromptDataset:
     """Problems in the DeepScaleR format (``problem``, ``answer``, ``solution``).
 
-    The DeepScaleR-Preview dataset (about 40k problems from AIME, AMC, Omni-MATH and STILL) and
-    files in its format, such as rllm's ``aime.json``. The gold answer is ``answer``, or the
-    last ``\\boxed{...}`` of ``solution`` when ``answer`` is missing or empty.
-
     Args:
         tokenizer: a torchtune model tokenizer.
         source: Hub dataset id, a local file/folder, or a format name with ``data_files``.
@@ -245,19 +216,18 @@ def deepscaler_dataset(
         data_files: local file(s).
         template: prompt template; default :data:`MATH_TEMPLATE`.
         max_prompt_tokens: the longest prompt allowed, or ``None``.
-        invalid_rows: ``"error"`` or ``"skip"`` (see :func:`math_dataset`).
-        difficulty_file: per-row pass rates from ``tune-grpo difficulty``: keep only the rows
-            whose pass rate lies strictly inside ``difficulty_band``
-            (:mod:`torchtune_grpo.evaluation.difficulty`). ``None``: every row.
-        difficulty_band: ``[low, high]``, default ``[0, 1]``: the rows solved sometimes.
+        invalid_rows: ``"error"`` or ``"skip"``.
+        difficulty_file, difficulty_band: keep only the rows whose pass rate in this
+            ``tune-grpo difficulty`` file lies strictly inside ``[low, high]`` (default
+            ``[0, 1]``); ``None``: every row.
         **load_kwargs: passed to ``datasets.load_dataset``.
 
     Returns:
         A :class:`~torchtune_grpo.datasets.PromptDataset`.
 
     Raises:
-        ValueError: on an invalid row or too-long prompt with ``invalid_rows="error"`` (naming
-            the row index and the field), an unknown ``invalid_rows``, or no usable row.
+        ValueError: on an invalid row or too-long prompt with ``invalid_rows="error"``, an
+            unknown ``invalid_rows``, or no usable row.
         FileNotFoundError: when a local source does not exist.
     """
     return build_prompt_dataset(

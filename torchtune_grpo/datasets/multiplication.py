@@ -1,25 +1,9 @@
-"""The tool quickstart's task: multiply a two-digit by a three-digit number.
+"""The tool quickstart's task: multiply a two-digit by a three-digit number with the calculator.
 
-``"What is 37*412?"`` -> ``15244``. Problems are generated, not downloaded: every pair of a
-two-digit (10-99) and a three-digit (100-999) operand, 81,000 problems whose products have
-four or five digits. The tiny quickstart model cannot compute such products in its head (it
-would have to learn long multiplication), but it can learn to **call the calculator tool**
-(:class:`~torchtune_grpo.rollout.tools.calculator.Calculator`) and copy the result into its answer::
-
-    What is 37*412?<calculator>37*412</calculator><result>15244</result>Answer: 15244
-
-(prompt, the model's call, the tool's result, the model's final answer). The final answer is
-the number after the model's last ``Answer:`` (:data:`MULTIPLICATION_ANSWER_PHRASE`), scored by
-:class:`~torchtune_grpo.rewards.components.NumericCorrectness` with ``answer_tag: null`` and
-``answer_phrase: "Answer:"``: the tool's own ``<result>`` is never read as the answer, so a
-completion that calls the tool and stops earns nothing (the reward is on the final answer
-only, never on calling the tool).
-
-The problems are shuffled once with a fixed seed (:data:`SPLIT_SEED`, independent of a run's
-seed) and cut into three disjoint splits: ``test`` (held out for evaluation), ``warmup`` (only
-for the supervised warm-up of ``tune-grpo prepare-quickstart --tools``, see
-:mod:`torchtune_grpo.quickstart.prepare`) and ``train`` (GRPO prompts). The prompt is the plain text
-``"What is 37*412?"`` after the BOS token, no chat template.
+``"What is 37*412?"`` -> ``15244``, 81,000 generated problems. The answer is the number after
+the last ``Answer:`` (:data:`MULTIPLICATION_ANSWER_PHRASE`), never the tool's ``<result>``.
+Shuffled once with :data:`SPLIT_SEED` into disjoint ``test``, ``warmup`` and ``train`` splits;
+the prompt is plain text after BOS.
 """
 
 from __future__ import annotations
@@ -50,7 +34,7 @@ def multiplication_operands(split: str) -> list[tuple[int, int]]:
     """Operand pairs ``(a, b)`` of one split, in the split's fixed order.
 
     Args:
-        split: ``"train"``, ``"test"`` or ``"warmup"`` (see the module docstring).
+        split: ``"train"``, ``"test"`` or ``"warmup"``.
 
     Raises:
         ValueError: on an unknown split.
@@ -75,11 +59,10 @@ def multiplication_question(a: int, b: int) -> str:
 
 
 def multiplication_problems(split: str) -> list[tuple[str, str]]:
-    """Problems of one split as ``(question, answer)`` pairs, e.g.
-    ``("What is 37*412?", "15244")``.
+    """Problems of one split as ``(question, answer)`` pairs.
 
     Args:
-        split: ``"train"``, ``"test"`` or ``"warmup"`` (see the module docstring).
+        split: ``"train"``, ``"test"`` or ``"warmup"``.
 
     Raises:
         ValueError: on an unknown split.
@@ -95,16 +78,15 @@ def multiplication_dataset(
     difficulty_file: str | None = None,
     difficulty_band: Sequence[float] = (0.0, 1.0),
 ) -> PromptDataset:
-    """The tool quickstart's task as a :class:`PromptDataset` (``grpo/quickstart_cpu_tools``).
+    """The tool quickstart's task as a :class:`PromptDataset`.
 
     Args:
         tokenizer: a torchtune tokenizer.
         split: ``"train"``, ``"test"`` or ``"warmup"``.
         limit: keep only the first ``limit`` problems of the split.
-        difficulty_file: per-row pass rates from ``tune-grpo difficulty``: keep only the rows
-            whose pass rate lies strictly inside ``difficulty_band``
-            (:mod:`torchtune_grpo.evaluation.difficulty`). ``None``: every row.
-        difficulty_band: ``[low, high]``, default ``[0, 1]``: the rows solved sometimes.
+        difficulty_file, difficulty_band: keep only the rows whose pass rate in this
+            ``tune-grpo difficulty`` file lies strictly inside ``[low, high]`` (default
+            ``[0, 1]``); ``None``: every row.
     """
     problems = multiplication_problems(split)[:limit]
     samples = [(q, a, i) for i, (q, a) in enumerate(problems)]

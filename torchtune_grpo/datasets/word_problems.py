@@ -1,16 +1,8 @@
 """One-step word problems in chat: "Tom has 12 apples and buys 7 more. How many apples ...?"
 
-The second rung of the real-model ladder (``grpo/smollm2_word_problems_cpu``): one arithmetic
-step (add, subtract, multiply or divide exactly) wrapped in everyday wording, asked of a chat
-model inside its own chat template. Problems are generated, not downloaded, from
-:data:`TEMPLATES` (several wordings per operation), names, objects and numbers, so the model
-has to read the question to know which operation it asks for.
-
-Splits: ``train`` and ``test`` are drawn with different seeds (:data:`SPLIT_SEEDS`) and no test
-question appears in ``train``. ``test`` has :data:`TEST_SIZE` problems, a quarter per
-operation. The wording of the last template of each operation (:data:`HELD_OUT_TEMPLATES`)
-never appears in ``train``: ``test`` rows made from it (``heldout_wording`` in
-:func:`word_problems`) measure transfer to an unseen phrasing.
+Generated from :data:`TEMPLATES`; ``train`` and ``test`` use different seeds
+(:data:`SPLIT_SEEDS`) and share no question, and the wordings of :data:`HELD_OUT_TEMPLATES`
+appear in ``test`` only.
 """
 
 from __future__ import annotations
@@ -172,10 +164,9 @@ def word_problem_dataset(
         template: the prompt template (``None``: :data:`WORD_PROBLEM_TEMPLATE`).
         limit: keep only the first ``limit`` problems of the split (after ``operations``).
         operations: which of ``add``, ``sub``, ``mul``, ``div`` to keep.
-        difficulty_file: per-row pass rates from ``tune-grpo difficulty``: keep only the rows
-            whose pass rate lies strictly inside ``difficulty_band``
-            (:mod:`torchtune_grpo.evaluation.difficulty`). ``None``: every row.
-        difficulty_band: ``[low, high]``, default ``[0, 1]``: the rows solved sometimes.
+        difficulty_file, difficulty_band: keep only the rows whose pass rate in this
+            ``tune-grpo difficulty`` file lies strictly inside ``[low, high]`` (default
+            ``[0, 1]``); ``None``: every row.
 
     Raises:
         ValueError: on an unknown split or operation, or a non-positive ``limit``.

@@ -1,39 +1,8 @@
 """torchtune models built from a Hugging Face folder's ``config.json``.
 
-A config names the folder and nothing else about the architecture::
-
-    model:
-      _component_: torchtune_grpo.models.hf_model
-      model_dir: ${model_dir}
-
-:func:`hf_architecture` reads ``config.json`` and maps it onto torchtune's own component
-builders: ``LlamaForCausalLM`` onto :func:`torchtune.models.llama3_2.llama3_2` (and its LoRA
-twin), ``Qwen2ForCausalLM`` onto :func:`torchtune.models.qwen2.qwen2`, ``Qwen3ForCausalLM``
-onto this package's :func:`~torchtune_grpo.models.families.qwen3.qwen3` (torchtune 0.6.1 has
-none; see that module for its per-head q/k norms), ``Gemma3ForCausalLM`` onto
-:func:`~torchtune_grpo.models.families.gemma3.gemma3` (Gemma norms, sliding-window layers),
-``Gemma2ForCausalLM`` onto :func:`~torchtune_grpo.models.families.gemma2.gemma2` (Gemma norms,
-attention and final-logit soft-caps), ``MistralForCausalLM`` and ``SmolLM3ForCausalLM`` onto
-:func:`~torchtune_grpo.models.families.mistral.mistral` (explicit ``head_dim``, sliding window)
-and :func:`~torchtune_grpo.models.families.smollm3.smollm3` (layers without RoPE).
-What those builders fix and a folder may change is set after building:
-
-* **RoPE.** ``llama3_2`` always builds Llama 3's scaled RoPE with fixed frequency factors. A
-  folder without ``rope_scaling`` (SmolLM2, Llama 2 style models) gets torchtune's plain
-  :class:`~torchtune.modules.RotaryPositionalEmbeddings`; ``rope_type: llama3`` gets a
-  :class:`~torchtune.models.llama3_1.Llama3ScaledRoPE` with the folder's ``factor``,
-  ``low_freq_factor``, ``high_freq_factor`` and ``original_max_position_embeddings``.
-* **Tied embeddings, head counts, QKV bias** are arguments of the builders already.
-
-The builder's decoder comes back as the policy model, a
-:class:`~torchtune_grpo.policy.decoder.PolicyDecoder` (the same modules and parameter names)
-whose output head has the folder's final-logit soft-cap, if it has one.
-
-Anything the builders cannot express (another architecture, another RoPE scaling, a
-``head_dim`` other than ``hidden_size / num_attention_heads`` outside Qwen3, sliding-window
-attention, biases in a Llama MLP or a Qwen3 attention) fails in :func:`hf_architecture`, before
-any weight is read, naming what the folder says and what is supported. Mixture-of-experts and
-vision architectures (``Qwen3MoeForCausalLM``, ``*ForConditionalGeneration``) are out of scope.
+:func:`hf_architecture` maps ``config.json`` onto torchtune's builders (Llama, Qwen2) or this
+package's families, sets the folder's RoPE where a builder fixes it, and refuses, before any
+weight is read, what none of them computes. :func:`hf_model` returns the policy model.
 """
 
 from __future__ import annotations
@@ -114,19 +83,15 @@ class HFArchitecture:
     """What a ``config.json`` says, in torchtune's terms.
 
     Attributes:
-        architecture: the HF class name (``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
-            ``Qwen3ForCausalLM``).
-        family: ``"llama"``, ``"qwen2"`` or ``"qwen3"``: which builders make it.
-        model_type: the checkpointer's ``model_type`` (``LLAMA3_2``, ``QWEN2``, ``QWEN3``).
-        builder_kwargs: arguments of the torchtune component builder (dimensions, head counts,
-            ``rope_base``, ``norm_eps``, ``tie_word_embeddings``, ``max_seq_len``).
+        architecture: the HF class name (``LlamaForCausalLM``, ...).
+        family: which builders make it (``"llama"``, ``"qwen2"``, ``"qwen3"``, ...).
+        model_type: the checkpointer's ``model_type`` (``LLAMA3_2``, ``QWEN2``, ``QWEN3``, ...).
+        builder_kwargs: arguments of the component builder (dimensions, head counts,
+            ``rope_base``, ``norm_eps``, ``tie_word_embeddings``, ``max_seq_len``, ...).
         rope: for the Llama family, ``None`` for plain RoPE, else the Llama 3 scaling
             parameters (``scale_factor``, ``low_freq_factor``, ``high_freq_factor``,
             ``old_context_len``).
-        final_logit_softcap: the output head's final-logit soft-cap (``config.json``'s
-            ``final_logit_softcapping``: Gemma 2; ``None`` for the other families). A family
-            module's ``check_config`` returns it as its ``final_logit_softcap`` entry, which
-            :func:`hf_architecture` moves here from the builder arguments.
+        final_logit_softcap: the output head's final-logit soft-cap (Gemma 2), else ``None``.
     """
 
     architecture: str
@@ -253,10 +218,8 @@ def hf_architecture(cfg: dict[str, Any], *, where: str = "config.json",
 
 
 def hf_model_type(model_dir: str | Path) -> str:
-    """The torchtune checkpointer ``model_type`` of an HF folder (``LLAMA3_2``, ``QWEN2``,
-    ``QWEN3``, ``GEMMA2``, ``GEMMA3``, ``MISTRAL_HF``, ``SMOLLM3``: this package's families, whose
-    checkpointers torchtune does not
-    have; see :mod:`torchtune_grpo.models.families`).
+    """The torchtune checkpointer ``model_type`` of an HF folder (``LLAMA3_2``, ``QWEN2``, or one
+    of this package's families such as ``QWEN3``).
 
     Raises:
         FileNotFoundError / ValueError: as :func:`read_hf_config` and :func:`hf_architecture`.
@@ -290,19 +253,16 @@ def _arch(model_dir: str | Path, max_seq_len: int | None) -> HFArchitecture:
 
 
 def hf_model(model_dir: str, max_seq_len: int | None = None) -> PolicyDecoder:
-    """The policy model with the architecture of the HF folder ``model_dir``.
-
-    Only ``config.json`` is read; the weights are loaded by the checkpointer
-    (:func:`torchtune_grpo.models.hf_checkpointer`).
+    """The policy model with the architecture of the HF folder ``model_dir`` (``config.json`` only;
+    the checkpointer loads the weights).
 
     Args:
         model_dir: the HF model folder.
         max_seq_len: context length (RoPE cache); default ``max_position_embeddings``.
 
     Returns:
-        A :class:`~torchtune_grpo.policy.decoder.PolicyDecoder` (a torchtune
-        ``TransformerDecoder`` with torchtune's parameter names) whose head has the folder's
-        final-logit soft-cap.
+        A :class:`~torchtune_grpo.policy.decoder.PolicyDecoder` with torchtune's parameter
+        names, whose head has the folder's final-logit soft-cap.
     """
     arch = _arch(model_dir, max_seq_len)
     return _policy(_decoder(arch), arch)
@@ -337,19 +297,15 @@ def lora_hf_model(
     quantize_base: bool = False,
     max_seq_len: int | None = None,
 ) -> PolicyDecoder:
-    """:func:`hf_model` with LoRA (or DoRA) adapters, through torchtune's ``lora_*`` builders.
+    """:func:`hf_model` with LoRA (or DoRA) adapters.
 
     Args:
         model_dir: the HF model folder.
-        lora_attn_modules: attention projections that get adapters (``q_proj``, ``k_proj``,
-            ``v_proj``, ``output_proj``).
+        lora_attn_modules: ``q_proj``, ``k_proj``, ``v_proj``, ``output_proj`` (one or more).
         apply_lora_to_mlp: adapters on the MLP projections too.
         apply_lora_to_output: an adapter on the output projection (untied models only).
-        lora_rank: adapter rank.
-        lora_alpha: adapter scaling numerator (``alpha / rank``).
-        lora_dropout: dropout on the adapter input.
-        use_dora: DoRA instead of LoRA.
-        quantize_base: NF4-quantize the frozen base weights.
+        lora_rank, lora_alpha, lora_dropout, use_dora, quantize_base: the adapters (rank ``r``,
+            scale ``alpha / r``, input dropout, DoRA, NF4 frozen base weights).
         max_seq_len: context length; default ``max_position_embeddings``.
     """
     arch = _arch(model_dir, max_seq_len)

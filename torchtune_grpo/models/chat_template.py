@@ -1,16 +1,5 @@
-"""Chat templates of Hugging Face model folders: finding, compiling and rendering them.
-
-Model authors write chat templates (jinja2) for ``transformers``, which renders them in a
-sandboxed environment with a few extras: the ``raise_exception`` and ``strftime_now`` globals, a
-``tojson`` filter that keeps non-ASCII characters, the ``loopcontrols`` extension and the
-``{% generation %}`` block. :func:`compile_chat_template` builds the same environment, so a
-folder's template renders here as it does there.
-
-:func:`find_chat_template` picks the template of a folder (an explicit one, else
-``chat_template.jinja``, else ``tokenizer_config.json["chat_template"]``),
-:func:`render_chat_template` renders it for a conversation, and :func:`message_boundaries` and
-:func:`mask_by_message` tell which message each token of the rendered text belongs to (for loss
-masks). :class:`~torchtune_grpo.models.tokenizer.HFTokenizer` uses them.
+"""Chat templates of Hugging Face model folders: finding, compiling and rendering them in the
+sandboxed jinja environment ``transformers`` uses, and which message each token belongs to.
 """
 
 from __future__ import annotations
@@ -67,11 +56,7 @@ def _tojson(
 
 
 class _GenerationBlock(jinja2.ext.Extension):
-    """``{% generation %}...{% endgeneration %}`` renders its body unchanged.
-
-    Some templates mark the assistant's text with this block (``transformers`` uses it for
-    assistant masks); without the extension such a template would not even compile.
-    """
+    """``{% generation %}...{% endgeneration %}`` renders its body unchanged."""
 
     tags = {"generation"}
 
@@ -139,23 +124,20 @@ def find_chat_template(
 ) -> tuple[str | None, str | None, list[str]]:
     """The chat template of a model folder, and where it came from.
 
-    In order of preference: ``chat_template`` (the jinja text, or the path of a file holding
-    it: a string without ``{{``/``{%`` that names an existing file), the folder's
-    :data:`CHAT_TEMPLATE_FILE`, the tokenizer config's ``chat_template`` (a string, or a list
-    of ``{name, template}`` objects whose ``"default"`` is taken).
+    In order of preference: ``chat_template`` (jinja text or a file path), the folder's
+    :data:`CHAT_TEMPLATE_FILE`, the tokenizer config's ``chat_template`` (a string, or a list of
+    ``{name, template}`` objects whose ``"default"`` is taken).
 
     Args:
         folder: the model folder.
-        config_template: the ``chat_template`` value of the folder's tokenizer config (``None``
-            when it has none).
+        config_template: the tokenizer config's ``chat_template`` value, or ``None``.
         config_path: the tokenizer config's path (for the source and error messages).
         chat_template: an explicit template that replaces the folder's, or ``None``.
 
     Returns:
-        ``(template, source, named)``: the template source (``None`` when there is none), where
-        it came from (a file path or ``"chat_template argument"``; ``None`` without a template)
-        and the names of the tokenizer config's named templates (empty unless the template was
-        looked up there).
+        ``(template, source, named)``: the template source or ``None``, where it came from (a
+        file path or ``"chat_template argument"``; ``None`` without a template) and the names of
+        the tokenizer config's named templates.
 
     Raises:
         ValueError: when ``chat_template`` is not a string, or the config's ``chat_template``
@@ -175,11 +157,7 @@ def find_chat_template(
 
 
 def missing_template_error(folder: Path, config_name: str, named: Sequence[str]) -> DataError:
-    """The error for a folder without chat template, saying how to supply one.
-
-    A user error (one line, exit status 2 from the entry points): the usual cause is a prompt
-    template in chat mode with a base model, which has no chat template (Gemma 3 270M), so the
-    message leads with the plain-text option.
+    """The user error for a folder without chat template, saying how to supply one.
 
     Args:
         folder: the model folder.
@@ -187,7 +165,7 @@ def missing_template_error(folder: Path, config_name: str, named: Sequence[str])
         named: the names of the tokenizer config's named templates (none is ``"default"``).
 
     Returns:
-        The :class:`~torchtune_grpo.errors.DataError` (a ``ValueError``) to raise.
+        The :class:`~torchtune_grpo.errors.DataError` to raise.
     """
     hint = (
         f" Its tokenizer_config.json has only named templates {named} and no 'default'."
@@ -230,14 +208,7 @@ def compile_chat_template(template: str | None, source: str | None) -> jinja2.Te
 
 
 def template_uses_tools(template: str | None) -> bool:
-    """Whether a chat template reads the ``tools`` variable.
-
-    Args:
-        template: the jinja source, or ``None``.
-
-    Returns:
-        ``True`` when ``tools`` is one of its undeclared variables (``False`` for ``None``).
-    """
+    """Whether a chat template (jinja source, or ``None``: False) reads the ``tools`` variable."""
     if template is None:
         return False
     env = _environment()
@@ -280,17 +251,15 @@ def message_boundaries(
 ) -> list[int]:
     """Character offsets ``b_0 = 0 <= b_1 <= ... <= b_n = len(text)`` of a rendered conversation.
 
-    Message ``i`` owns ``text[b_i:b_{i+1}]`` (its header, content and closing tokens). ``b_k``
-    is the length of the template rendered for the first ``k`` messages, when that rendering is
-    a prefix of ``text`` (true for templates that render each message independently of later
-    ones). Otherwise each message's content is searched in order and ``b_k`` is the end of
-    message ``k - 1``'s content (an approximation: closing tokens go to the next message).
+    Message ``i`` owns ``text[b_i:b_{i+1}]``. ``b_k`` is the length of the first ``k`` messages
+    rendered, when that is a prefix of ``text``; otherwise the end of message ``k - 1``'s content,
+    found by searching (closing tokens then go to the next message).
 
     Args:
         dicts: the ``n`` messages as ``{"role": ..., "content": ...}`` dicts.
         text: the text rendered for the whole conversation.
-        render_prefix: renders the first ``k`` messages without generation prompt (any
-            exception it raises selects the approximation).
+        render_prefix: renders the first ``k`` messages without generation prompt (an exception
+            selects the search).
 
     Returns:
         The ``n + 1`` offsets.

@@ -31,19 +31,14 @@ def hf_checkpointer(
     checkpoint_files: list[str] | None = None,
     **kwargs: Any,
 ) -> Any:
-    """A torchtune ``FullModelHFCheckpointer`` that reads what it needs from the folder.
-
-    Saved step folders name their weights ``model-0000k-of-0000n.safetensors`` while
-    downloaded models use other names, and the model type follows from ``config.json``;
-    spelling either out in every config is error-prone.
+    """A torchtune ``FullModelHFCheckpointer`` that reads its weight files and model type from the
+    folder.
 
     Args:
         checkpoint_dir: folder with the HF weights and ``config.json``.
-        model_type: torchtune model type (``LLAMA3_2``, ``QWEN2``, ...); ``None`` derives it
-            from ``config.json``'s ``architectures``
-            (:func:`torchtune_grpo.models.hf_model_type`).
-        output_dir: where the checkpointer may write; a fresh temporary folder when None
-            (read-only uses such as evaluation).
+        model_type: torchtune model type (``LLAMA3_2``, ``QWEN2``, ...); ``None`` derives it from
+            ``config.json`` (:func:`torchtune_grpo.models.hf_model_type`).
+        output_dir: where the checkpointer may write; a fresh temporary folder when None.
         checkpoint_files: weight files; all ``*.safetensors`` (else ``*.bin``) when None.
         **kwargs: passed to ``FullModelHFCheckpointer``.
 

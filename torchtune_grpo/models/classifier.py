@@ -1,21 +1,6 @@
-"""Frozen, inference-only models from Hugging Face folders: reward-model classifiers and judges.
-
-A *sequence-classification reward model* is an HF folder whose ``config.json`` names
-``LlamaForSequenceClassification`` or ``Qwen2ForSequenceClassification`` with one label: the
-decoder of the causal model of that family, whose vocabulary projection is replaced by a
-``score`` projection to one number. :func:`hf_classifier_architecture` checks such a
-``config.json`` (the dimensions through :func:`~torchtune_grpo.models.hf_architecture`, the
-same rules as a policy folder) and :func:`build_classifier` builds it with torchtune's own
-classifier builder (:func:`torchtune.models.llama2._component_builders.llama2_classifier`, with
-the folder's RoPE set afterwards as :func:`~torchtune_grpo.models.hf_model` does) or, for
-Qwen2, torchtune's ``qwen2`` decoder with its output projection replaced by
-``nn.Linear(embed_dim, 1, bias=False)`` the way those classifier builders make theirs.
-:func:`classifier_hf_to_tune` maps the HF weights onto it (``score.weight`` ->
-``output.weight``; torchtune's :func:`~torchtune.rlhf.utils.reward_hf_to_tune` for Llama).
-
-:func:`read_hf_weights` reads a folder's weight files and :func:`frozen_model` builds any model
-on the meta device, materialises it on its device and loads the weights: no random
-initialisation of weights that are overwritten anyway, eval mode, ``requires_grad=False``.
+"""Frozen, inference-only models from Hugging Face folders: one-label sequence-classification
+reward models (Llama, Qwen2) and judges, built on the meta device and loaded without random
+initialisation.
 """
 
 from __future__ import annotations
@@ -49,13 +34,8 @@ CLASSIFIER_ARCHITECTURES: dict[str, str] = {
 
 
 def num_labels(cfg: dict[str, Any]) -> int:
-    """The number of outputs of an HF classifier config, as ``transformers`` counts them.
-
-    ``num_labels`` when the config has it, else the size of ``id2label``, else 2 (the default
-    of ``transformers``' ``PretrainedConfig``).
-
-    Args:
-        cfg: the parsed ``config.json``.
+    """The number of outputs of an HF classifier config: ``num_labels``, else the size of
+    ``id2label``, else 2 (``transformers``' default).
     """
     if cfg.get("num_labels") is not None:
         return int(cfg["num_labels"])
@@ -107,10 +87,7 @@ def hf_classifier_architecture(cfg: dict[str, Any], *, where: str = "config.json
 def build_classifier(arch: HFArchitecture, *, bias: bool = False) -> nn.Module:
     """The torchtune decoder of a reward model, with a one-output ``output`` projection.
 
-    Llama: torchtune's ``llama2_classifier(num_classes=1, ...)`` with the folder's RoPE (base
-    and Llama 3 scaling) set after building; Qwen2: torchtune's ``qwen2`` decoder (untied) with
-    ``output = nn.Linear(embed_dim, 1, bias=False)``. Builds on the current default device (use
-    the meta device, then :func:`frozen_model`, to skip the random initialisation).
+    Builds on the current default device (use the meta device, then :func:`frozen_model`).
 
     Args:
         arch: from :func:`hf_classifier_architecture`.
@@ -143,12 +120,8 @@ def build_classifier(arch: HFArchitecture, *, bias: bool = False) -> nn.Module:
 
 def classifier_hf_to_tune(state_dict: dict[str, torch.Tensor],
                           arch: HFArchitecture) -> dict[str, torch.Tensor]:
-    """HF reward-model weights in torchtune's names (what :func:`build_classifier` takes).
-
-    ``score.weight`` (``[1, embed_dim]``) becomes ``output.weight`` and ``score.bias``, when
-    present, ``output.bias``; the decoder's weights are converted as for the causal model
-    (torchtune's :func:`~torchtune.rlhf.utils.reward_hf_to_tune` for Llama, which permutes the
-    query and key projections for torchtune's RoPE; ``qwen2_hf_to_tune`` for Qwen2).
+    """HF reward-model weights in torchtune's names: ``score.*`` -> ``output.*``, the decoder as for
+    the causal model.
 
     Args:
         state_dict: the folder's weights (:func:`read_hf_weights`).
@@ -227,15 +200,12 @@ def _check_weights(model: nn.Module, state_dict: dict[str, torch.Tensor], where:
 
 def frozen_model(build: Callable[[], nn.Module], state_dict: dict[str, torch.Tensor], *,
                  device: torch.device, dtype: torch.dtype, where: str) -> nn.Module:
-    """Build a model, load its weights and freeze it, without initialising it first.
-
-    ``build()`` runs on the meta device (no memory, no random initialisation), the model is
-    materialised on ``device`` in ``dtype``, its RoPE caches are computed (``rope_init``), the
-    weights are loaded, and it is put in eval mode with ``requires_grad=False`` everywhere.
+    """Build a model on the meta device, materialise it on ``device`` in ``dtype``, load its weights
+    and freeze it (eval mode, ``requires_grad=False``).
 
     Args:
         build: makes the model (a torchtune decoder).
-        state_dict: its weights in torchtune's names (any dtype; cast to ``dtype``).
+        state_dict: its weights in torchtune's names (cast to ``dtype``).
         device: where the model lives.
         dtype: its parameter dtype.
         where: how to name the model in error messages (its folder).

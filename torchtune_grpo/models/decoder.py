@@ -1,30 +1,7 @@
-"""One decoder builder for the families of this package: a :class:`DecoderSpec` says what a
-family's layers are, :func:`build_decoder` makes the torchtune modules.
-
-Every family here is a torchtune :class:`~torchtune.modules.TransformerDecoder` of
-:class:`~torchtune.modules.TransformerSelfAttentionLayer` s around torchtune's
-:class:`~torchtune.modules.MultiHeadAttention` and :class:`~torchtune.modules.FeedForward`.
-What differs between families is expressed by which modules fill the slots, never by code that
-runs per call:
-
-* **Norm kind**: torchtune's ``RMSNorm`` (``x / rms(x) * w``) or :class:`~.layers.GemmaRMSNorm`
-  (``x / rms(x) * (1 + w)``).
-* **Norm placement** in ``h = x + sa_scale(attn(sa_norm(x)))``, ``out = h +
-  mlp_scale(mlp(mlp_norm(h)))``: ``"pre"`` (Llama, Qwen: ``sa_norm``, ``mlp_norm``),
-  ``"post"`` (OLMo 2: ``sa_scale``, ``mlp_scale``), ``"sandwich"`` (Gemma: all four).
-* **Q/K norm** before RoPE, inside ``q_proj``/``k_proj`` (:class:`~.layers.NormedProjection`):
-  none, per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2); and the query factor
-  that sets the attention scale (Gemma's ``query_pre_attn_scalar``).
-* **Positions per layer**: a :class:`~.layers.HalfRoPE` per distinct base, or none (SmolLM3's
-  layers without RoPE), with optional partial rotation, linear scaling and per-frequency
-  factors with a cos/sin factor (Phi-3's ``longrope`` within its original context).
-* **Sliding window per layer** (:class:`~.layers.SlidingWindowLayer`).
-* **Attention soft-cap** (Gemma 2): every layer's attention is a
-  :class:`~.layers.SoftCappedAttention` with the cap fixed at build time.
-* **MLP activation**, **embedding scale**, **tied or untied output**.
-
-The weights keep Hugging Face's layout (rotate-half RoPE, no q/k permutation), so a family's
-checkpointer only renames tensors (:mod:`~torchtune_grpo.models.hf_weights`).
+"""One decoder builder for this package's families: a :class:`DecoderSpec` says what a family's
+layers are, :func:`build_decoder` fills torchtune's decoder slots (norm kind and placement, q/k
+norm, RoPE per layer, sliding windows, soft-cap, activation, embedding scale, tying) with the
+matching modules. Weights keep Hugging Face's layout.
 """
 
 from __future__ import annotations
@@ -77,26 +54,22 @@ class DecoderSpec:
         head_dim: channels per head.
         norm_eps: every norm's epsilon.
         norm: ``"rms"`` (torchtune's RMSNorm) or ``"gemma"`` (``1 + w``).
-        placement: ``"pre"``, ``"post"`` or ``"sandwich"`` (see the module docstring).
-        qk_norm: ``None``, ``"head"`` (per head, ``[head_dim]`` scale) or ``"projection"``
-            (over the whole projection, ``[heads * head_dim]`` scale).
+        placement: ``"pre"`` (``sa_norm``, ``mlp_norm``), ``"post"`` (``sa_scale``,
+            ``mlp_scale``) or ``"sandwich"`` (all four).
+        qk_norm: ``None``, ``"head"`` (``[head_dim]`` scale) or ``"projection"``
+            (``[heads * head_dim]`` scale).
         query_factor: multiplies the queries before RoPE (1: SDPA's ``head_dim ** -0.5``).
-        scaled_query: the query projection is a :class:`~.layers.NormedProjection` even when
-            ``query_factor`` is 1 and there is no q norm, so that its weight names
-            (``q_proj.proj.weight``) do not depend on the factor (Gemma 2).
-        attn_softcap: every layer's attention-logit soft-cap
-            (:class:`~.layers.SoftCappedAttention`), ``None``: plain attention.
+        scaled_query: the query projection is a :class:`~.layers.NormedProjection` even with
+            factor 1 and no norm (weight names ``q_proj.proj.weight``).
+        attn_softcap: every layer's attention-logit soft-cap, ``None``: plain attention.
         rope_bases: per layer, the RoPE theta, or ``None`` for a layer without positions.
-        rope_scales: per layer, the linear position scaling (positions divided by it; Gemma 3
-            scales its global layers only); ``None``: 1 everywhere.
-        rotary_dim: channels rotated per head (partial rotary), ``None``: all.
-        rope_factors: per rotated frequency, a divisor of it (``longrope``'s
-            ``short_factor``), the same in every layer; ``None``: none.
-        rope_attention_factor: multiplies RoPE's cos and sin (``longrope``'s attention
-            factor); 1: none.
+        rope_scales: per layer, the linear position scaling; ``None``: 1 everywhere.
+        rotary_dim: channels rotated per head, ``None``: all.
+        rope_factors: per rotated frequency, a divisor (``longrope``); ``None``: none.
+        rope_attention_factor: multiplies RoPE's cos and sin; 1: none.
         sliding_windows: per layer, the window, or ``None`` for full attention.
         activation: ``"silu"`` or ``"gelu_tanh"``.
-        embed_scale: multiplies the embeddings (Gemma: ``sqrt(D)``), ``None``: none.
+        embed_scale: multiplies the embeddings, ``None``: none.
         tie_word_embeddings: the output projection is the embedding table.
         pad_id: the embedding's padding index (no gradient), or ``None``.
         attn_dropout: attention dropout (training only).
@@ -256,22 +229,16 @@ def build_lora_decoder(spec: DecoderSpec, lora_attn_modules: Sequence[str],
                        lora_rank: int, lora_alpha: float, lora_dropout: float = 0.0,
                        use_dora: bool = False, quantize_base: bool = False
                        ) -> TransformerDecoder:
-    """:func:`build_decoder` with LoRA (or DoRA) adapters where torchtune's ``lora_*`` builders
-    place them. An adapted query/key projection keeps its norm after the adapter's sum
-    (``NormedProjection(LoRALinear)``), so a merged checkpoint is the plain model's.
+    """:func:`build_decoder` with LoRA (or DoRA) adapters where torchtune's ``lora_*`` builders put
+    them; a q/k norm applies after the adapter's sum.
 
     Args:
         spec: the family's :class:`DecoderSpec`.
-        lora_attn_modules: attention projections that get adapters (one or more of
-            ``q_proj``, ``k_proj``, ``v_proj``, ``output_proj``).
+        lora_attn_modules: one or more of ``q_proj``, ``k_proj``, ``v_proj``, ``output_proj``.
         apply_lora_to_mlp: adapters on ``w1``, ``w2``, ``w3`` too.
         apply_lora_to_output: an adapter on the output projection (untied models only).
-        lora_rank: adapter rank ``r``.
-        lora_alpha: adapter scale numerator (``alpha / r``).
-        lora_dropout: dropout on the adapters' input.
-        use_dora: DoRA instead of LoRA.
-        quantize_base: NF4-quantize the adapted layers' frozen base weights (the state dict
-            keeps full-precision weights, as torchtune's LoRA builders do).
+        lora_rank, lora_alpha, lora_dropout, use_dora, quantize_base: the adapters (rank ``r``,
+            scale ``alpha / r``, input dropout, DoRA, NF4 frozen base weights).
 
     Raises:
         ValueError: no or unknown ``lora_attn_modules``; an output adapter on tied embeddings.

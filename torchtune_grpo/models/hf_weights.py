@@ -1,23 +1,12 @@
-"""HF <-> torchtune weight names of the families this package builds itself, and the
-checkpointer that reads and writes their HF folders.
+"""HF <-> torchtune weight names of the families this package builds, and the checkpointer of
+their HF folders.
 
-torchtune 0.6.1's ``FullModelHFCheckpointer`` converts names through its own model types; the
-families of :mod:`torchtune_grpo.models.families` have none there. Each gives a
-:class:`WeightNames` table (global names and per-layer suffixes), and
-:class:`HFFamilyCheckpointer` does the rest the same way for all: shards as the input was split,
-the index file, PEFT adapter files, copied config and tokenizer files. Tensors keep their
-values and dtype: the families here need no permutation.
-
-A family may store several torchtune tensors as one HF tensor (Phi-3's ``qkv_proj`` is the
-``q_proj``, ``k_proj`` and ``v_proj`` rows stacked; ``gate_up_proj`` is ``w1`` over ``w3``):
-its :class:`Fused` entries split them on load and stack them again on save, so the model
-keeps torchtune's separate projections (LoRA, FSDP and the engines see nothing new). LoRA
-adapters on the parts of a fused module are written to the PEFT file as one adapter of the
-fused module: ``lora_A`` the parts' ``A`` stacked, ``lora_B`` their ``B`` block-diagonal
-(rank ``r`` per adapted part, ``rank_pattern``/``alpha_pattern`` keep the scale
-``alpha / r``), which is the same weight update. DoRA on only some parts of a fused module
-has no PEFT form (the other rows would need their base norms): then only the merged weights
-and the ``.pt`` adapter are written.
+Each family gives a :class:`WeightNames` table; :class:`HFFamilyCheckpointer` writes the files
+``FullModelHFCheckpointer`` writes (shards, index, PEFT adapter, config and tokenizer files),
+tensors unchanged. :class:`Fused` entries split one HF tensor into torchtune's separate
+projections on load and stack them on save; their LoRA adapters become one PEFT adapter per
+fused module (``A`` stacked, ``B`` block-diagonal), except DoRA on some parts only, which has
+no PEFT form.
 """
 
 from __future__ import annotations
@@ -201,17 +190,15 @@ class WeightNames:
     def tune_to_peft_adapter(self, adapter: dict[str, torch.Tensor],
                              config: dict[str, Any] | None = None
                              ) -> dict[str, torch.Tensor] | None:
-        """torchtune LoRA/DoRA adapter weights -> PEFT names for the HF base model:
+        """torchtune LoRA/DoRA adapter weights -> PEFT names for the HF base model.
+
         ``layers.{i}.attn.q_proj.proj.lora_a.weight`` ->
         ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` (``lora_b`` ->
-        ``lora_B``, DoRA's ``magnitude`` -> ``lora_magnitude_vector``). The adapters of a
-        fused module's parts become one of rank ``r`` per adapted part (``A`` stacked, ``B``
-        block-diagonal; see the module docstring; ``config`` is ``config.json``, needed only
-        then).
+        ``lora_B``, ``magnitude`` -> ``lora_magnitude_vector``); a fused module's parts become
+        one adapter (``config``: ``config.json``, needed only then).
 
         Returns:
-            The PEFT tensors, or ``None`` where DoRA adapts only some parts of a fused module
-            (no PEFT form).
+            The PEFT tensors, or ``None`` where DoRA adapts only some parts of a fused module.
         """
         out = {}
         groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
@@ -289,9 +276,11 @@ class WeightNames:
 
 
 class HFFamilyCheckpointer:
-    """Reads and writes an HF folder of a family in torchtune names, like torchtune's
-    ``FullModelHFCheckpointer`` (the same files, shard names, index, adapter files and copied
-    config/tokenizer files).
+    """Reads and writes a family's HF folder in torchtune names, with the files torchtune's
+    ``FullModelHFCheckpointer`` writes.
+
+    The recipes read torchtune's attributes ``_config``, ``_model_type``, ``_output_dir`` and
+    ``_weight_map`` (HF name -> shard id such as ``"0001"``, set by :meth:`load_checkpoint`).
 
     Args:
         names: the family's :class:`WeightNames`.
@@ -300,13 +289,7 @@ class HFFamilyCheckpointer:
         output_dir: where :meth:`save_checkpoint` writes ``epoch_{epoch}/``.
         model_type: the family's (``names.model_type``; another is an error).
         safe_serialization: write ``*.safetensors`` (else ``*.bin``).
-        **unsupported: torchtune's resume arguments (``should_load_recipe_state``,
-            ``adapter_checkpoint``, ``recipe_checkpoint``, ``resume_from_checkpoint``) may be
-            given only as false/None: the recipes resume from step folders.
-
-    The attributes the recipes read are torchtune's: ``_config`` (``config.json``),
-    ``_model_type`` (a :class:`FamilyModelType`), ``_output_dir`` and ``_weight_map`` (HF
-    name -> 1-based shard id such as ``"0001"``, set by :meth:`load_checkpoint`).
+        **unsupported: torchtune's resume arguments, accepted only as false/None.
     """
 
     def __init__(self, names: WeightNames, checkpoint_dir: str, checkpoint_files: list[str],
@@ -467,14 +450,10 @@ QWEN2_NAMES = WeightNames(
 
 
 def qwen2_checkpointer(**kwargs: Any) -> Any:
-    """torchtune's ``FullModelHFCheckpointer`` for ``model_type: QWEN2`` whose PEFT adapter
-    file is right.
+    """torchtune's ``FullModelHFCheckpointer`` for ``model_type: QWEN2``, PEFT adapter fixed.
 
-    torchtune 0.6.1 writes ``adapter_model.safetensors`` for every model type with Llama's
-    q/k row permutation of ``lora_B``; Qwen2's weights are not permuted (its RoPE rotates
-    halves, as HF's does), so PEFT would apply that adapter to the wrong rows of ``q_proj`` and
-    ``k_proj``. This checkpointer writes the file again from the adapter weights with
-    :data:`QWEN2_NAMES` (renaming only) after torchtune's save; everything else is torchtune's.
+    After torchtune's save, ``adapter_model.safetensors`` is written again from the adapter
+    weights with :data:`QWEN2_NAMES` (renaming only, no Llama q/k row permutation).
     """
     from torchtune import training
     from torchtune.training import FullModelHFCheckpointer

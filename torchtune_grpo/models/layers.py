@@ -1,25 +1,6 @@
-"""Decoder parts the families need and torchtune 0.6.1 does not have (or has wrong).
-
-* :class:`GemmaRMSNorm`: RMSNorm with the scale stored as an offset from 1, ``x * (1 + w)``,
-  computed in float32 and cast back.
-* :class:`ScaledEmbedding`: token embedding times ``sqrt(hidden_size)``, the factor rounded to
-  the embedding's dtype first (as ``transformers`` does).
-* :class:`HalfRoPE`: Hugging Face's rotate-half rotary embedding (the first and second halves
-  of the rotated channels form the pairs), with its own base, optional linear position
-  scaling, optional partial rotation (the first ``rotary_dim`` channels of each head) and
-  optional per-frequency divisors with a cos/sin factor (Phi-3's ``longrope`` short factors).
-* :class:`NormedProjection`: a query/key projection followed by a norm (per head, or over the
-  whole projection) and a constant factor, so that the norm runs before RoPE wherever
-  torchtune's attention (or the native engine's) calls ``q_proj``/``k_proj``. The factor turns
-  SDPA's ``head_dim ** -0.5`` into another attention scale (Gemma's
-  ``query_pre_attn_scalar ** -0.5``; RoPE is linear, so scaling before it is the same).
-* :class:`SlidingWindowLayer`: a torchtune layer whose attention only sees the last
-  ``window`` keys of each query (see :func:`window_mask`).
-* :class:`SoftCappedAttention`: torchtune's attention with Gemma 2's attention-logit soft-cap
-  ``cap * tanh(scores / cap)`` between the scaling and the mask (SDPA cannot compute it): its
-  :meth:`~SoftCappedAttention.sdpa` is an eager attention with SDPA's signature, and
-  :func:`~torchtune_grpo.policy.kv_cache.attention_kernel` gives every path that computes
-  attention itself (packed training rows, the native KV-cache engine) the kernel of its module.
+"""Decoder parts the families need and torchtune 0.6.1 does not have: Gemma's norm and scaled
+embedding, rotate-half RoPE, normed q/k projections, sliding-window layers and soft-capped
+attention.
 """
 
 from __future__ import annotations
@@ -68,11 +49,8 @@ class GemmaRMSNorm(nn.Module):
 
 
 class ScaledEmbedding(nn.Embedding):
-    """``nn.Embedding`` whose output is multiplied by ``scale`` (``sqrt(hidden_size)``).
-
-    The factor is rounded to the weight's dtype before the product (bf16: 48.0 for 2304 wide
-    rather than 48.0000...), which is what ``transformers`` computes. The weight is the plain
-    table, so a tied output projection reads it unscaled.
+    """``nn.Embedding`` whose output is multiplied by ``scale`` rounded to the weight's dtype (the
+    weight stays the plain table, so a tied output reads it unscaled).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, scale: float,
@@ -87,21 +65,17 @@ class ScaledEmbedding(nn.Embedding):
 
 
 class HalfRoPE(nn.Module):
-    """Hugging Face's rotate-half rotary embedding: channel ``i`` of the rotated part pairs with
-    channel ``i + rotary_dim / 2``.
+    """Rotate-half rotary embedding (channel ``i`` pairs with ``i + rotary_dim / 2``).
 
     Args:
         dim: ``head_dim``.
         max_seq_len: positions cached.
         base: ``theta``.
         position_scale: linear RoPE scaling factor (positions divided by it); 1: none.
-        rotary_dim: channels rotated, from the first (``partial_rotary_factor * head_dim``);
-            ``None``: all. The others pass through unchanged.
+        rotary_dim: channels rotated, from the first; ``None``: all.
         freq_factors: ``rotary_dim / 2`` divisors, one per frequency (``longrope``'s
-            ``short_factor``: ``inv_freq_i = 1 / (factor_i * base ** (2i / rotary_dim))``);
-            ``None``: none.
-        attention_factor: multiplies the cached cos and sin (``longrope``'s attention factor,
-            so the rotated channels of queries and keys); 1: none.
+            ``short_factor``); ``None``: none.
+        attention_factor: multiplies the cached cos and sin (``longrope``); 1: none.
     """
 
     def __init__(self, dim: int, max_seq_len: int, base: float, position_scale: float = 1.0,
@@ -147,16 +121,15 @@ class HalfRoPE(nn.Module):
 
 
 class NormedProjection(nn.Module):
-    """A query or key projection, then a norm, then a constant factor.
+    """A query or key projection, then a norm (per head or over the whole projection), then a
+    constant factor.
 
     Args:
         proj: ``[..., in_dim] -> [..., heads * head_dim]`` (``nn.Linear`` or LoRA/DoRA).
-        norm: the norm (``None``: none, only the factor); it normalises each head's
-            ``head_dim`` channels (Qwen3, Gemma 3) or, with ``head_dim=None``, the whole
-            projection (OLMo 2).
+        norm: the norm, or ``None``.
         head_dim: channels per head, or ``None`` for a norm over the whole projection.
-        factor: multiplies the output (queries: ``sqrt(head_dim / query_pre_attn_scalar)``
-            for Gemma; 1 otherwise).
+        factor: multiplies the output (Gemma's queries: ``sqrt(head_dim /
+            query_pre_attn_scalar)``; 1 otherwise).
 
     Attributes:
         proj: as given (state-dict prefix ``proj.``); ``norm``: as given (``norm.scale``).
@@ -211,10 +184,7 @@ def _longest_sequence(mask: object) -> int:
 def window_mask(mask: torch.Tensor, window: int) -> torch.Tensor:
     """Keep, in each query row of ``mask``, only its ``window`` rightmost allowed keys.
 
-    Every mask this package builds lets a query see the tokens of its own sequence up to itself,
-    in position order (left padding, packed segments, shared prompts, the decode span); the
-    rightmost ``window`` of them are exactly the keys whose position is within ``window - 1``
-    of the query's, which is Gemma's sliding window (``q - k < sliding_window``).
+    For every mask this package builds, these are the keys with ``q - k < window``.
 
     Args:
         mask: ``[b, s, S]`` bool, True where query ``i`` may attend to key ``j``.
@@ -232,12 +202,8 @@ def window_mask(mask: torch.Tensor, window: int) -> torch.Tensor:
 class SlidingWindowLayer(TransformerSelfAttentionLayer):
     """torchtune's self-attention layer whose attention sees the last ``window`` keys only.
 
-    The layer narrows the mask it receives with :func:`window_mask` (a packed-row mask object is
-    made dense first when one of its sequences is longer than the window; no mask means causal)
-    and runs torchtune's layer forward with it. The attention module stays torchtune's, so the
-    native engine's cached attention, packed forwards and LoRA see the narrowed mask. The
-    narrowed mask is made once per mask tensor and shared by the sliding layers of a model
-    (``memo``).
+    The mask it receives is narrowed by :func:`window_mask` (once per mask, shared through
+    ``memo``); the attention module stays torchtune's.
 
     Args:
         window: ``sliding_window``.
@@ -291,16 +257,13 @@ def soft_capped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      is_causal: bool = False, *, softcap: float) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` with the scores soft-capped before the mask.
 
-    ``scores = softcap * tanh(q k^T / sqrt(head_dim) / softcap)``, then the mask (bool: -inf
-    where False; float: added), softmax in float32 cast back to ``q``'s dtype (as
-    ``transformers``' eager attention), dropout, times ``v``. A query row with no allowed key
-    gives zeros, as SDPA's bool path does.
+    Softmax in float32, cast back to ``q``'s dtype; a query row with no allowed key gives zeros.
 
     Args:
         q: ``[..., L, head_dim]``; k, v: ``[..., S, head_dim]`` (the same heads as ``q``).
         attn_mask: broadcastable to ``[..., L, S]``, bool (True: attend) or additive.
         dropout_p: attention dropout.
-        is_causal: SDPA's causal mask (top-left aligned ``tril``), with no ``attn_mask``.
+        is_causal: SDPA's causal mask, with no ``attn_mask``.
         softcap: the cap.
 
     Returns:
@@ -325,14 +288,11 @@ def soft_capped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class SoftCappedAttention(MultiHeadAttention):
-    """torchtune's ``MultiHeadAttention`` whose scores are soft-capped (Gemma 2's
-    ``attn_logit_softcapping``): ``cap * tanh(scores / cap)`` after the scaling, before the mask.
+    """torchtune's ``MultiHeadAttention`` with Gemma 2's soft-cap ``cap * tanh(scores / cap)``.
 
-    The cap is fixed when the model is built: the module's ``_attention_call`` (what torchtune's
-    forward calls, SDPA or flex attention otherwise) is its eager :meth:`sdpa`, and the paths that
-    attend without ``_attention_call`` call its :meth:`sdpa` (the ``sdpa`` attribute that
-    :func:`~torchtune_grpo.policy.kv_cache.attention_kernel` looks for). A flex-attention
-    ``BlockMask`` is refused (its kernel has no soft-cap here).
+    ``_attention_call`` and :meth:`sdpa` (found by
+    :func:`~torchtune_grpo.policy.kv_cache.attention_kernel`) are the eager capped attention; a
+    flex-attention ``BlockMask`` is refused.
 
     Args:
         softcap: the cap (> 0).

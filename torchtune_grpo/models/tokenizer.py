@@ -1,21 +1,8 @@
 """A torchtune-style tokenizer read from a Hugging Face model folder, with its own chat template.
 
-A config names the folder and nothing else (``tokenizer: {_component_:
-torchtune_grpo.models.hf_tokenizer, path: ${model_dir}}``).
-
-:class:`HFTokenizer` reads ``tokenizer.json`` with the ``tokenizers`` library and renders the
-folder's chat template (``chat_template.jinja`` or ``tokenizer_config.json["chat_template"]``)
-with ``jinja2``, the way model authors write those templates for ``transformers``: the rendered
-text is encoded without the ``tokenizer.json`` post-processor's special tokens, exactly what
-``transformers``' ``apply_chat_template(..., tokenize=True)`` does. Prompts therefore get the
-same ids as the model saw in its own fine-tuning, whatever its chat format (ChatML, Llama 3,
-Qwen 2.5, ...), without a model-specific tokenizer class.
-
-It offers what the rest of the package calls on a torchtune tokenizer: :meth:`~HFTokenizer.encode`,
-:meth:`~HFTokenizer.decode`, :meth:`~HFTokenizer.tokenize_messages` (``[system, user,
-assistant(prefix, eot=False)]`` gives a prompt that ends inside an open assistant turn),
-``bos_id`` / ``eos_id`` / ``pad_id``, ``stop_tokens`` (with ``generation_config.json``'s end
-ids), ``special_tokens`` and :meth:`~HFTokenizer.ordinary_token_ids`.
+:class:`HFTokenizer` encodes with ``tokenizers`` and renders the folder's jinja chat template
+as ``transformers``' ``apply_chat_template(..., tokenize=True)`` does, so prompts get the ids
+the model was fine-tuned on, whatever its chat format.
 """
 
 from __future__ import annotations
@@ -104,35 +91,22 @@ def _resolve_paths(path: str | os.PathLike[str]) -> tuple[Path, Path]:
 class HFTokenizer:
     """A Hugging Face ``tokenizer.json`` plus the folder's chat template, as a torchtune tokenizer.
 
-    Rules:
-
-    * **BOS in** :meth:`encode`. ``add_bos=True`` prepends ``bos_id`` only when the model has a
-      BOS token *and* adds it to plain text: ``add_bos_token`` of ``tokenizer_config.json``
-      when it is a boolean, otherwise whether the ``tokenizer.json`` post-processor puts BOS in
-      front of an encoded text. ChatML models (SmolLM2, Qwen) name a BOS token but never add
-      it, so for them ``add_bos`` adds nothing. ``add_eos=True`` always appends ``eos_id``.
-    * **Chat formatting** is entirely the chat template's: :meth:`tokenize_messages` renders it
-      and encodes the text without the post-processor's special tokens (templates that need a
-      BOS, like Llama 3's, write ``bos_token`` themselves). Nothing is appended after the
-      rendered text.
-    * **pad_id** is the configured ``pad_token``, or ``eos_id`` when the folder has none (only
-      ever used for padding, which masks it).
+    ``add_bos=True`` in :meth:`encode` adds ``bos_id`` only when the model adds a BOS to plain text
+    (``add_bos_token``, else the post-processor's behaviour); chat formatting is entirely the
+    template's; ``pad_id`` is ``eos_id`` when the folder has no ``pad_token``.
 
     Args:
         path: a model folder holding ``tokenizer.json`` (and optionally
             ``tokenizer_config.json``, ``special_tokens_map.json``, ``chat_template.jinja``,
-            ``generation_config.json``), or the path of a ``tokenizer.json`` file, whose folder
-            is searched for the others.
+            ``generation_config.json``), or the path of a ``tokenizer.json`` file.
         max_seq_len: truncate :meth:`tokenize_messages` output to this many tokens (``None``:
             never).
         chat_template: a jinja chat template that replaces the folder's, or the path of a file
-            holding one (a string without ``{{``/``{%`` that names an existing file).
-        enable_thinking: passed to the chat template as ``enable_thinking`` (Qwen3's switch:
-            ``False`` renders an empty ``<think></think>`` block after the generation prompt);
-            ``None``: not passed, the template's default.
-        stop_strings: texts that also end a completion: every token whose text contains one
-            of them is a stop token (``"\\n"``: a base model's one-line answer ends at its
-            first token with a newline, ``"\\n"`` or ``"\\n\\n"`` alike).
+            holding one.
+        enable_thinking: passed to the chat template as ``enable_thinking`` (Qwen3's switch);
+            ``None``: not passed.
+        stop_strings: texts that also end a completion: every token whose text contains one of
+            them is a stop token.
 
     Raises:
         FileNotFoundError: when there is no ``tokenizer.json`` at ``path``.
@@ -142,24 +116,20 @@ class HFTokenizer:
     Attributes:
         path: the folder the files were read from.
         max_seq_len: the truncation length of :meth:`tokenize_messages`, or ``None``.
-        chat_template: the jinja template source, or ``None`` when the folder has none.
-        chat_template_source: where ``chat_template`` came from (a file path or
-            ``"chat_template argument"``), ``None`` without a template.
-        bos_token: the BOS token string, or ``None``.
-        eos_token: the EOS token string.
-        pad_token: the padding token string, or ``None`` (then ``pad_id == eos_id``).
-        unk_token: the unknown token string, or ``None``.
-        bos_id: the BOS token id, or ``None`` when the model has no (known) BOS token.
+        chat_template: the jinja template source, or ``None``.
+        chat_template_source: a file path or ``"chat_template argument"``; ``None`` without one.
+        bos_token, eos_token, pad_token, unk_token: the token strings (``None`` when absent;
+            ``eos_token`` always set).
+        bos_id: the BOS token id, or ``None``.
         eos_id: the EOS token id.
         pad_id: the padding token id (``eos_id`` without a padding token).
         add_bos_token: whether :meth:`encode` with ``add_bos=True`` adds ``bos_id``.
         special_tokens: ``{token: id}`` of every added token marked special.
-        stop_tokens: sorted unique ids that end a completion: ``eos_id``, every id of
+        stop_tokens: sorted unique ids that end a completion: ``eos_id``,
             ``generation_config.json["eos_token_id"]`` and the ids of ``stop_strings``.
         vocab_size: number of token ids, added tokens included.
-        tools: tool definitions (JSON-schema dicts) that :meth:`tokenize_messages` passes to the
-            chat template as ``tools`` (``None``: none); set with :meth:`set_tools` (the
-            chat-template tool format does, before the prompts are tokenized).
+        tools: tool definitions passed to the chat template as ``tools`` (set with
+            :meth:`set_tools`), or ``None``.
     """
 
     def __init__(
@@ -292,19 +262,12 @@ class HFTokenizer:
 
     # ------------------------------------------------------------------ plain text
     def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
-        """Token ids of a plain text.
-
-        The text is encoded without the ``tokenizer.json`` post-processor's special tokens;
-        special-token strings inside ``text`` are encoded as those tokens.
+        """Token ids of a plain text (special-token strings in it become those tokens).
 
         Args:
             text: the text.
-            add_bos: prepend ``bos_id`` if the model adds a BOS token to texts
-                (``add_bos_token``; see the class docstring).
+            add_bos: prepend ``bos_id`` if the model adds a BOS token to texts.
             add_eos: append ``eos_id``.
-
-        Returns:
-            The ids.
         """
         ids = list(self._tokenizer.encode(text, add_special_tokens=False).ids)
         if add_bos and self.add_bos_token and self.bos_id is not None:
@@ -329,22 +292,12 @@ class HFTokenizer:
                                       skip_special_tokens=skip_special_tokens)
 
     def ordinary_token_ids(self) -> list[int]:
-        """Every id of the vocabulary that is not a special added token, sorted.
-
-        Non-special added tokens (ordinary text such as ``<tool_call>`` in Qwen) are included.
-
-        Returns:
-            The ids.
-        """
+        """Every id that is not a special added token, sorted (non-special added ones included)."""
         return list(self._ordinary_ids)
 
     # ------------------------------------------------------------------ chat
     def set_tools(self, tools: Sequence[Mapping[str, Any]] | None) -> None:
         """Tool definitions to render every conversation of :meth:`tokenize_messages` with.
-
-        The chat template receives them as ``tools`` (templates with tool support list them
-        in the system turn; others ignore them). :meth:`apply_chat_template` takes its own
-        ``tools`` argument and is not affected.
 
         Args:
             tools: JSON-schema dicts (``{"type": "function", "function": {...}}``), or
@@ -366,9 +319,8 @@ class HFTokenizer:
     ) -> str:
         """Render the chat template.
 
-        The template sees ``messages``, ``tools``, ``add_generation_prompt``, the special-token
-        strings ``bos_token``, ``eos_token``, ``pad_token``, ``unk_token`` (those the folder
-        defines), ``template_variables`` and ``kwargs`` (which override the others).
+        The template also sees the special-token strings and ``template_variables``; ``kwargs``
+        override them.
 
         Args:
             messages: ``{"role": ..., "content": ...}`` dicts.
@@ -394,35 +346,15 @@ class HFTokenizer:
     ) -> tuple[list[int], list[bool]]:
         """Token ids and loss mask of a conversation, formatted by the chat template.
 
-        The text is the chat template rendered for the messages (``role`` and
-        ``text_content``, passed verbatim, not stripped; ``tools`` set by :meth:`set_tools`),
-        encoded without the post-processor's special tokens, as ``transformers``'
-        ``apply_chat_template(..., tokenize=True)`` does:
-
-        * **Open assistant turn.** When the last message is an assistant message with
-          ``eot=False``, or ``add_end_tokens=False`` and the last message is an assistant
-          message, the preceding messages are rendered with ``add_generation_prompt=True`` and
-          the assistant's text is appended: the ids end inside the assistant turn, where
-          generation continues (``[system, user, assistant("")]`` gives exactly the ids of
-          ``apply_chat_template([system, user], add_generation_prompt=True)``).
-        * ``add_end_tokens=False`` with a last message that is not an assistant message renders
-          the generation prompt too (the conversation is ready for generation).
-        * Otherwise the whole conversation is rendered without generation prompt.
-
-        The mask is True for the tokens of masked messages. A token belongs to the message
-        whose part of the text holds the token's last character; message ``k`` starts where the
-        template rendered for the first ``k`` messages ends (its header belongs to it, text the
-        template adds after the last message, like a generation prompt, to the last message;
-        see :func:`~torchtune_grpo.models.chat_template.message_boundaries` for templates where
-        that rendering is not a prefix of the full text).
-
-        With ``max_seq_len`` set, a longer result is cut to ``max_seq_len`` tokens; like
-        torchtune's tokenizers, the last kept token then becomes ``eos_id`` (mask True) unless
-        the result ends in an open turn or ``add_end_tokens=False``.
+        A last assistant message with ``eot=False`` (or any last message with
+        ``add_end_tokens=False``) leaves the ids inside an open assistant turn, after the generation
+        prompt. A token belongs to the message whose text holds its last character; the mask is True
+        on the tokens of masked messages. Beyond ``max_seq_len`` the ids are cut and, for a closed
+        conversation, the last kept token becomes ``eos_id``.
 
         Args:
             messages: torchtune messages.
-            add_end_tokens: ``False`` leaves the conversation open for generation (see above).
+            add_end_tokens: ``False`` leaves the conversation open for generation.
 
         Returns:
             ``(tokens, mask)``, two lists of the same length.
@@ -491,10 +423,8 @@ class HFTokenizer:
 def hf_tokenizer(path: str, max_seq_len: int | None = None, chat_template: str | None = None,
                  enable_thinking: bool | None = None,
                  stop_strings: Sequence[str] | None = None) -> HFTokenizer:
-    """Builder for configs: the :class:`HFTokenizer` of a Hugging Face model folder, with the
-    same keyword arguments (``max_seq_len``, ``chat_template``, ``enable_thinking``,
-    ``stop_strings``).
-
+    """Builder for configs: the :class:`HFTokenizer` of a Hugging Face model folder (same keyword
+    arguments).
     """
     return HFTokenizer(path, max_seq_len=max_seq_len, chat_template=chat_template,
                        enable_thinking=enable_thinking, stop_strings=stop_strings)

@@ -1,18 +1,8 @@
 """The policy model: a torchtune decoder whose output head answers an explicit request.
 
-:class:`PolicyDecoder` is a :class:`torchtune.modules.TransformerDecoder` (same submodules,
-same parameter names, same state dict) whose ``forward`` takes one more keyword, ``output``:
-what its :class:`~torchtune_grpo.policy.head.OutputHead` should make of the final hidden
-states (see :mod:`torchtune_grpo.policy.head`). The head runs inside the model's own
-``forward``, so under FSDP2 the root's pre-forward hook has gathered the (tied) output weights
-when the projection runs. ``model(tokens)`` without ``output`` returns torchtune's ordinary
-logits.
-
-Every policy is a :class:`PolicyDecoder` from the moment it is built:
-:func:`~torchtune_grpo.models.hf_model` and :func:`~torchtune_grpo.models.lora_hf_model`
-return one, and :func:`~torchtune_grpo.policy.model.build_model` makes one of a config's
-torchtune decoder (``torchtune.models.llama3_2.llama3_2`` and the like) with
-:func:`policy_decoder`, before sharding, checkpointing wrappers or loading.
+:class:`PolicyDecoder` keeps torchtune's submodules and state dict; its ``forward`` takes an
+``output`` request for its :class:`~torchtune_grpo.policy.head.OutputHead`, run inside the
+model's own forward (so FSDP2 has gathered the output weights).
 """
 
 from __future__ import annotations
@@ -51,16 +41,11 @@ class PolicyDecoder(TransformerDecoder):
     @classmethod
     def from_decoder(cls, decoder: TransformerDecoder, *,
                      final_logit_softcap: float | None = None) -> PolicyDecoder:
-        """``decoder`` turned into a :class:`PolicyDecoder`, in place.
-
-        The same object comes back with its class set to :class:`PolicyDecoder` (as FSDP2's
-        ``fully_shard`` sets a module's class to its FSDP subclass) and a head built from its
-        ``norm`` and ``output``: its parameters, names, hooks (torchtune's NF4 state-dict hook
-        of ``quantize_base``) and attributes are untouched.
+        """``decoder`` turned into a :class:`PolicyDecoder` in place (class swapped, head built
+        from its ``norm`` and ``output``; parameters, hooks and attributes untouched).
 
         Raises:
-            TypeError: ``decoder`` is not exactly a torchtune ``TransformerDecoder`` (a subclass
-                has a forward of its own; an FSDP-sharded decoder was sharded too early).
+            TypeError: ``decoder`` is not exactly a torchtune ``TransformerDecoder``.
         """
         if type(decoder) is not TransformerDecoder:
             raise TypeError(
@@ -86,12 +71,9 @@ class PolicyDecoder(TransformerDecoder):
         Args:
             tokens, mask, encoder_input, encoder_mask, input_pos: as for
                 :meth:`torchtune.modules.TransformerDecoder.forward`.
-            output: what to return (:mod:`torchtune_grpo.policy.head`): None for torchtune's
-                ordinary logits (``unembed``), :data:`~torchtune_grpo.policy.head.LAST_POSITION`
-                for the last position's logits, a
+            output: None (torchtune's logits), :data:`~torchtune_grpo.policy.head.LAST_POSITION`,
                 :class:`~torchtune_grpo.policy.head.ResponseLogProbs` or
-                :class:`~torchtune_grpo.policy.head.PackedLogProbs` for log-probs. A packed
-                row may be longer than ``max_seq_len``: each sequence in it is within it.
+                :class:`~torchtune_grpo.policy.head.PackedLogProbs`.
 
         Returns:
             What the head returns for ``output`` (after the hidden states of

@@ -1,18 +1,5 @@
-"""Forward passes of the policy that never build logits they do not need.
-
-:func:`last_logits`, :func:`response_logprobs`, :func:`micro_batch_logprobs` and
-:func:`packed_micro_batch_logprobs` are the only forwards of the policy that GRPO runs, each an
-explicit call that says what it returns. Each one calls the model's own ``forward`` (so FSDP2
-has the (tied) output weights gathered when the projection runs) with the request for its
-output head as an argument: the model is a :class:`~torchtune_grpo.policy.decoder.PolicyDecoder`
-and its :class:`~torchtune_grpo.policy.head.OutputHead` projects the last position only, or the
-positions that predict a response token only (:mod:`torchtune_grpo.policy.head`). Called
-without a request, ``model(...)`` returns torchtune's ordinary logits.
-
-:func:`packed_micro_batch_logprobs` goes one step further for training-time passes: the real
-tokens of a micro-batch's rows are laid end to end in one row, so the model's linears, norms
-and MLPs run on the real tokens only, and attention runs per row
-(:mod:`torchtune_grpo.policy.packing`).
+"""The policy's forwards in GRPO, each asking the output head for only what it needs: the last
+position's logits or the response tokens' log-probs (padded, trimmed or packed).
 """
 
 from __future__ import annotations
@@ -64,17 +51,13 @@ def last_logits(
 ) -> torch.Tensor:
     """Logits of the last position of ``tokens`` under ``model``: ``[b, 1, V]`` float32.
 
-    The output projection runs on the last position only (prefill of a rollout, or one decode
-    step with a KV cache), inside the model's own forward.
-
     Args:
         model: the policy, a :class:`PolicyDecoder` (possibly FSDP-sharded, LoRA, with KV
             caches attached).
         tokens: ``[b, s]`` token ids.
         mask: the attention mask the decoder takes (``[b, s, L]`` boolean, or None).
         input_pos: ``[b, s]`` position ids.
-        forward: the callable that runs ``model`` (default ``model`` itself; a compiled
-            version of it for a compiled decode step).
+        forward: the callable that runs ``model`` (default ``model``; a compiled decode step).
     """
     # one request object, LAST_POSITION: a compiled step keeps its guards
     return _run(model, tokens, mask=mask, input_pos=input_pos, output=LAST_POSITION,
@@ -98,21 +81,18 @@ def response_logprobs(
     """Per-token log-probs of the response part of ``tokens`` under ``model``.
 
     Args:
-        model: the policy, a :class:`PolicyDecoder` (possibly FSDP-sharded, LoRA,
-            checkpointed).
+        model: the policy, a :class:`PolicyDecoder`.
         tokens: ``[N, P + T]`` prompt (left-padded to ``P``) followed by the response.
         prompt_len: ``P``.
-        mask: ``[N, P + T, P + T]`` boolean attention mask (see
-            :func:`torchtune_grpo.policy.positions.attention_mask`).
+        mask: ``[N, P + T, P + T]`` boolean attention mask.
         input_pos: ``[N, P + T]`` position ids.
         temperature: logits are divided by it, as at sampling time.
-        logit_bias: ``[V]`` additive bias (``-inf`` forbids a token id), as at sampling time.
+        logit_bias: ``[V]`` additive bias (``-inf`` forbids a token id).
         chunk_size: tokens per chunk of the output projection.
         return_entropy: also return the per-token entropy ``[N, T]``.
-        entropy_grad: the entropy takes part in the loss (False: a metric only, computed once
-            without a graph).
-        keep_probs: float32 softmax elements the forward may keep for the backward (see
-            :func:`~torchtune_grpo.policy.logprobs.chunked_token_logprobs`; 0: recompute).
+        entropy_grad: the entropy takes part in the loss (False: a metric only).
+        keep_probs: float32 softmax elements the forward may keep for the backward (0:
+            recompute).
 
     Returns:
         ``(logprobs [N, T] float32, entropy [N, T] or None)``.
@@ -148,32 +128,20 @@ def micro_batch_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`response_logprobs` of one micro-batch, run on its own extent only.
 
-    With ``pack`` (which takes precedence over ``trim``) it is
-    :func:`packed_micro_batch_logprobs`: no padding at all.
-
-    With ``trim`` the model sees only the columns :func:`trim_to_extent` keeps (no column that
-    is padding in every row), and the ``[n, T_mb]`` results are put back into ``[n, T]`` with
-    zeros past ``T_mb``, where ``response_mask`` is False in every row. Positions and the
-    attention mask come from the (trimmed) padding mask, so they equal those of the untrimmed
-    rows: the results match ``trim=False`` up to float rounding, at the cost of the real
-    tokens only.
-
-    Tool-result tokens of a multi-turn rollout (``tool_mask``) are real tokens of the sequence:
-    the attention mask and position ids come from ``prompt_mask | response_mask | tool_mask``,
-    so later tokens attend to them. They are not actions: their log-probs (and entropies) are
-    returned as 0, through a ``torch.where`` that passes them no gradient.
+    ``pack`` (which takes precedence) runs :func:`packed_micro_batch_logprobs`; ``trim`` runs on
+    the columns :func:`trim_to_extent` keeps and pads the results back with zeros. Both match the
+    full rectangle up to float rounding. Tool-result tokens are attended to but get log-prob (and
+    entropy) 0, with no gradient.
 
     Args:
         model: the policy, a :class:`PolicyDecoder`.
         tokens: ``[n, P + T]`` left-padded prompts followed by right-padded responses.
         prompt_mask: ``[n, P]`` True on real prompt tokens.
         response_mask: ``[n, T]`` True on generated tokens.
-        tool_mask: ``[n, T]`` True on tool-result tokens (None: none, single-turn).
+        tool_mask: ``[n, T]`` True on tool-result tokens (None: none).
         trim: run on the trimmed slice (False: on the whole ``[n, P + T]`` rectangle).
-        pack: run on the rows' real tokens laid end to end (see
-            :func:`packed_micro_batch_logprobs`; 0 at every non-response position).
-        share_prompts: with ``pack``, rows with the same prompt run it once
-            (:class:`SharedPrefixSegments`).
+        pack: run on the rows' real tokens laid end to end.
+        share_prompts: with ``pack``, rows with the same prompt run it once.
         **kwargs: ``temperature``, ``logit_bias``, ``chunk_size``, ``return_entropy``,
             ``entropy_grad``, ``keep_probs`` of :func:`response_logprobs`.
 
@@ -225,37 +193,25 @@ def packed_micro_batch_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of a micro-batch's response tokens, the model run on its real tokens only.
 
-    Each row's real tokens (prompt, response and tool-result tokens, in order) are laid end to
-    end in one ``[1, S]`` row, ``S`` = the number of real tokens of the micro-batch. Positions
-    restart at 0 for every row (as :func:`position_ids` counts them) and attention stays within
-    a row (:class:`PackedSegments`: each row is one causal segment), so every real position
-    sees exactly what it sees in the padded rectangle and the log-probs are the same up to
-    float rounding, while the linears, norms and MLPs cost ``S`` tokens instead of ``n`` times
-    the longest row. Only the positions that predict a response token go through the output
-    projection. Rows without real tokens are skipped.
+    The rows' real tokens are laid end to end in one ``[1, S]`` row, positions restarting at 0 per
+    row and attention kept within a row (:class:`PackedSegments`), so the results equal the padded
+    rectangle's up to float rounding. Rows without real tokens are skipped.
 
     Args:
-        model: the policy, a :class:`PolicyDecoder` (possibly FSDP-sharded, LoRA,
-            checkpointed; not compiled: the per-row attention loop would recompile for every
-            set of lengths).
+        model: the policy, a :class:`PolicyDecoder` (not compiled).
         tokens: ``[n, P + T]`` left-padded prompts followed by right-padded responses.
         prompt_mask: ``[n, P]`` True on real prompt tokens.
         response_mask: ``[n, T]`` True on generated tokens.
-        tool_mask: ``[n, T]`` True on tool-result tokens (None: none). They are packed (later
-            tokens attend to them) but get no log-prob: 0, like every non-response position.
+        tool_mask: ``[n, T]`` True on tool-result tokens (None: none); packed, log-prob 0.
         temperature, logit_bias, chunk_size, return_entropy, entropy_grad, keep_probs: as for
             :func:`response_logprobs`.
-        share_prompts: rows whose real prompt tokens are the same (the members of a GRPO group)
-            run that prompt once: the packed row holds each distinct prompt followed by the
-            responses of its rows (:class:`SharedPrefixSegments`), so a group of ``G`` rows
-            costs ``P + sum(T_i)`` tokens instead of ``G * P + sum(T_i)``. Every response token
-            still attends to exactly its own prompt and earlier response tokens, at the same
-            positions: the results equal the unshared ones up to float rounding, gradients to
-            the prompt positions summed over the group.
+        share_prompts: rows with the same real prompt run it once (:class:`SharedPrefixSegments`:
+            a group of ``G`` rows costs ``P + sum(T_i)`` tokens); gradients to the prompt
+            positions are summed over the group.
 
     Returns:
         ``(logprobs [n, T] float32, entropy [n, T] or None)``, 0 wherever ``response_mask`` is
-        False (or ``tool_mask`` True); gradients flow to the response positions only.
+        False; gradients flow to the response positions only.
     """
     prompt_len = prompt_mask.shape[1]
     if tokens.shape[1] != prompt_len + response_mask.shape[1]:

@@ -1,26 +1,7 @@
-"""The policy's output head, and the requests it answers.
-
-A torchtune decoder ends in ``unembed``: final norm, then the output projection over every
-position. GRPO needs far less than that:
-
-* generation needs the logits of the **last** position only (prefill, one decode step),
-* training needs the log-probability of each **response** token only, never the
-  ``[N, P + T, V]`` float32 logits of prompt and response positions.
-
-:class:`OutputHead` is the part of a :class:`~torchtune_grpo.policy.decoder.PolicyDecoder` that
-turns its final hidden states into what one forward asks for, given as a request:
-
-* ``None``: torchtune's ordinary logits, ``[b, s, V]`` float32;
-* :data:`LAST_POSITION`: the logits of the last position, ``[b, 1, V]`` float32;
-* :class:`ResponseLogProbs`: log-probs (and entropies) of the targets predicted by a run of
-  positions, ``[N, T]``, through :func:`~torchtune_grpo.policy.logprobs.chunked_token_logprobs`;
-* :class:`PackedLogProbs`: the same for the scattered positions of a packed row, ``[1, M]``.
-
-The head holds what it is built with and nothing else: the final norm, the output projection
-(torchtune's ``TiedLinear``, an ``nn.Linear`` or a LoRA/DoRA linear: the decoder's own modules,
-so parameter names stay torchtune's) and an optional **final-logit soft-cap**
-``cap * tanh(logits / cap)`` (Gemma 2's ``final_logit_softcapping``), applied to the float32
-logits before any temperature, logit bias or log-softmax.
+"""The policy's output head and the requests it answers: torchtune's logits (``None``), the last
+position's logits (:data:`LAST_POSITION`), or response log-probs (:class:`ResponseLogProbs`,
+:class:`PackedLogProbs`) without full ``[N, P + T, V]`` logits. An optional final-logit
+soft-cap applies to the float32 logits first.
 """
 
 from __future__ import annotations
@@ -80,11 +61,8 @@ class ResponseLogProbs:
 
 @dataclass(frozen=True, eq=False)
 class PackedLogProbs:
-    """Return log-probs of ``targets`` predicted by the positions ``index`` of a packed row.
-
-    The input is one ``[1, S]`` row holding several sequences end to end, each within the
-    decoder's ``max_seq_len`` and with positions restarting at 0, so the row itself may be
-    longer than ``max_seq_len``.
+    """Return log-probs of ``targets`` predicted by the positions ``index`` of a packed ``[1, S]``
+    row (which may be longer than ``max_seq_len``).
 
     Attributes:
         index: ``[M]`` positions of the packed row whose hidden state predicts a target.
@@ -109,11 +87,8 @@ OutputRequest = LastPosition | ResponseLogProbs | PackedLogProbs | None
 
 
 class SoftCappedProjection:
-    """``cap * tanh(project(h).float() / cap)``: an output projection with a final-logit
-    soft-cap, in float32.
-
-    Not a plain linear map, so :func:`~torchtune_grpo.policy.logprobs.chunked_token_logprobs`
-    runs it through its checkpointed chunks (never its fused linear kernel).
+    """``cap * tanh(project(h).float() / cap)``: an output projection with a final-logit soft-cap,
+    in float32 (not linear: log-probs take the checkpointed chunks).
     """
 
     def __init__(self, project: Callable[[torch.Tensor], torch.Tensor], cap: float) -> None:
@@ -132,9 +107,7 @@ def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
 class OutputHead:
     """Final norm, output projection and optional final-logit soft-cap, answering a request.
 
-    Built once with its decoder (:class:`~torchtune_grpo.policy.decoder.PolicyDecoder`), from
-    the decoder's own ``norm`` and ``output`` (registered on the decoder, so the state dict keeps
-    torchtune's names). Not an ``nn.Module``: it owns no parameters.
+    Not an ``nn.Module``: the decoder owns ``norm`` and ``output``.
 
     Args:
         norm: the final norm.

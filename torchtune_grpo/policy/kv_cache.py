@@ -1,13 +1,6 @@
-"""The rollout's KV cache and attention: torchtune's attention modules, decoding over a span.
-
-:func:`~torchtune_grpo.rollout.native.generate_micro_batch` installs these for the length of
-a rollout (:func:`attached`) and puts every module back afterwards:
-
-* :class:`KVCacheStorage`: one pair of key/value tensors per layer, allocated once per rollout;
-* :class:`SpanKVCache`: stands in for torchtune's ``KVCache`` and returns only the filled span;
-* :func:`grouped_query_attention`: torchtune's attention without copying the cached keys and
-  values for every query head; :func:`attend_projected` is its part after the projections,
-  shared with the fused decode layers of :mod:`torchtune_grpo.backends.cpu_decode`.
+"""The rollout's KV cache and attention over torchtune's attention modules: storage allocated
+once per rollout, a cache that returns only the filled span, and grouped-query attention that
+reads the cache in place. :func:`attached` installs them for a rollout.
 """
 
 from __future__ import annotations
@@ -40,11 +33,8 @@ def attention_modules(model: nn.Module) -> list[MultiHeadAttention]:
 
 
 class KVCacheStorage:
-    """Key/value storage for every attention layer, allocated once and reused.
-
-    One pair of ``[rows, kv_heads, max_len, head_dim]`` tensors per layer (``torch.empty``:
-    nothing is zeroed, every position is written before it is read). A rollout allocates one
-    storage for its micro-batch size and every micro-batch reuses it.
+    """Key/value storage for every attention layer: one pair of ``[rows, kv_heads, max_len,
+    head_dim]`` tensors per layer, allocated once (not zeroed) and reused by every micro-batch.
 
     Args:
         model: the torchtune decoder the storage is for.
@@ -79,28 +69,17 @@ class KVCacheStorage:
 class SpanKVCache(nn.Module):
     """Stands in for torchtune's ``KVCache`` on one attention module during a rollout.
 
-    torchtune's ``MultiHeadAttention`` calls ``kv_cache.update(k, v)`` and attends over what it
-    returns. torchtune's own cache returns the whole ``max_seq_len`` buffer, so every decode
-    step attends over (and masks) every future position too. This one returns the filled span
-    only: at decode step ``t`` the attention is ``[n, heads, 1, P + t + 1]``.
-
-    Three phases:
-
-    * **prefill** (:meth:`start_prefill`): the ``u`` distinct prompts are run once; their
-      keys/values are written into the ``n`` rows that share them (``expand_index [n]``) and
-      the prompts attend over their own keys, so a group's ``G`` samples share one prefill.
-    * **span decode** (default): one position per step, attention over ``[:length]``.
-    * **static decode** (``write_pos`` given, for ``torch.compile``): the write position is a
-      tensor and attention spans the whole buffer, so every step has the same shapes.
+    ``update`` returns the filled span only. Prefill (:meth:`start_prefill`) runs each distinct
+    prompt once and writes it into the rows that share it; span decode attends over ``[:length]``;
+    static decode (``write_pos``, for ``torch.compile``) keeps the shapes fixed.
 
     Args:
         k (Tensor): ``[rows', kv_heads, max_len, head_dim]`` key storage (``rows' >= rows``).
         v (Tensor): the value storage, shaped as ``k``.
         rows (int): the rows of the micro-batch.
-        write_pos (Tensor | None): ``[1]`` long, the position static decode writes; None: span
+        write_pos (Tensor | None): ``[1]`` long, static decode's write position; None: span
             decode.
-        step_memo (dict | None): shared by the caches of one model's layers (see
-            :meth:`additive_mask`); None: this cache's own.
+        step_memo (dict | None): shared by the caches of one model's layers; None: its own.
     """
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, rows: int,
@@ -116,14 +95,8 @@ class SpanKVCache(nn.Module):
         self.step_memo = {} if step_memo is None else step_memo
 
     def additive_mask(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``mask [b, s, S]`` bool as the ``0 / -inf`` bias (``dtype``) attention adds to scores.
-
-        ``scaled_dot_product_attention`` turns a bool mask into this bias on every call, i.e. in
-        every layer at every decode step. The layers of a step get the same mask tensor, so the
-        bias is made once and reused while the mask (same object, same version) is unchanged.
-        Only for masks whose every query row attends to something (decode steps): a row with
-        no True gives NaN here where SDPA's bool path returns zeros.
-        """
+        """``mask [b, s, S]`` bool as the ``0 / -inf`` bias (``dtype``), made once per mask
+        tensor and version; every query row must attend to something."""
         def bias() -> torch.Tensor:
             zeros = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
             return zeros.masked_fill_(~mask, float("-inf"))
@@ -170,13 +143,7 @@ class SpanKVCache(nn.Module):
 
 def _derived(store: dict, key: str, source: torch.Tensor,
              make: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """``make()``, computed once per ``source`` tensor and kept in ``store[key]``.
-
-    The layers of one decode step receive the same mask and position tensors; what is derived
-    from them (the additive mask, the rotary angles) is made by the first layer and reused by
-    the others. ``store[key] = (source, source._version, value)``: a new tensor, or the same one
-    modified in place, makes it again.
-    """
+    """``make()``, computed once per ``source`` tensor (and version) and kept in ``store[key]``."""
     memo = store.get(key)
     if memo is None or memo[0] is not source or memo[1] != source._version:
         memo = (source, source._version, make())
@@ -189,15 +156,9 @@ INTERLEAVED_ROPES = (RotaryPositionalEmbeddings, Llama3ScaledRoPE)
 
 
 def rotate(rope: nn.Module, x: torch.Tensor, input_pos: torch.Tensor | None) -> torch.Tensor:
-    """``rope(x, input_pos=input_pos)`` for ``x [b, s, h, head_dim]``, as one complex product.
-
-    torchtune's ``RotaryPositionalEmbeddings`` and ``Llama3ScaledRoPE`` rotate each
-    ``(x[2i], x[2i + 1])`` pair by the angle cached in ``rope.cache [max_len, head_dim / 2, 2]``
-    (cos, sin), in about a dozen small ops per call. Multiplying ``x`` viewed as complex by
-    ``cos + i sin`` is the same arithmetic in one kernel (equal results, measured bit for bit),
-    and the ``[b, s]`` angles are gathered once per decode step for all layers (they share the
-    module and the ``input_pos`` tensor). Other position embeddings (Qwen2's half rotation) run
-    their own forward.
+    """``rope(x, input_pos=input_pos)`` for ``x [b, s, h, head_dim]``, as one complex product for
+    torchtune's interleaved RoPE modules (equal results; angles gathered once per step); other
+    position embeddings run their own forward.
     """
     if type(rope) not in INTERLEAVED_ROPES or input_pos is None:
         return rope(x, input_pos=input_pos)
@@ -218,14 +179,8 @@ def grouped_query_attention(
 ) -> torch.Tensor:
     """torchtune's ``MultiHeadAttention.forward`` for cached self-attention, without GQA copies.
 
-    torchtune expands the keys and values of its ``kv_heads`` to all ``heads`` before attending
-    (``expand(...).flatten(1, 2)``), which copies the whole cached span, ``heads / kv_heads``
-    times over, in every layer at every decode step. Here the ``g = heads / kv_heads`` query heads
-    that share a key/value head are stacked along the query axis instead, so the cache is read
-    in place: queries ``[b, kv_heads, g * s, head_dim]`` against keys ``[b, kv_heads, S,
-    head_dim]``. Projections, rotary embeddings, q/k norms and the output projection are the
-    module's own (LoRA and FSDP wrappers included); only the attention's data layout differs,
-    so outputs match torchtune's to float rounding.
+    The ``heads / kv_heads`` query heads sharing a key/value head are stacked along the query axis,
+    so the cache is read in place; outputs match torchtune's to float rounding.
 
     Args:
         attn (MultiHeadAttention): the module (its ``kv_cache`` must be enabled).
@@ -235,7 +190,7 @@ def grouped_query_attention(
         input_pos (Tensor | None): ``[b, s]`` position ids.
 
     Returns:
-        Tensor: ``[b, s, D]``, as torchtune's forward returns.
+        Tensor: ``[b, s, D]``.
     """
     q, k, v = attn.q_proj(x), attn.k_proj(y), attn.v_proj(y)
     return attn.output_proj(attend_projected(attn, q, k, v, mask=mask, input_pos=input_pos))
@@ -250,15 +205,8 @@ def attend_projected(
     mask: torch.Tensor | None = None,
     input_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The attention of :func:`grouped_query_attention` from its three projections.
-
-    Rotary embeddings and q/k norms of ``attn``, the key/value cache update, and the attention
-    of the ``g = heads / kv_heads`` query heads stacked on each key/value head, by the module's
-    attention kernel (:func:`~torchtune_grpo.policy.kv_cache.attention_kernel`: SDPA, or
-    the eager soft-capped attention of a
-    :class:`~torchtune_grpo.models.layers.SoftCappedAttention`). A decode step's
-    bool mask (``s == 1``) is turned into its additive bias once for all layers
-    (:meth:`SpanKVCache.additive_mask`): the same values as SDPA's own conversion.
+    """The attention of :func:`grouped_query_attention` from its three projections, by the module's
+    attention kernel (:func:`attention_kernel`).
 
     Args:
         attn (MultiHeadAttention): the module (its ``kv_cache`` enabled).
@@ -316,10 +264,8 @@ _NO_FORWARD = object()
 @contextlib.contextmanager
 def attached(storage: KVCacheStorage, rows: int,
              write_pos: torch.Tensor | None) -> Iterator[list[SpanKVCache]]:
-    """Install span caches over ``storage`` on every attention module; restore on exit.
-
-    Each module's ``forward`` is also replaced by :func:`grouped_query_attention` for the
-    rollout (an instance attribute, removed on exit).
+    """Install span caches over ``storage`` and :func:`grouped_query_attention` on every attention
+    module; restore on exit.
 
     Args:
         storage (KVCacheStorage): the keys and values of every layer.

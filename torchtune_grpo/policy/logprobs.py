@@ -1,20 +1,8 @@
 """Per-token log-probabilities (and entropies) without materialising ``[N*T, V]`` logits.
 
-A policy update needs ``log pi(y_t | y_<t)`` for every response token. Computing all logits at
-once costs ``N * T * V`` floats several times over (logits, log-softmax, their gradients): with a
-128k vocabulary and 8k tokens that is 4 GiB per copy in float32. :func:`chunked_token_logprobs`
-projects the final hidden states chunk by chunk and, with ``checkpoint=True``, recomputes each
-chunk's logits during the backward pass, so at most one chunk of logits is alive at a time.
-
-:func:`naive_token_logprobs` does the same computation on full logits; it is the reference for
-tests and benchmarks, and fine when the logits exist anyway.
-
-When the projection is a plain linear map (``nn.Linear`` without bias, or torchtune's
-``TiedLinear``) and the entropy is not differentiated, :func:`chunked_token_logprobs` runs a fused
-autograd function instead of the checkpointed chunks: one reused ``[chunk, V]`` block per pass
-(no fresh multi-hundred-megabyte allocation per chunk, no saved log-softmax), the forward keeps
-only the hidden states, and the backward recomputes each chunk's logits and forms the gradient of
-the log-softmax in place (``g * (onehot(y) - softmax(z)) / temperature``) before its two matmuls.
+:func:`chunked_token_logprobs` projects the hidden states chunk by chunk (checkpointed, or a
+fused autograd function for a plain linear projection); :func:`naive_token_logprobs` is the
+reference on full logits.
 """
 
 
@@ -35,17 +23,12 @@ CHUNK_LOGITS_BUDGET = 2**25
 def auto_chunk_size(vocab_size: int, budget: int = CHUNK_LOGITS_BUDGET) -> int:
     """Positions per log-prob chunk so that one ``[chunk, V]`` float32 block holds ``budget``.
 
-    The chunk's logits, their log-softmax and the backward's gradient are each one such block,
-    so peak memory grows with ``chunk * V``, not with the number of positions. A fixed number of
-    positions would make a 150k vocabulary cost 75x what a 2k vocabulary costs.
-
     Args:
-        vocab_size (int): ``V``, the output projection's width (``> 0``).
+        vocab_size (int): ``V`` (``> 0``).
         budget (int): float32 elements per chunk (``> 0``).
 
     Returns:
-        int: ``budget // V`` rounded down to a multiple of 16 (at least 16): 256 for Llama 3's
-        128,256 ids, 208 for Qwen 2.5's 151,936, 16,384 for a 2,048-id vocabulary.
+        int: ``budget // V`` rounded down to a multiple of 16 (at least 16).
 
     Raises:
         ValueError: if ``vocab_size`` or ``budget`` is not a positive integer.
@@ -327,43 +310,29 @@ def chunked_token_logprobs(
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs computed chunk by chunk from the final hidden states.
 
-    The ``N * T`` positions are flattened and processed ``chunk_size`` at a time: project to
-    logits, cast to float32, divide by ``temperature``, add ``logit_bias``, log-softmax, gather the
-    target. The projection itself runs in ``hidden``'s dtype. With ``checkpoint=True`` (and grad
-    enabled) each chunk runs under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``:
-    the forward keeps only the chunk's hidden states and the backward recomputes its logits, so
-    peak memory holds one chunk of ``[chunk_size, V]`` logits instead of ``[N*T, V]``.
+    Each chunk is projected (in ``hidden``'s dtype), cast to float32, divided by ``temperature``,
+    biased, log-softmaxed and gathered; peak memory holds one ``[chunk_size, V]`` block.
 
     Args:
-        hidden (Tensor): ``[N, T, D]`` final hidden states (after the final norm) at the
-            positions that predict ``targets``.
-        project (Callable[[Tensor], Tensor]): maps ``[M, D]`` to logits ``[M, V]``, e.g. the
-            model's output ``nn.Linear`` or torchtune's ``TiedLinear``.
-        targets (Tensor): ``[N, T]`` long token ids in ``[0, V)`` (padding replaced by a valid
-            id such as 0; mask it out later).
-        temperature (float): sampling temperature (``> 0``); logits are divided by it.
-        logit_bias (Tensor | None): ``[V]`` added to the tempered logits; 0 or ``-inf`` entries
-            forbid ids (e.g. ids the tokenizer cannot decode). Never produces NaN, in values or
-            gradients, as long as the targets themselves are allowed.
+        hidden (Tensor): ``[N, T, D]`` final hidden states at the positions that predict
+            ``targets``.
+        project (Callable[[Tensor], Tensor]): ``[M, D]`` -> ``[M, V]`` logits.
+        targets (Tensor): ``[N, T]`` long token ids in ``[0, V)`` (padding a valid id).
+        temperature (float): ``> 0``; logits are divided by it.
+        logit_bias (Tensor | None): ``[V]`` added to the tempered logits (0 or ``-inf``); no NaN
+            as long as the targets are allowed.
         chunk_size (int): positions per chunk (``> 0``).
         checkpoint (bool): recompute each chunk's logits in the backward pass.
         return_entropy (bool): also return the entropy of the tempered, biased distribution.
-        entropy_grad (bool): the entropy is differentiated (an entropy bonus). ``False``
-            (entropy as a metric only) computes it once per chunk without a graph and skips
-            it when the checkpoint recomputes the chunk in the backward pass.
-        fused (bool): with ``checkpoint`` and a plain linear ``project`` (``nn.Linear`` without
-            bias or ``TiedLinear``), and no entropy gradient, use the fused autograd function
-            (same values and gradients to float rounding, reused buffers, no saved logits);
-            ``False`` forces the checkpointed chunks.
-        keep_probs (int): fused path with gradients only: float32 elements of softmax blocks
-            the forward may keep for the backward (whole chunks, from the first one, while
-            ``positions x V`` stays within it); the backward then skips recomputing those
-            chunks' logits and softmax. Costs ``4 x keep_probs`` bytes at most between the
-            forward and the backward; 0 (default) recomputes every chunk.
+        entropy_grad (bool): differentiate the entropy (False: a metric, no graph).
+        fused (bool): use the fused function when ``checkpoint``, a plain linear ``project`` and
+            no entropy gradient allow it; False forces the checkpointed chunks.
+        keep_probs (int): fused path with gradients only: float32 softmax elements kept for the
+            backward (whole chunks); 0 recomputes every chunk.
 
     Returns:
         tuple[Tensor, Tensor | None]: ``[N, T]`` float32 log-probs and, if ``return_entropy``,
-        ``[N, T]`` float32 entropies (else ``None``).
+        ``[N, T]`` float32 entropies.
 
     Raises:
         ValueError: on inconsistent shapes, negative target ids, ``temperature <= 0`` or

@@ -1,9 +1,4 @@
-"""Building the policy (and reference) model, plain or FSDP2-sharded, and its token rules.
-
-Shared by the training recipes and ``grpo_eval``: with one rank the model is built directly on
-its device; with several it is built on the meta device, sharded with torchtune's
-``shard_model`` and filled from the full state dict with ``load_from_full_model_state_dict``.
-"""
+"""Building the policy (and reference) model, plain or FSDP2-sharded, and its token rules."""
 
 from __future__ import annotations
 
@@ -82,30 +77,21 @@ def build_model(
     adapter_state_dict: dict[str, torch.Tensor] | None = None,
     dp_mesh: Any = None,
 ) -> PolicyDecoder:
-    """Instantiate ``cfg_model`` as a :class:`~torchtune_grpo.policy.decoder.PolicyDecoder`,
-    load ``state_dict`` and prepare it for GRPO.
-
-    A config's torchtune decoder (``torchtune.models.llama3_2.llama3_2`` and the like) becomes
-    a policy (:func:`~torchtune_grpo.policy.decoder.policy_decoder`) before it is sharded,
-    wrapped or loaded; :func:`~torchtune_grpo.models.hf_model` builds one already.
-
-    For a LoRA/DoRA model (torchtune's ``lora_*`` builders) ``state_dict`` holds the base
-    weights, the adapters start from their initialisation (or ``adapter_state_dict`` when
-    resuming) and only the adapters train.
+    """Instantiate ``cfg_model`` as a :class:`~torchtune_grpo.policy.decoder.PolicyDecoder`, load
+    ``state_dict`` and prepare it for GRPO (LoRA/DoRA: only the adapters train).
 
     Args:
         cfg_model: the ``model`` config node.
-        state_dict: full torchtune-format weights.
+        state_dict: full torchtune-format weights (base weights for LoRA).
         device: target device.
         dtype: parameter dtype.
         world_size: ranks; above 1 the model is FSDP2-sharded.
-        trainable: False freezes it and puts it in eval mode (reference model, evaluation).
+        trainable: False freezes it and puts it in eval mode.
         activation_checkpointing: wrap transformer layers (trainable models only).
         fsdp_cpu_offload: keep FSDP shards on CPU.
         reshard_after_forward: FSDP2 ``reshard_after_forward``.
         adapter_state_dict: LoRA adapter weights to resume from.
-        dp_mesh: the FSDP2 ``DeviceMesh`` to shard over (None: every rank of the default
-            process group; the asynchronous recipe passes its trainer ranks' mesh).
+        dp_mesh: the FSDP2 ``DeviceMesh`` to shard over (None: the default process group).
     """
     checkpointing = trainable and activation_checkpointing
     if world_size > 1:

@@ -1,11 +1,5 @@
-"""Sequence packing for training-time forward passes: several sequences in one row.
-
-A packed row lays the real tokens of a micro-batch's sequences end to end. Its attention
-"mask" says where each sequence starts: :class:`PackedSegments` (each sequence one causal
-segment) or :class:`SharedPrefixSegments` (a group's shared prompt once, then each member's
-response attending to it). :func:`install_packed_attention` teaches a torchtune model's
-attention calls to read them; :func:`shared_prompt_layout` places a micro-batch's tokens in a
-prompt-sharing row. :func:`torchtune_grpo.policy.forward.packed_micro_batch_logprobs` uses both.
+"""Sequence packing for training-time forwards: several sequences in one row, with attention
+"masks" that say where each sequence (or shared prompt) starts.
 """
 
 from __future__ import annotations
@@ -27,12 +21,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class PackedSegments:
-    """The attention "mask" of a packed row: consecutive segments, each its own sequence.
-
-    Passed as ``mask`` to a torchtune decoder whose attention calls were wrapped by
-    :func:`install_packed_attention`: every segment attends causally within itself and never
-    to another segment (a block-diagonal causal mask, without building the ``[S, S]`` mask or
-    computing the masked-out blocks).
+    """The attention "mask" of a packed row: consecutive segments, each causal within itself and
+    blind to the others (no ``[S, S]`` mask is built).
 
     Attributes:
         lengths: tokens per segment, in order; they sum to the packed row's length.
@@ -45,16 +35,11 @@ class PackedSegments:
 class SharedPrefixSegments:
     """The attention "mask" of a packed row whose sequences share their prompts.
 
-    The row is a run of blocks; a block is one prompt (the *prefix*) followed by the responses
-    of every sequence that has that prompt (the *suffixes*). The prefix attends causally within
-    itself; each suffix attends to the whole prefix and causally within itself, never to
-    another suffix or block. Every suffix token therefore sees exactly the tokens of its own
-    sequence, while the prompt's tokens are run once for the whole group instead of once per
-    sequence.
+    Each block is one prompt then the responses of every sequence with that prompt; a response
+    attends to the prompt and causally to itself only.
 
     Attributes:
-        blocks: ``(prefix_length, (suffix_length, ...))`` per block, in order; all lengths
-            add up to the packed row's length.
+        blocks: ``(prefix_length, (suffix_length, ...))`` per block, in order.
     """
 
     blocks: tuple[tuple[int, tuple[int, ...]], ...]
@@ -88,13 +73,8 @@ def _shared_prefix_attention(q, k, v, blocks, dropout_p=0.0,
 
 def _segment_attention(original, q, k, v, mask=None, dropout_p=0.0, is_causal=True, *,
                        sdpa=F.scaled_dot_product_attention):
-    """torchtune's ``_attention_call`` signature; per-segment causal ``sdpa`` for a
-    :class:`PackedSegments` mask, per-block ``sdpa`` for a :class:`SharedPrefixSegments` mask,
-    the wrapped call for anything else.
-
-    ``q, k, v``: ``[1, heads, S, head_dim]`` (k and v already expanded to the query heads).
-    ``sdpa``: the module's attention kernel (SDPA's signature; a soft-capped module's own, see
-    :func:`~torchtune_grpo.policy.kv_cache.attention_kernel`).
+    """torchtune's ``_attention_call`` for packed masks (``q, k, v``: ``[1, heads, S, head_dim]``),
+    by the module's kernel ``sdpa``; any other mask goes to ``original``.
     """
     if isinstance(mask, SharedPrefixSegments):
         return _shared_prefix_attention(q, k, v, mask.blocks, dropout_p=dropout_p, sdpa=sdpa)
@@ -110,15 +90,8 @@ def _segment_attention(original, q, k, v, mask=None, dropout_p=0.0, is_causal=Tr
 
 
 def install_packed_attention(model: nn.Module) -> None:
-    """Let every torchtune attention module of ``model`` take a :class:`PackedSegments` (or
-    :class:`SharedPrefixSegments`) mask.
-
-    Wraps each module's ``_attention_call`` (torchtune's SDPA/flex dispatcher, an instance
-    attribute); any other mask (boolean tensors, ``BlockMask``, None) goes to the original
-    call unchanged. The segments are computed by the module's own attention kernel
-    (:func:`~torchtune_grpo.policy.kv_cache.attention_kernel`: SDPA, or a soft-capped
-    attention's eager kernel). Idempotent; safe before or after FSDP sharding, activation
-    checkpointing or LoRA.
+    """Let every torchtune attention module of ``model`` take a :class:`PackedSegments` or
+    :class:`SharedPrefixSegments` mask (wraps ``_attention_call``; idempotent).
     """
     from torchtune_grpo.policy.kv_cache import attention_kernel
 
@@ -136,19 +109,14 @@ def shared_prompt_layout(
 ) -> tuple[torch.Tensor, torch.Tensor, SharedPrefixSegments]:
     """Where each real token of a micro-batch goes in a prompt-sharing packed row.
 
-    Rows are grouped by their real prompt tokens (first appearance order). A group's block is
-    its prompt, taken from its first row, then each member's response tokens in row order.
-
     Args:
         tokens: ``[n, P + T]``.
         prompt_mask: ``[n, P]`` real prompt tokens.
         response_present: ``[n, T]`` real response (and tool) tokens.
 
     Returns:
-        ``(keep [n, P + T] bool, packed_index [n, P + T] long, segments)``: ``keep`` marks the
-        tokens that are laid out (each group's first prompt, every response token);
-        ``packed_index`` gives every real token its position in the packed row (a shared
-        prompt token: its group's copy; -1 elsewhere); ``segments`` the block lengths.
+        ``(keep [n, P + T] bool, packed_index [n, P + T] long, segments)``: the tokens laid out,
+        every real token's position in the packed row (-1 elsewhere), and the block lengths.
     """
     n, prompt_len = prompt_mask.shape
     keep = torch.zeros(n, tokens.shape[1], dtype=torch.bool, device=tokens.device)

@@ -1,9 +1,5 @@
-"""Where each token of a padded row sits for the policy's forward: position ids, the causal mask
-that hides padding, and the cut of a micro-batch to its own extent.
-
-Rows are prompts left-padded to ``P`` followed by responses right-padded to ``T`` (the layout of
-:class:`~torchtune_grpo.algorithm.trajectory.Trajectory`); ``padding_mask [N, L]`` is True on
-every real token.
+"""Position ids, the padding-aware causal mask and the trim of a micro-batch to its own extent,
+for rows of left-padded prompts and right-padded responses.
 """
 
 from __future__ import annotations
@@ -23,11 +19,7 @@ def position_ids(padding_mask: torch.Tensor) -> torch.Tensor:
 
 
 def attention_mask(padding_mask: torch.Tensor) -> torch.Tensor:
-    """Causal attention mask ``[N, L, L]`` that hides padding.
-
-    Row ``i`` may attend to column ``j`` when ``j <= i`` and token ``j`` is real. Every position
-    also attends to itself, so that padding rows never see an all-masked softmax (whose NaN
-    would leak into later layers through the values).
+    """Causal attention mask ``[N, L, L]`` that hides padding (every position also sees itself).
 
     Args:
         padding_mask: ``[N, L]`` True on real tokens.
@@ -59,27 +51,18 @@ def trim_to_extent(tokens: torch.Tensor, prompt_mask: torch.Tensor,
                    tool_mask: torch.Tensor | None = None) -> Trimmed:
     """Drop the columns of a micro-batch that hold padding in every one of its rows.
 
-    On the prompt side these are the leading columns before the longest prompt of the
-    micro-batch starts; on the response side, the columns past its longest response. Both are
-    padding in every row, so for the kept columns :func:`position_ids` of the trimmed mask
-    equal those of the untrimmed row (the dropped leading columns add nothing to the running
-    count) and :func:`attention_mask` of the trimmed mask is the kept block of the untrimmed
-    one (a dropped leading key is hidden from every query, a dropped trailing key lies in
-    every kept query's future). A model run on the trimmed slice thus computes the same
-    log-probs for the kept response positions, up to float rounding. At least one prompt and
-    one response column are kept.
+    Positions and attention of the kept columns are unchanged, so the log-probs match up to float
+    rounding. At least one prompt and one response column are kept.
 
     Args:
         tokens: ``[n, P + T]`` prompts (left-padded to ``P``) followed by responses
             (right-padded to ``T``).
         prompt_mask: ``[n, P]`` True on real prompt tokens.
         response_mask: ``[n, T]`` True on generated tokens.
-        tool_mask: ``[n, T]`` True on tool-result tokens (None: none). They are real tokens:
-            the padding mask (hence attention and positions) and the kept extent include them.
+        tool_mask: ``[n, T]`` True on tool-result tokens (None: none), counted as real.
 
     Returns:
-        :class:`Trimmed` with tokens and padding mask ``[n, P_mb + T_mb]``, ``P_mb`` and
-        ``T_mb``, where ``1 <= P_mb <= P`` and ``1 <= T_mb <= T``.
+        :class:`Trimmed` with ``1 <= P_mb <= P`` and ``1 <= T_mb <= T``.
     """
     prompt_len, response_len = prompt_mask.shape[1], response_mask.shape[1]
     if tokens.shape[1] != prompt_len + response_len:

@@ -1,25 +1,10 @@
-"""The CPU quickstart: a task, a tiny model and its starting weights, made locally.
+"""The CPU quickstart: the addition task, a tiny model and its starting weights, made locally.
 
-The task (:mod:`torchtune_grpo.datasets.addition`) is adding 1111 to a four-digit number
-written as text (``"3812+1111="`` -> ``"4923"``): every prompt needs its own answer, answers
-are checked by the same numeric reward GSM8K uses, and problems split into disjoint train,
-held-out and warm-up sets.
-
-A randomly initialised model never answers correctly, so its groups would have no reward
-variance and GRPO would have nothing to learn from. :func:`prepare_quickstart` therefore gives
-the tiny model a short supervised warm-up on the separate ``warmup`` split, on *noisy
-demonstrations*: only a fraction (``correct_fraction``, default 0.3) of them show the right
-sum; the others show the typical wrong answer, the first operand echoed back (``"3812+1111="``
--> ``"3812"``). The warmed-up model has the right behaviour in its distribution but not as its
-mode: sampling answers correctly some of the time (groups have reward variance) while greedy
-decoding mostly echoes (low starting held-out success). GRPO, rewarded only by correctness, has
-to find and amplify the right behaviour, and held-out greedy success (:func:`heldout_success`)
-shows whether it did (an SFT-then-RL pipeline in miniature, with deliberately poor SFT data).
-
-This module also holds what the tool quickstart (:mod:`torchtune_grpo.quickstart.tools`) shares
-with it: the model's dimensions, loading a saved quickstart model
-(:func:`load_quickstart_model`) and the teacher-forced trainer of both warm-ups
-(:func:`train_on_demonstrations`). The command line is :mod:`torchtune_grpo.quickstart.cli`.
+:func:`prepare_quickstart` warms the tiny model up on noisy demonstrations of the ``warmup``
+split (a ``correct_fraction`` show the right sum, the rest echo the first operand), so sampling
+is sometimes right while greedy decoding mostly echoes; ``docs/quickstart.md`` explains why.
+Also shared with the tool quickstart: the model's dimensions, :func:`load_quickstart_model` and
+:func:`train_on_demonstrations`.
 """
 
 from __future__ import annotations
@@ -143,14 +128,10 @@ def train_on_demonstrations(model, tokenizer, demonstrate, *, steps: int, batch_
                              cosine: bool = False, report_every_s: float | None = None) -> None:
     """Teacher-forced cross-entropy: ``demonstrate()`` gives ``(prompt ids, segments)``.
 
-    ``segments`` is a list of ``(token ids, weight)``: the loss covers the tokens of the
-    segments with a non-zero weight (the model's own text: True or a float), never the prompt
-    or the segments with weight 0 / False (a tool's result: context, as in a GRPO rollout).
-    The loss is the weighted mean over the batch's trained tokens; ``group_by_length`` runs
-    one forward per distinct sequence length (no padding: demonstrations of very different
-    lengths cost what they hold). ``drills()``, if given, returns more ``(prompt ids, segments)``
-    to add to each batch; ``cosine`` decays the learning rate to 0 along a half cosine.
-    ``report_every_s``: print ``warm-up: step k/N`` that often (None: silent).
+    ``segments`` are ``(token ids, weight)``; the loss is the weighted mean over tokens of non-zero
+    weight (never the prompt or a tool's result). ``group_by_length`` runs one forward per distinct
+    length; ``drills()`` adds more ``(prompt ids, segments)`` to each batch; ``cosine`` decays the
+    learning rate to 0 along a half cosine; ``report_every_s`` prints progress that often.
     """
     start = last = time.perf_counter()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -201,12 +182,9 @@ def supervised_warmup(model, tokenizer, problems, *, steps: int,
                       batch_size: int = WARMUP_BATCH_SIZE, lr: float = WARMUP_LR,
                       correct_fraction: float = CORRECT_FRACTION, seed: int = 0,
                       report_every_s: float | None = None) -> None:
-    """Teacher-forced cross-entropy on noisy demonstrations of ``problems``
-    (``report_every_s``: a progress line that often).
-
-    Each sampled problem is shown with its right answer with probability
-    ``correct_fraction`` and with :func:`echo_answer` otherwise; the loss covers the answer
-    tokens and the end-of-turn token.
+    """Teacher-forced cross-entropy on ``problems``, each shown with its right answer with
+    probability ``correct_fraction`` and with :func:`echo_answer` otherwise (loss on the answer and
+    end-of-turn tokens; ``report_every_s``: a progress line that often).
     """
     if not 0.0 <= correct_fraction <= 1.0:
         raise ValueError(f"correct_fraction must be in [0, 1], got {correct_fraction}")
@@ -227,13 +205,11 @@ def prepare_quickstart(output_dir: str | Path = DEFAULT_QUICKSTART_DIR, *,
                        warmup_steps: int = WARMUP_STEPS, seed: int = 0,
                        correct_fraction: float = CORRECT_FRACTION,
                        report_every_s: float | None = None) -> Path:
-    """Write the quickstart's starting model (HF safetensors) and tokenizer into ``output_dir``.
-
-    Deterministic for a given ``seed`` (and thread count).
+    """Write the quickstart's starting model (HF safetensors) and tokenizer into ``output_dir``;
+    deterministic for a given ``seed`` and thread count.
 
     Args:
-        output_dir: folder the ``grpo/quickstart_cpu`` config reads (``checkpointer`` and
-            ``tokenizer`` paths).
+        output_dir: folder the ``grpo/quickstart_cpu`` config reads.
         warmup_steps: supervised warm-up steps on the ``warmup`` split (0: random weights).
         seed: seed of the initial weights and the warm-up.
         correct_fraction: share of warm-up demonstrations that show the right answer.

@@ -1,11 +1,6 @@
-"""Tiny models and tokenizers for the CPU quickstart, the tests and the benchmarks.
-
-Nothing here downloads anything: the tokenizer is a byte-level tiktoken file with the
-Llama 3 special tokens placed right after the 256 byte tokens, and the model is a
-:func:`torchtune.models.llama3_2.llama3_2` decoder with small dimensions. Both are written
-in the formats a real run uses (a tiktoken ``tokenizer.model`` plus a ``tokenizer.json``
-holding the special tokens; HF safetensors plus ``config.json``), so the quickstart goes
-through exactly the same loading code as a run on a downloaded model.
+"""Tiny models and tokenizers for the CPU quickstart, the tests and the benchmarks, written in the
+formats a real run loads (tiktoken ``tokenizer.model`` plus ``tokenizer.json``; HF safetensors
+plus ``config.json``).
 """
 
 from __future__ import annotations
@@ -30,16 +25,11 @@ def tiny_special_tokens() -> dict[str, int]:
 
 
 def write_tiny_tokenizer(directory: str | Path) -> tuple[Path, Path]:
-    """Write a byte-level Llama 3 style tokenizer into ``directory``.
-
-    Args:
-        directory: folder to create (if needed) and write into.
+    """Write a byte-level Llama 3 style tokenizer into ``directory`` (created if needed).
 
     Returns:
-        ``(tokenizer.model, tokenizer.json)``: the tiktoken BPE file (one line per byte,
-        no merges) and an HF-style ``tokenizer.json`` whose ``added_tokens`` list the special
-        tokens, as :func:`torchtune.models.llama3.llama3_tokenizer` reads them through
-        ``special_tokens_path``.
+        ``(tokenizer.model, tokenizer.json)``: the tiktoken BPE file (one line per byte, no
+        merges) and a ``tokenizer.json`` whose ``added_tokens`` list the special tokens.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -74,12 +64,10 @@ TINY_MODEL_DIMS = dict(
 
 
 def tiny_llama(**overrides):
-    """A small policy model: a :func:`torchtune.models.llama3_2.llama3_2` decoder (tied
-    embeddings) as a :class:`~torchtune_grpo.policy.decoder.PolicyDecoder`.
-
-    Keyword arguments override :data:`TINY_MODEL_DIMS`. The default vocabulary (320) is larger
-    than the tiny tokenizer's (269 ids): ids 269..319 are undefined, as Llama 3 leaves some
-    of its 128256 ids undefined, which is exactly the case sampling must survive.
+    """A small policy model: a :func:`torchtune.models.llama3_2.llama3_2` decoder (tied embeddings)
+    as a :class:`~torchtune_grpo.policy.decoder.PolicyDecoder`; keyword arguments override
+    :data:`TINY_MODEL_DIMS`. Its vocabulary (320) exceeds the tokenizer's 269 ids, so sampling
+    must avoid undefined ids.
     """
     from torchtune.models.llama3_2 import llama3_2
 
@@ -121,16 +109,12 @@ def hf_llama_config(vocab_size: int, num_layers: int, num_heads: int, num_kv_hea
 
 
 def write_hf_checkpoint(model, directory: str | Path, dims: dict) -> Path:
-    """Write ``model`` (a :func:`tiny_llama`) as an HF checkpoint plus the tiny tokenizer.
-
-    Args:
-        model: the torchtune model whose weights to write.
-        directory: output folder (created).
-        dims: the builder arguments the model was made with.
+    """Write ``model`` (a :func:`tiny_llama` built with ``dims``) as an HF checkpoint plus the tiny
+    tokenizer into ``directory`` (created).
 
     Returns:
         The folder, holding ``model.safetensors``, ``config.json``, ``tokenizer.model`` and
-        ``tokenizer.json``: what ``checkpointer`` and ``tokenizer`` of a config point at.
+        ``tokenizer.json``.
     """
     from safetensors.torch import save_file
     from torchtune.models.convert_weights import tune_to_hf

@@ -1,16 +1,9 @@
-"""The tool quickstart: a task the tiny model cannot do in its head, and a tool to do it.
+"""The tool quickstart: multiplication the tiny model cannot do in its head, and a calculator.
 
-The tool quickstart (``tune-grpo prepare-quickstart --tools``, config
-``grpo/quickstart_cpu_tools``) is built like the addition quickstart
-(:mod:`torchtune_grpo.quickstart.prepare`) on multiplying a two-digit by a three-digit number
-(:mod:`torchtune_grpo.datasets.multiplication`): its warm-up (:func:`tool_warmup`) shows the
-model calling the calculator (``<calculator>37*412</calculator><result>15244</result>Answer:
-15244``) in only a minority (``tool_fraction``, default 0.25) of demonstrations, the others
-answering directly with a plausible wrong guess, plus copy drills (:func:`copy_drills`) that
-teach copying the operands into a call and a result into the answer without ever training the
-choice to call. Greedy decoding then answers in its head (and wrongly); GRPO, rewarded only
-for the final answer, has to make the tool call the mode. :func:`tool_heldout_success` measures
-held-out greedy success and tool calls per completion with the rollout engine of training.
+Its warm-up (:func:`tool_warmup`) shows the calculator call in a minority (``tool_fraction``)
+of demonstrations and copy drills that never train the choice to call, so GRPO, rewarded for
+the final answer only, has to make the call the mode; ``docs/quickstart_tools.md`` explains
+it. :func:`tool_heldout_success` measures held-out greedy success and tool calls.
 """
 
 from __future__ import annotations
@@ -48,24 +41,19 @@ TOOL_MAX_NEW = 72
 @torch.no_grad()
 def tool_rollout(model, tokenizer, questions: list[str], *, tools: bool = True,
                  max_new: int = TOOL_MAX_NEW) -> tuple[list[str], float]:
-    """Greedy multi-turn completions of plain-text ``questions`` with the calculator.
-
-    Runs the rollout engine of training (:class:`~torchtune_grpo.rollout.multiturn.ToolUseGenerator`
-    around :class:`~torchtune_grpo.rollout.native.NativeGenerator`) at temperature 0.
+    """Greedy multi-turn completions of plain-text ``questions`` with the training rollout engine.
 
     Args:
         model: a quickstart model.
         tokenizer: its tokenizer.
         questions: prompts (encoded after BOS, no template).
-        tools: False runs the same engine with no tool (a call gets no result: the negative
-            control's rollout).
+        tools: False runs the same engine with no tool (a call gets no result).
         max_new: response budget, model and tool tokens together.
 
     Returns:
-        ``(texts, calls_per_completion)``: each completion's whole text (model and tool
-        tokens, stop token left out), and the mean number of tool calls per completion: the
-        results the tool gave, or with ``tools=False`` the calls the model wrote
-        (``</calculator>`` tags) that got no result.
+        ``(texts, calls_per_completion)``: each completion's text (model and tool tokens) and
+        the mean tool calls per completion (with ``tools=False``: the unanswered
+        ``</calculator>`` tags).
     """
     from torchtune_grpo.rollout.multiturn import ToolUseGenerator
     from torchtune_grpo.rollout.native import NativeGenerator
@@ -101,20 +89,16 @@ def tool_rollout(model, tokenizer, questions: list[str], *, tools: bool = True,
 
 def tool_heldout_success(checkpoint_dir: str | Path, *, tools: bool = True,
                          limit: int | None = None) -> tuple[float, float]:
-    """Held-out greedy success and tool-call rate of a tool-quickstart checkpoint.
-
-    Greedy multi-turn rollouts (:func:`tool_rollout`) on the multiplication ``test`` split,
-    scored like training: :class:`~torchtune_grpo.rewards.components.NumericCorrectness` on the
-    number after the last ``Answer:``.
+    """Held-out greedy success (the number after the last ``Answer:``) and tool-call rate of a
+    tool-quickstart checkpoint on the multiplication ``test`` split.
 
     Args:
         checkpoint_dir: an HF model folder (the prepared base or ``<output_dir>/step_<N>``).
-        tools: False evaluates with the calculator disabled (calls get no result).
+        tools: False evaluates with the calculator disabled.
         limit: evaluate only the first ``limit`` held-out problems.
 
     Returns:
-        ``(success, calls_per_completion)`` (see :func:`tool_rollout` for the calls with
-        ``tools=False``).
+        ``(success, calls_per_completion)``.
     """
     from torchtune_grpo.datasets.multiplication import (
         MULTIPLICATION_ANSWER_PHRASE,
@@ -145,16 +129,9 @@ def direct_guess(answer: str, rng: random.Random) -> str:
 
 def tool_demonstration(question: str, answer: str, *, use_tool: bool,
                        rng: random.Random) -> list[tuple[str, bool]]:
-    """One warm-up demonstration of the multiplication task as ``(text, trained)`` segments.
-
-    With ``use_tool`` the model calls the calculator and copies its result into the answer::
-
-        [("<calculator>37*412</calculator>", True), ("<result>15244</result>", False),
-         ("Answer: 15244", True)]
-
-    (the result segment is the tool's text: context, not trained on); otherwise it answers
-    directly with :func:`direct_guess`: ``[("Answer: 15876", True)]``. The end-of-turn token
-    that follows is the caller's.
+    """One warm-up demonstration as ``(text, trained)`` segments: with ``use_tool`` the call
+    (trained), the tool's result (not trained) and ``Answer: N`` (trained); otherwise only
+    ``Answer:`` with :func:`direct_guess`. The end-of-turn token is the caller's.
     """
     from torchtune_grpo.datasets.multiplication import MULTIPLICATION_ANSWER_PHRASE
     from torchtune_grpo.rollout.tools.calculator import Calculator
@@ -171,19 +148,11 @@ def tool_demonstration(question: str, answer: str, *, use_tool: bool,
 
 def copy_drills(tokenizer, problems, rng: random.Random, *, answer_drills: int,
                 call_drills: int) -> list[tuple[list[int], list[tuple[list[int], float]]]]:
-    """Copy exercises for the tool warm-up, as ``(prompt ids, segments)`` like a demonstration.
+    """Copy exercises for the tool warm-up, as ``(prompt ids, segments)``.
 
-    They teach the two copies a tool call needs without touching the decision to call:
-
-    - ``answer_drills`` result -> answer drills: after BOS only (no question), the tool's text
-      ``<result>N</result>`` (context, weight 0) and the trained ``Answer: N`` and end-of-turn
-      token, where ``N`` is a random 4- or 5-digit number, not a product: the answer can only
-      be copied, never estimated from operands;
-    - ``call_drills`` operands -> call drills: a ``warmup`` question and its call
-      ``<calculator>37*412</calculator>``, whose first token (the choice to call) has weight 0.
-
-    No drill trains the token that follows a question's prompt, so the model's prior for
-    calling the tool is set by the demonstrations alone (``tool_fraction``).
+    ``answer_drills``: BOS, ``<result>N</result>`` (weight 0), then the trained ``Answer: N`` and
+    end of turn, ``N`` a random 4-5 digit number. ``call_drills``: a ``warmup`` question and its
+    call, the call's first token at weight 0. No drill trains the choice to call.
     """
     from torchtune_grpo.datasets.multiplication import MULTIPLICATION_ANSWER_PHRASE
     from torchtune_grpo.rollout.tools.calculator import Calculator
@@ -213,24 +182,12 @@ def tool_warmup(model, tokenizer, problems, *, steps: int,
                 lr: float = TOOL_WARMUP_LR, tool_fraction: float = TOOL_FRACTION,
                 tool_weight: float = TOOL_WEIGHT, answer_drills: int = TOOL_ANSWER_DRILLS,
                 call_drills: int = TOOL_CALL_DRILLS, seed: int = 0) -> None:
-    """Teacher-forced warm-up on multiplication demonstrations, a minority with the tool.
+    """Teacher-forced warm-up on multiplication demonstrations, a ``tool_fraction`` of them calling
+    the tool, the others answering with a plausible wrong guess.
 
-    Each sampled problem is shown calling the calculator with probability ``tool_fraction``
-    (:func:`tool_demonstration`) and answering directly with a plausible wrong guess
-    otherwise; the loss covers the model's text (the call, the final answer and the
-    end-of-turn token), never the tool's result.
-
-    ``tool_weight`` scales the loss of a tool demonstration's tokens **after its first one**:
-    the first token (``<`` of the call, or ``A`` of a direct answer) keeps weight 1, so the
-    model's prior for calling the tool stays about ``tool_fraction``, while copying the
-    operands into the call and the result into the answer, which only the tool
-    demonstrations teach, is learned in fewer steps.
-
-    Each batch also holds ``answer_drills`` + ``call_drills`` copy exercises
-    (:func:`copy_drills`) that never train the choice to call the tool; the learning rate
-    decays to 0 along a half cosine. Without the drills the copy of the result into the
-    answer is learned slowly and, depending on the seed, only part of the time
-    (docs/quickstart_tools.md).
+    The loss covers the model's text, never the tool's result; ``tool_weight`` scales a tool
+    demonstration's tokens after its first; each batch adds ``answer_drills`` + ``call_drills``
+    (:func:`copy_drills`); the learning rate decays along a half cosine.
     """
     if not 0.0 <= tool_fraction <= 1.0:
         raise ValueError(f"tool_fraction must be in [0, 1], got {tool_fraction}")
@@ -264,12 +221,8 @@ def prepare_tools_quickstart(output_dir: str | Path = DEFAULT_TOOLS_QUICKSTART_D
                              warmup_steps: int = TOOL_WARMUP_STEPS, seed: int = 0,
                              tool_fraction: float = TOOL_FRACTION,
                              tool_weight: float = TOOL_WEIGHT) -> Path:
-    """Write the tool quickstart's starting model and tokenizer into ``output_dir``.
-
-    The same tiny model as :func:`prepare_quickstart`, warmed up by :func:`tool_warmup` on the
-    multiplication ``warmup`` split: a minority (``tool_fraction``) of demonstrations call the
-    calculator, the rest answer with a plausible wrong guess. Deterministic for a given
-    ``seed`` (and thread count).
+    """Write the tool quickstart's starting model and tokenizer into ``output_dir`` (the tiny model
+    warmed up by :func:`tool_warmup`); deterministic for a given ``seed`` and thread count.
 
     Args:
         output_dir: folder the ``grpo/quickstart_cpu_tools`` config reads (``model_dir``).

@@ -1,9 +1,7 @@
-"""Scoring completions: answer extraction, reward components, math equivalence, and the reward
-set that turns a config's list into per-completion rewards.
+"""Scoring completions: answer extraction, reward components, math equivalence and the reward set.
 
-The learned reward components are importable from here (``_component_:
-torchtune_grpo.rewards.RewardModelScore`` or ``torchtune_grpo.rewards.GenerativeJudge``); they
-are loaded on first access, so importing this package does not import their dependencies.
+The learned reward components (``RewardModelScore``, ``GenerativeJudge``) are loaded on first
+access.
 """
 
 from typing import Any

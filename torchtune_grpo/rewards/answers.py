@@ -1,23 +1,8 @@
 """Reading final answers out of completions: numbers, answer tags, phrases and boxes.
 
-Training rewards (:mod:`torchtune_grpo.rewards.components`) and evaluation graders
-(:mod:`torchtune_grpo.rewards.math_grading`) read answers with these functions, so a completion
-that training rewards is one that evaluation counts correct, and the reverse:
-
-- :func:`last_number` and :func:`parse_number` find the **last number** of a text, as a
-  normalised string (``"1234"``, ``"-3"``, ``"3/4"``) and as a float. Both come from one
-  scanner, so they always agree on which number it is.
-- :func:`numbers_match` compares two numbers (exact for whole numbers).
-- :func:`extract_tagged`, :func:`extract_after_phrase` and :func:`extract_boxed` cut out the
-  part of a completion that holds its final answer (``<answer>...</answer>``, the rest of the
-  line after "The answer is", the last ``\\boxed{...}``).
-- :func:`after_thinking` drops a reasoning model's ``<think>...</think>`` block (Qwen3), so
-  the answer is read from what follows it only.
-
-Every function here runs in time linear in its input (the regular expressions have no nested
-quantifiers that could backtrack catastrophically on adversarial completions) and never raises
-on a string. This module imports only the standard library: the math-grading worker process
-imports it without torch.
+Training rewards and evaluation graders both read answers with these functions. Each runs in
+time linear in its input and never raises on a string; only the standard library is imported
+(the grading worker imports it without torch).
 """
 
 from __future__ import annotations
@@ -151,12 +136,7 @@ def _to_float(text: str) -> float | None:
 
 
 def _token_number(token: str) -> tuple[str, float] | None:
-    """``(normalised text, value)`` of one :data:`_SCAN_RE` token, ``None`` if not finite.
-
-    The text is ``[-]digits[.digits][/digits[.digits]]``: no thousands separators, currency
-    sign or LaTeX, one leading ``-`` for a negative number (a ``\\frac`` with signed arguments
-    folds their signs into it).
-    """
+    """``(normalised text, value)`` of one :data:`_SCAN_RE` token, ``None`` if not finite."""
     negative = token[0] in "-\u2212"
     body = token[1:] if negative else token
     body = body[1:] if body.startswith("$") else body
@@ -206,67 +186,36 @@ def _find_last_number(text: str) -> tuple[str, float] | None:
 
 
 def last_number(text: str) -> str | None:
-    """The last number written in ``text``, as normalised text.
-
-    The number is the one :func:`parse_number` reads (see there for what counts as a number);
-    it is written ``[-]digits[.digits][/digits[.digits]]``, without thousands separators,
-    currency signs or LaTeX: ``"$1,234."`` gives ``"1234"``, ``"x = -\\frac{1}{2}"`` gives
-    ``"-1/2"``, ``"10-3"`` gives ``"3"``. Graders that compare answers as text or as LaTeX
-    (math-verify) use this form.
-
-    Args:
-        text: any text.
-
-    Returns:
-        The normalised number, or ``None`` exactly when :func:`parse_number` returns ``None``.
+    """The last number written in ``text`` (the one :func:`parse_number` reads), as normalised text
+    ``[-]digits[.digits][/digits[.digits]]``: ``"$1,234."`` gives ``"1234"``,
+    ``"x = -\\frac{1}{2}"`` ``"-1/2"``, ``"10-3"`` ``"3"``; ``None`` exactly when
+    :func:`parse_number` returns ``None``.
     """
     found = _find_last_number(text)
     return None if found is None else found[0]
 
 
 def parse_number(text: str) -> float | None:
-    """The last number written in ``text``, normalised to a float.
+    """The last number written in ``text``, as a float.
 
-    Tolerates the ways models (and GSM8K) write numbers: thousands separators (``1,000``,
-    LaTeX ``1{,}000`` and ``1\\,000``; a comma that is not a thousands separator separates
-    numbers, so ``1,2,3`` ends with 3 and ``1, 2, 3`` too), currency (``$18``, ``-$5``,
-    ``\\$5``), trailing zeros or a trailing period (``18.00``, ``18.``), units and words around
-    the number (``18 dollars``, ``$18 per hour``), percentages (``50%`` and ``50\\%`` are 50),
-    negative numbers (``-7``, ``\u22127``, ``x=-7``, ``(-7)``, ``$-7$``, ``-\\!7``; a ``-``
-    directly after a word character or a closing bracket is a range or a subtraction, so
-    ``10-3`` and ``x-3`` end with 3, and ``- 7`` with a space is 7), simple fractions written
-    without spaces (``3/4``, ``\\frac{3}{4}``, ``\\dfrac34`` and ``-\\frac{3}{4}`` are
-    ±0.75; ``a/0`` counts as the number 0) and leading-dot decimals (``.5``). Scientific
-    notation is not recognised (``1e3`` reads as 1, then 3).
-
-    Never raises on a string, and runs in time linear in ``len(text)``.
+    Accepts thousands separators (``1,000``, ``1{,}000``), currency, trailing zeros or period,
+    units and words around it, percentages (``50%`` is 50), negative signs (a ``-`` right after a
+    word character or closing bracket is a subtraction: ``10-3`` ends with 3), simple fractions
+    (``3/4``, ``\\frac{3}{4}``; ``a/0`` is 0) and leading-dot decimals; not scientific notation.
 
     Args:
         text: any text.
 
     Returns:
-        The value of the last number, or ``None`` when ``text`` holds no number or the last
-        number is not finite (e.g. thousands of digits).
+        The value, or ``None`` when ``text`` holds no number or the last one is not finite.
     """
     found = _find_last_number(text)
     return None if found is None else found[1]
 
 
 def numbers_match(a: float, b: float, rel_tol: float = 1e-6) -> bool:
-    """Whether two numbers are equal: exactly for whole numbers, else up to a tolerance.
-
-    Two whole numbers (``1450000`` and ``1450001``) must be equal exactly: a relative tolerance
-    would accept an off-by-one on large answers. Otherwise (``0.75`` and ``3/4``,
-    ``0.3333333`` and ``1/3``) they match when ``|a - b| <= max(rel_tol * max(|a|, |b|),
-    1e-9)``.
-
-    Args:
-        a: a number.
-        b: another number.
-        rel_tol: relative tolerance for non-whole numbers.
-
-    Returns:
-        Whether they match; ``False`` when either is NaN or infinite.
+    """Whether two numbers are equal: exactly when both are whole, else within
+    ``max(rel_tol * max(|a|, |b|), 1e-9)``; ``False`` when either is NaN or infinite.
     """
     if not (math.isfinite(a) and math.isfinite(b)):
         return False
@@ -287,19 +236,10 @@ def _literal_regex(literal: str) -> re.Pattern[str]:
 
 
 def extract_tagged(text: str, tag: str) -> str | None:
-    """Content of the last complete ``<tag>...</tag>`` block of ``text``.
+    """Content of the last complete ``<tag>...</tag>`` block of ``text``, stripped, or ``None``.
 
-    The block is the last closing tag together with the nearest opening tag before it, so with
-    several blocks the last one wins and an unclosed trailing ``<tag>`` is ignored. Tags match
-    case-insensitively and literally (no attributes, no spaces inside the brackets).
-
-    Args:
-        text: any text.
-        tag: the tag name, without brackets (e.g. ``"answer"``).
-
-    Returns:
-        The block's content with surrounding whitespace stripped (possibly ``""``), or ``None``
-        when ``text`` has no complete block.
+    The last closing tag pairs with the nearest opening tag before it; tags match
+    case-insensitively and literally.
     """
     if not isinstance(text, str) or not tag:
         return None
@@ -318,18 +258,8 @@ def extract_tagged(text: str, tag: str) -> str | None:
 
 
 def extract_after_phrase(text: str, phrase: str) -> str | None:
-    """The rest of the line after the last occurrence of ``phrase`` in ``text``.
-
-    For chat models asked to end with a sentence such as "The answer is 42." (``phrase="the
-    answer is"``). The phrase matches case-insensitively and literally.
-
-    Args:
-        text: any text.
-        phrase: the phrase that introduces the final answer.
-
-    Returns:
-        The text from the end of the last match to the end of its line, stripped (possibly
-        ``""``), or ``None`` when ``text`` does not contain ``phrase``.
+    """The rest of the line after the last case-insensitive occurrence of ``phrase``, stripped, or
+    ``None`` when ``text`` does not contain it.
     """
     if not isinstance(text, str) or not phrase:
         return None
@@ -355,18 +285,8 @@ _BOX_SCAN_RE = re.compile(
 
 
 def extract_boxed(text: str) -> str | None:
-    """Content of the last complete ``\\boxed{...}`` (or ``\\fbox{...}``) of ``text``.
-
-    Braces are balanced (``\\boxed{\\frac{1}{2}}`` gives ``\\frac{1}{2}``); escaped braces
-    ``\\{``/``\\}`` are literal characters, so ``\\boxed{\\{1,2\\}}`` gives ``\\{1,2\\}``. "Last"
-    means the box that closes last; an unclosed trailing ``\\boxed{`` (a truncated completion)
-    is ignored. The brace-less form ``\\boxed 5`` counts too. Runs in time linear in the text.
-
-    Args:
-        text: any text.
-
-    Returns:
-        The box content, stripped (possibly ``""``), or ``None`` when there is no complete box.
+    """Content of the last complete ``\\boxed{...}`` (or ``\\fbox{...}``, or ``\\boxed 5``) of
+    ``text``, stripped, or ``None``; braces are balanced, escaped braces are literal.
     """
     if not isinstance(text, str) or "box" not in text:
         return None
@@ -389,17 +309,9 @@ def extract_boxed(text: str) -> str | None:
 def after_thinking(text: str, tag: str = "think") -> str | None:
     """The part of a completion after its reasoning block ``<tag>...</tag>``.
 
-    Reasoning models (Qwen3 in thinking mode) write ``<think>...</think>`` and then the answer;
-    numbers and answer phrases inside the reasoning are drafts, not answers.
-
-    Args:
-        text: a completion.
-        tag: the reasoning tag's name, without brackets.
-
     Returns:
-        The text after the last ``</tag>`` when there is one; ``None`` when a ``<tag>`` was
-        opened and never closed (the reasoning did not finish: no answer); otherwise ``text``
-        unchanged (a completion without reasoning block). Tags match case-insensitively.
+        The text after the last ``</tag>``; ``None`` when a ``<tag>`` never closes; otherwise
+        ``text`` unchanged. Tags match case-insensitively.
     """
     if not isinstance(text, str):
         return None

@@ -1,13 +1,5 @@
-"""Building a :class:`~torchtune_grpo.rewards.reward_set.RewardSet` from a config.
-
-:func:`build_reward_set` turns the ``rewards`` list of a config into a reward set. Each entry
-names a reward component (see :mod:`torchtune_grpo.rewards.components` for the signature and the
-shipped ones) with ``_component_``: a class or factory, instantiated with the entry's other keys,
-or a plain function whose first two parameters are ``completions, answers``, bound to them. The
-reward-set keys of the entry (:data:`~torchtune_grpo.rewards.reward_set.REWARD_ENTRY_KEYS`) are
-checked by :func:`~torchtune_grpo.rewards.reward_set.check_reward_entry` and taken out first;
-this module adds the checks that involve several entries and picks each component's default
-name and the success entry.
+"""Building a :class:`~torchtune_grpo.rewards.reward_set.RewardSet` from a config's ``rewards``
+list: the checks that involve several entries, default names and the success entry.
 """
 
 from __future__ import annotations
@@ -124,24 +116,12 @@ def _success_index(success_flags: list[bool | None], thresholds_set: list[bool])
 def build_reward_set(cfg_list: ListConfig | Sequence[Mapping[str, Any]]) -> RewardSet:
     """The :class:`~torchtune_grpo.rewards.reward_set.RewardSet` of a config's ``rewards`` list.
 
-    Each entry is a mapping with ``_component_`` (dotted path of a reward class, a factory, or a
-    plain function whose first two parameters are ``completions, answers``) plus keyword
-    arguments for it. The keys of :data:`~torchtune_grpo.rewards.reward_set.REWARD_ENTRY_KEYS` are
-    taken out of the entry before instantiating it (checked by
-    :func:`~torchtune_grpo.rewards.reward_set.check_reward_entry`):
-
-    - ``weight`` (default 1.0): finite number multiplying the component in the total reward.
-    - ``name``: metric name (``reward/<name>``); default the component's ``name`` attribute,
-      else the snake_case class (or function) name.
-    - ``success`` (bool): this component defines ``success_rate`` (at most one entry). If no
-      entry sets ``success: true``, the first entry not marked ``success: false`` does.
-    - ``success_threshold`` (default ``1 - 1e-6``): value from which a sample counts as success;
-      only on the success entry.
-    - ``on_error``: ``raise`` (default) or ``zero`` (score samples whose scoring raises 0 and
-      count them in :attr:`~torchtune_grpo.rewards.reward_set.RewardOutput.errors`).
-    - ``requires_success`` (default false): the term's positive values count in the total only
-      for completions that succeed (see :class:`~torchtune_grpo.rewards.reward_set.RewardEntry`);
-      not on the success entry.
+    Each entry has ``_component_`` (a reward class or factory, instantiated with the entry's other
+    keys, or a function whose first two parameters are ``completions, answers``) and the set's keys
+    (:data:`~torchtune_grpo.rewards.reward_set.REWARD_ENTRY_KEYS`). ``name`` defaults to the
+    component's ``name`` attribute, else its snake_case class or function name; without
+    ``success: true`` the first entry not marked ``success: false`` defines success;
+    ``success_threshold`` defaults to ``1 - 1e-6``.
 
     Args:
         cfg_list: an OmegaConf ``ListConfig`` or a list of dicts.

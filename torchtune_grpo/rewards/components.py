@@ -1,28 +1,9 @@
 """The shipped reward components.
 
-A *reward component* is any callable with the signature::
-
-    component(completions: list[str], answers: list[str], **kwargs) -> Sequence[float] | Tensor
-
-returning one float per completion (a sequence or tensor of length ``N``). The recipe passes
-these keyword arguments, and every component must accept (and may ignore) unknown ones through
-``**kwargs``:
-
-- ``questions: list[str]``: the prompts' questions.
-- ``stopped: list[bool]``: whether each completion ended on a stop token (not truncated).
-- ``response_lengths: list[int]``: number of generated tokens of each completion.
-- ``max_generated_tokens: int``: the generation budget.
-
-Components are built from the ``rewards`` list of a config by
-:func:`~torchtune_grpo.rewards.build.build_reward_set`. The weights, names and the success
-definition live in the config entry, not in the component: the
-:class:`~torchtune_grpo.rewards.reward_set.RewardSet` applies them.
-
-Shipped components: :class:`NumericCorrectness` (GSM8K-style final-number correctness),
-:class:`FormatReward` (the ``<think>...</think><answer>...</answer>`` layout),
-:class:`AnswerPhraseFormat` ("The answer is 42.") and :class:`OverlongPenalty` (DAPO's soft
-length penalty). They read answers with :mod:`torchtune_grpo.rewards.answers`, the module that
-evaluation graders use too, so training and evaluation score answers alike.
+A reward component is any callable ``component(completions, answers, **kwargs)`` returning one
+float per completion; it accepts and may ignore the keyword arguments the recipe passes
+(``questions``, ``stopped``, ``response_lengths``, ``max_generated_tokens``). Weights, names and
+the success flag belong to the config entry (:class:`~torchtune_grpo.rewards.reward_set.RewardSet`).
 """
 
 from __future__ import annotations
@@ -54,33 +35,17 @@ __all__ = [
 class NumericCorrectness:
     """GSM8K-style correctness: 1.0 when the completion's final answer equals the gold number.
 
-    The final answer is extracted from each completion as follows:
-
-    - ``answer_tag`` set (default ``"answer"``): the content of the last complete
-      ``<answer>...</answer>`` block (see :func:`.extract_tagged`); the last number in that
-      content (see :func:`.parse_number`) is the answer. A block without a number scores 0.
-      If the completion has no complete block, ``fallback="last_number"`` uses the last number
-      of the whole completion, and ``fallback="none"`` scores 0.
-    - ``answer_phrase`` set (with ``answer_tag=None``), e.g. ``"The answer is"``: the last
-      number on the line after the phrase's last occurrence (see
-      :func:`.extract_after_phrase`); without the phrase, ``fallback`` decides as above.
-    - both ``None``: the last number of the whole completion.
-
-    With ``think_tag`` (``"think"`` for Qwen3's thinking mode) all of this reads only the text
-    after the completion's reasoning block (:func:`.after_thinking`); a completion whose
-    ``<think>`` never closes has no answer (0).
-
-    Gold answers are parsed with :func:`.parse_number` too, so ``"1,000"`` and ``"1000"`` are the
-    same gold answer. A gold answer without any number raises ``ValueError`` (the dataset does
-    not fit this component). Completions never make it raise.
+    The answer is the last number of the last complete ``<answer_tag>`` block, else of the line
+    after the last ``answer_phrase``, else (``fallback="last_number"`` or neither set) of the
+    whole completion; with ``think_tag`` only the text after the reasoning block counts. Gold
+    answers are parsed the same way.
 
     Args:
         answer_tag: name of the tag holding the final answer, or ``None``.
-        fallback: ``"none"`` or ``"last_number"``: what to do when ``answer_tag`` (or
-            ``answer_phrase``) is set and a completion has no complete answer block (phrase).
+        fallback: ``"none"`` or ``"last_number"``: what a completion without the tag (phrase)
+            gets.
         rel_tol: relative tolerance of the comparison (see :func:`.numbers_match`).
-        answer_phrase: the phrase that introduces the final answer, for models asked to end
-            with a sentence instead of a tag; needs ``answer_tag: null``.
+        answer_phrase: the phrase that introduces the final answer; needs ``answer_tag: null``.
         think_tag: name of the reasoning block the answer follows (``None``: none).
 
     Raises:
@@ -124,14 +89,7 @@ class NumericCorrectness:
         self.rel_tol = rel_tol
 
     def extract_answer(self, completion: str) -> float | None:
-        """The numeric final answer of one completion, or ``None`` when it has none.
-
-        Args:
-            completion: the generated text.
-
-        Returns:
-            The extracted number, or ``None``.
-        """
+        """The numeric final answer of one completion, or ``None`` when it has none."""
         if self.think_tag is not None:
             completion = after_thinking(completion, self.think_tag)
             if completion is None:
@@ -147,15 +105,7 @@ class NumericCorrectness:
         return parse_number(content)
 
     def __call__(self, completions: list[str], answers: list[str], **kwargs: Any) -> list[float]:
-        """Score a batch.
-
-        Args:
-            completions: ``N`` generated texts.
-            answers: ``N`` gold answers (GSM8K final answers such as ``"1,000"``).
-            **kwargs: ignored.
-
-        Returns:
-            ``N`` floats in ``{0.0, 1.0}``.
+        """Score ``N`` completions against ``N`` gold answers: floats in ``{0.0, 1.0}``.
 
         Raises:
             ValueError: when a gold answer holds no number.
@@ -180,14 +130,11 @@ _SPECIAL_TOKEN_RE = re.compile(r"<\|[^<>|]{0,64}\|>")
 class OverlongPenalty:
     """DAPO's soft overlong punishment, a length-only reward component.
 
-    With ``L = max_generated_tokens`` (from the recipe, or ``max_tokens``) and a buffer of
-    ``cache_tokens``: a completion of ``n`` generated tokens scores ``0`` when
-    ``n <= L - cache_tokens``, ``(L - cache_tokens - n) / cache_tokens`` (from 0 down to -1)
-    inside the buffer, and ``-1`` beyond ``L`` (not reachable when ``L`` is the generation
-    limit). Add it to ``rewards`` with a weight, next to a correctness component.
+    With ``L`` the length limit and ``c = cache_tokens``, ``n`` generated tokens score 0 up to
+    ``L - c``, ``(L - c - n) / c`` inside the buffer and -1 beyond ``L``.
 
     Args:
-        cache_tokens: length of the soft-penalty buffer (DAPO: 4096 of 20480).
+        cache_tokens: length of the soft-penalty buffer.
         max_tokens: ``L``; default: the ``max_generated_tokens`` the recipe passes.
     """
 
@@ -228,31 +175,18 @@ class OverlongPenalty:
 
 
 class FormatReward:
-    """Reward for following the reasoning template's layout.
+    """Reward for the ``<think>...</think><answer>...</answer>`` layout of ``prefix + completion``.
 
-    The text checked is ``prefix + completion`` (pass the template's ``assistant_prefix``, e.g.
-    ``"<think>"``, when the prompt pre-fills it). Tags are matched literally and
-    case-sensitively. The rule:
-
-    1. **Answer block**: the text holds exactly one ``<answer>`` and exactly one ``</answer>``,
-       the opening one first, and the content between them is non-empty after stripping
-       whitespace. Without it the score is **0.0**.
-    2. **Score 1.0** when, in addition:
-
-       - *before* ``<answer>`` there is, up to surrounding whitespace, exactly one
-         ``<think>...</think>`` block with non-empty content and nothing else (no other text,
-         no other think tags); with ``require_think=False`` the part before ``<answer>`` may
-         instead be whitespace only;
-       - *after* ``</answer>`` there is nothing but whitespace and special-token markers such
-         as ``<|eot_id|>`` or ``<|im_end|>``.
-    3. **Score 0.5** otherwise (a well-formed answer block, but not the full layout).
+    0.0 without exactly one non-empty answer block; 1.0 when it is preceded only by one non-empty
+    think block (or whitespace with ``require_think=False``) and followed only by whitespace and
+    special-token markers; 0.5 otherwise. Tags match literally.
 
     Args:
         think_tag: name of the reasoning tag.
         answer_tag: name of the answer tag.
         require_think: whether the reasoning block is required for full credit.
         prefix: text prepended to every completion before checking (the prompt's
-            ``assistant_prefix``; the recipe does not prepend it for you).
+            ``assistant_prefix``).
 
     Raises:
         ValueError: on empty or identical tag names.
@@ -278,14 +212,7 @@ class FormatReward:
         self.prefix = prefix or ""
 
     def score(self, completion: str) -> float:
-        """Score one completion (see the class docstring for the rule).
-
-        Args:
-            completion: the generated text (without the prefix).
-
-        Returns:
-            1.0, 0.5 or 0.0.
-        """
+        """Score one completion (without the prefix): 1.0, 0.5 or 0.0."""
         text = self.prefix + completion
         if text.count(self.answer_open) != 1 or text.count(self.answer_close) != 1:
             return 0.0
@@ -310,31 +237,15 @@ class FormatReward:
         return 0.5
 
     def __call__(self, completions: list[str], answers: list[str], **kwargs: Any) -> list[float]:
-        """Score a batch.
-
-        Args:
-            completions: ``N`` generated texts.
-            answers: ``N`` gold answers (unused).
-            **kwargs: ignored.
-
-        Returns:
-            ``N`` floats in ``{0.0, 0.5, 1.0}``.
-        """
+        """Score ``N`` completions: floats in ``{0.0, 0.5, 1.0}``."""
         return [self.score(c) for c in completions]
 
 
 class AnswerPhraseFormat:
     """Reward for ending with a plain-text final-answer sentence ("The answer is 42.").
 
-    For chat models that are asked to finish with a phrase rather than tags (small instruct
-    models follow a sentence far more often than an XML layout). The rule:
-
-    - **1.0**: the last non-empty line of the completion contains ``phrase`` followed by a
-      number (see :func:`.extract_after_phrase` and :func:`.parse_number`), and the completion
-      ended on a stop token (it was not cut at ``max_generated_tokens``);
-    - **0.5**: ``phrase`` followed by a number appears somewhere (an earlier line, or a
-      completion that was cut off later);
-    - **0.0** otherwise.
+    1.0 when the last non-empty line holds ``phrase`` and a number and the completion stopped on a
+    stop token; 0.5 when ``phrase`` and a number appear elsewhere; 0.0 otherwise.
 
     Args:
         phrase: the phrase, matched case-insensitively.
@@ -352,15 +263,7 @@ class AnswerPhraseFormat:
         self.phrase = phrase
 
     def score(self, completion: str, stopped: bool = True) -> float:
-        """Score one completion (see the class docstring).
-
-        Args:
-            completion: the generated text.
-            stopped: whether it ended on a stop token.
-
-        Returns:
-            1.0, 0.5 or 0.0.
-        """
+        """Score one completion (``stopped``: it ended on a stop token): 1.0, 0.5 or 0.0."""
         after = extract_after_phrase(completion, self.phrase)
         if after is None or parse_number(after) is None:
             return 0.0
@@ -372,17 +275,8 @@ class AnswerPhraseFormat:
 
     def __call__(self, completions: list[str], answers: list[str],
                  stopped: Sequence[bool] | None = None, **kwargs: Any) -> list[float]:
-        """Score a batch.
-
-        Args:
-            completions: ``N`` generated texts.
-            answers: ``N`` gold answers (unused).
-            stopped: ``N`` flags, True where the completion ended on a stop token (the
-                recipe passes them); ``None`` treats every completion as stopped.
-            **kwargs: ignored.
-
-        Returns:
-            ``N`` floats in ``{0.0, 0.5, 1.0}``.
+        """Score ``N`` completions: floats in ``{0.0, 0.5, 1.0}``; ``stopped`` None treats every
+        completion as stopped.
         """
         flags = [True] * len(completions) if stopped is None else list(stopped)
         return [self.score(c, bool(f)) for c, f in zip(completions, flags, strict=True)]

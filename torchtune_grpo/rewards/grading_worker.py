@@ -1,23 +1,10 @@
 """Grading a (predicted, gold) answer pair with ``math-verify``, bounded in time.
 
-:func:`grade_answer` is the bare comparison. The rest of this module bounds it in time for
-:class:`~torchtune_grpo.rewards.math_grading.MathEquivalence`: a ``SIGALRM`` soft limit
-(``_Alarm``) and a worker process that grades pairs sent over a pipe (``_Worker`` in the
-parent, ``_worker_main`` in the child).
-
-Why a worker process: ``math-verify`` turns LaTeX into SymPy expressions, and SymPy evaluates
-some of them eagerly. ``\\boxed{(10^{10})!}`` or ``\\boxed{9^{9^{9^{9}}}}`` start integer
-computations that run for minutes inside C code. ``math-verify``'s own time limit is a
-``SIGALRM`` handler: it works only in the main thread (it raises ``ValueError`` elsewhere) and a
-Python signal handler cannot run while C code holds the interpreter, so neither that limit nor
-any other in-process limit stops such a computation. ``MathEquivalence`` therefore grades in a
-separate Python process (``isolation="process"``, the default) and kills it when a pair takes
-longer than ``timeout_s`` plus a short grace period (``_KILL_GRACE_S``); the pair scores 0
-and a fresh worker is started. Inside the worker, a ``SIGALRM`` timer at ``timeout_s`` stops
-Python-level work early so that most slow pairs do not cost a restart.
-
-This module imports only the standard library at import time (``math_verify`` is imported when
-grading), so the worker, which runs this file, starts without importing torch.
+:func:`grade_answer` is the bare comparison. A worker process (``_Worker`` in the parent,
+``_worker_main`` in the child) grades pairs sent over a pipe and is killed when a pair runs
+past ``timeout_s`` plus ``_KILL_GRACE_S``, since SymPy can compute for minutes inside C code
+where no signal reaches; a ``SIGALRM`` soft limit (``_Alarm``) stops Python-level work first.
+Only the standard library is imported at import time.
 """
 
 from __future__ import annotations
@@ -69,16 +56,11 @@ def grade_answer(
     numeric_precision: int = 15,
     strict: bool = True,
 ) -> bool:
-    """Whether ``predicted`` is equivalent to ``gold`` according to math-verify.
+    """Whether ``predicted`` is equivalent to ``gold`` according to math-verify, with no time limit.
 
-    Both are bare answers (the contents of a box, e.g. ``"\\frac{1}{2}"``). Each is wrapped in
-    ``\\boxed{}`` and parsed with ``math_verify.parse``; the results are compared with
-    ``math_verify.verify(gold, predicted)``. When the gold answer does not parse at all, the
-    stripped texts must be equal.
-
-    **No time limit**: this runs in the calling thread and may not return for minutes on
-    adversarial input (see the module docstring). Use
-    :class:`~torchtune_grpo.rewards.math_grading.MathEquivalence` to grade untrusted text.
+    Both are bare answers (box contents), wrapped in ``\\boxed{}`` and parsed; a gold answer that
+    does not parse must equal the prediction as stripped text. Grade untrusted text with
+    :class:`~torchtune_grpo.rewards.math_grading.MathEquivalence`.
 
     Args:
         predicted: the predicted answer.

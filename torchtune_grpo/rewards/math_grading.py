@@ -1,14 +1,7 @@
 """Math-equivalence grading with ``math-verify``, bounded in time (:class:`MathEquivalence`).
 
-A completion is correct when the content of its last ``\\boxed{...}`` is mathematically
-equivalent to the gold answer according to Hugging Face's ``math-verify`` (``\\frac12``,
-``0.5`` and ``\\dfrac{1}{2}`` agree; so do ``(1,2]`` and ``(1, 2]``, ``\\{1,2\\}`` and
-``\\{2,1\\}``, ``3\\sqrt{13}`` and ``\\sqrt{117}``).
-
-Grading is bounded in time: :mod:`torchtune_grpo.rewards.grading_worker` grades the pairs in a
-worker process that is killed when a pair overruns (or, with ``isolation="inline"``, under a
-``SIGALRM`` timer in this process); :class:`MathEquivalence` extracts the answers, starts and
-restarts the worker and counts the outcomes.
+Pairs are graded in a worker process (:mod:`torchtune_grpo.rewards.grading_worker`) that is
+killed when a pair overruns, or inline under a ``SIGALRM`` timer.
 """
 
 from __future__ import annotations
@@ -68,18 +61,9 @@ _SPACING_RE = re.compile(r"\\[,;:! ]|\\left|\\right|\s+")
 
 
 def normalize_answer(answer: str) -> str:
-    """A light textual normal form of an extracted answer, used as its vote in maj@k.
-
-    Removes whitespace, LaTeX spacing commands (``\\,``, ``\\!``...), ``\\left``/``\\right``,
-    a trailing period and dollar signs, and writes ``\\dfrac``/``\\tfrac`` as ``\\frac``. It is
-    not an equivalence test (``0.5`` and ``\\frac12`` stay different votes); grading uses
-    math-verify.
-
-    Args:
-        answer: an extracted answer.
-
-    Returns:
-        The normalised text.
+    """A light textual normal form of an extracted answer, its vote in maj@k (not an equivalence
+    test): no whitespace, LaTeX spacing, ``\\left``/``\\right``, trailing period or dollar signs;
+    ``\\dfrac``/``\\tfrac`` written ``\\frac``.
     """
     text = _SPACING_RE.sub("", answer)
     text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("$", "")
@@ -94,38 +78,23 @@ def normalize_answer(answer: str) -> str:
 class MathEquivalence:
     """Correctness by mathematical equivalence: 1.0 when the boxed answer equals the gold one.
 
-    The predicted answer is the content of the completion's last ``\\boxed{...}`` (see
-    :func:`.extract_boxed`). Without a box, ``fallback`` decides: ``"none"`` scores 0,
-    ``"last_math"`` takes the last ``$...$``/``\\(...\\)``/``\\[...\\]`` block, ``"last_number"``
-    the last number of the text as the training rewards read it (:func:`.last_number`: ``10-3``
-    ends with 3, ``1,234`` is 1234, ``-\\frac{1}{2}`` is -1/2). The prediction and the gold
-    answer are compared by ``math-verify`` (see :func:`.grade_answer`), so equivalent forms
-    agree: fractions and decimals, ``\\dfrac``/``\\frac``, intervals, sets and tuples, radicals,
-    ``x = 5`` and ``5``, degrees and percent signs, ``\\text{...}`` answers.
-
-    **Time bound.** Every (completion, gold) pair takes at most about ``timeout_s`` plus 0.5 s
-    of wall time; a pair that runs out of time scores 0. With ``isolation="process"`` (default)
-    the bound holds for any input: grading runs in a worker process that is killed and
-    restarted when it overruns (a restart costs about a second, not counted in the bound).
-    With ``isolation="inline"`` grading runs in the calling process and the bound is a
-    ``SIGALRM`` timer, which only works in the main thread (elsewhere there is no bound) and
-    cannot interrupt long C computations (huge factorials or powers); use it for debugging or
-    where subprocesses are not allowed. Predictions longer than ``max_answer_chars`` score 0
-    without being parsed. Completions never make it raise.
+    The prediction is the last ``\\boxed{...}``, else per ``fallback``; ``math-verify`` compares it
+    with the gold answer. A pair takes at most about ``timeout_s`` + 0.5 s and scores 0 when it
+    runs out; ``isolation="inline"`` bounds only the main thread and not long C computations.
+    Completions never make it raise.
 
     Args:
         timeout_s: seconds allowed per pair.
-        fallback: ``"none"``, ``"last_math"`` or ``"last_number"`` (see above).
+        fallback: without a box, ``"none"`` (0), ``"last_math"`` (the last ``$...$``,
+            ``\\(...\\)`` or ``\\[...\\]`` block) or ``"last_number"`` (:func:`.last_number`).
         isolation: ``"process"`` or ``"inline"``.
-        max_answer_chars: longest prediction that is parsed.
-        memory_limit_mb: address-space limit of the worker process (``None``: no limit), so
-            that an expression which allocates huge integers fails fast instead of swapping.
+        max_answer_chars: longest prediction that is parsed (longer ones score 0).
+        memory_limit_mb: address-space limit of the worker process (``None``: no limit).
         float_rounding: decimal places floats are rounded to (math-verify).
         numeric_precision: significant digits of numeric comparisons (math-verify).
         strict: math-verify's strict mode.
-        think_tag: read the answer only after the completion's ``<think_tag>...</think_tag>``
-            reasoning block (:func:`.after_thinking`; an unclosed block has no answer);
-            ``None``: the whole completion.
+        think_tag: read the answer only after the completion's reasoning block; ``None``: the
+            whole completion.
 
     Raises:
         ValueError: on an unknown ``fallback``/``isolation`` or a non-positive limit.
@@ -248,14 +217,7 @@ class MathEquivalence:
         return None
 
     def extract_answer(self, completion: str) -> str | None:
-        """The final answer of one completion, normalised for maj@k voting.
-
-        Args:
-            completion: the generated text.
-
-        Returns:
-            :func:`normalize_answer` of the predicted answer, or ``None`` when there is none.
-        """
+        """:func:`normalize_answer` of one completion's predicted answer, or ``None``."""
         predicted = self._prediction(completion)
         if predicted is None:
             return None
@@ -264,15 +226,7 @@ class MathEquivalence:
     # -- grading ------------------------------------------------------------------------------
 
     def __call__(self, completions: list[str], answers: list[str], **kwargs: Any) -> list[float]:
-        """Score a batch.
-
-        Args:
-            completions: ``N`` generated texts.
-            answers: ``N`` gold answers (LaTeX, e.g. ``"\\frac{14}{3}"``).
-            **kwargs: ignored.
-
-        Returns:
-            ``N`` floats in ``{0.0, 1.0}``.
+        """Score ``N`` completions against ``N`` LaTeX gold answers: floats in ``{0.0, 1.0}``.
 
         Raises:
             ValueError: when the lengths differ.

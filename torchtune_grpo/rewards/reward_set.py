@@ -1,15 +1,7 @@
 """The :class:`RewardSet`: reward components weighed and checked, scoring a batch.
 
-A reward set holds one :class:`RewardEntry` per configured component: the callable and the
-options of its ``rewards`` config entry, the keys of :data:`REWARD_ENTRY_KEYS` that belong to the
-set, not to the component: ``weight``, ``name``, ``success``, ``success_threshold``,
-``on_error`` and ``requires_success``. :func:`check_reward_entry` is the one place those keys are
-checked: by :func:`~torchtune_grpo.rewards.build.build_reward_set` (which builds a reward set
-from a config), by :class:`RewardSet` for entries made in code, and by
-:func:`torchtune_grpo.config.validation.validate_config` before any model is loaded.
-
-The :class:`RewardSet` applies the weights, validates every component's output and turns
-exceptions into messages that name the component and the sample.
+Each :class:`RewardEntry` holds a component and the set's own keys of its config entry
+(:data:`REWARD_ENTRY_KEYS`), checked in one place, :func:`check_reward_entry`.
 """
 
 from __future__ import annotations
@@ -56,26 +48,18 @@ def check_reward_entry(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Check the reward-set keys (:data:`REWARD_ENTRY_KEYS`) of one ``rewards`` entry.
 
-    - ``weight`` (default 1.0): a finite number multiplying the component in the total reward.
-    - ``name``: a non-empty string (default: chosen by
-      :func:`~torchtune_grpo.rewards.build.build_reward_set`).
-    - ``success``: ``true`` or ``false``.
-    - ``success_threshold``: a finite number.
-    - ``on_error``: ``raise`` (default) or ``zero``.
-    - ``requires_success``: ``true`` or ``false`` (default).
-
-    Checks that involve several entries (one ``success: true``, distinct names) are made by
-    :func:`~torchtune_grpo.rewards.build.build_reward_set` and :class:`RewardSet`.
+    ``weight`` (default 1.0) a finite number, ``name`` a non-empty string, ``success`` a bool,
+    ``success_threshold`` a finite number, ``on_error`` ``raise`` (default) or ``zero``,
+    ``requires_success`` a bool (default false).
 
     Args:
         entry: the entry, a mapping (``_component_`` is not checked here).
         where: how error messages name the entry, e.g. ``"rewards[0] (my.Reward)"``.
 
     Returns:
-        ``(options, arguments)``: ``options`` maps ``weight``, ``name``, ``success``,
-        ``success_threshold`` and ``on_error`` to their values (``None`` for ``name``,
-        ``success`` and ``success_threshold`` when the entry does not set them);
-        ``arguments`` holds the entry's other keys, the component's keyword arguments.
+        ``(options, arguments)``: the set's options (``None`` for ``name``, ``success`` and
+        ``success_threshold`` when unset) and the entry's other keys, the component's keyword
+        arguments.
 
     Raises:
         ValueError: naming ``where`` and the key, on a value of the wrong type or out of range.
@@ -129,14 +113,10 @@ class RewardEntry:
         name: the component's name (metric ``reward/<name>``).
         fn: the component callable.
         weight: its weight in the total reward.
-        success_threshold: a value ``>=`` this counts as success (used only for the success
-            component).
-        on_error: ``"raise"`` (an exception stops the step) or ``"zero"`` (a sample whose scoring
-            raises gets 0 and is counted in :attr:`RewardOutput.errors`).
-        requires_success: the term pays only completions that succeed: a positive weighted
-            value counts in the total only where the success component says success; a
-            negative one (a penalty) counts everywhere. For shaping terms (format, style), so
-            that a wrong answer is never paid for its form.
+        success_threshold: a value ``>=`` this counts as success (success component only).
+        on_error: ``"raise"`` or ``"zero"`` (a failing sample gets 0 and is counted).
+        requires_success: a positive weighted value counts only where the completion succeeds;
+            a negative one everywhere.
     """
 
     name: str
@@ -152,15 +132,12 @@ class RewardOutput:
     """Scores of a batch of ``N`` completions.
 
     Attributes:
-        total: ``[N]`` float32, the weighted sum of the components (a ``requires_success``
-            component's positive part only where ``success``).
+        total: ``[N]`` float32, the weighted sum of the components.
         components: name -> ``[N]`` float32 unweighted values of each component.
         success: ``[N]`` bool, the success component's value ``>=`` its threshold.
-        errors: name -> number of samples that component failed on and scored 0
-            (only components with ``on_error: zero`` can have non-zero counts).
-        counts: ``"<name>/<counter>"`` -> the counters a component reported for this batch
-            through :data:`COUNTS_ATTRIBUTE` (e.g. a judge's unparsable replies, a reward
-            model's truncated inputs); logged as ``reward/<name>/<counter>``.
+        errors: name -> samples that component failed on and scored 0 (``on_error: zero``).
+        counts: ``"<name>/<counter>"`` -> the counters a component reported through
+            :data:`COUNTS_ATTRIBUTE`; logged as ``reward/<name>/<counter>``.
     """
 
     total: torch.Tensor
@@ -226,17 +203,13 @@ def _slice_kwargs(kwargs: Mapping[str, Any], i: int, n: int) -> dict[str, Any]:
 class RewardSet:
     """Weighted reward components with one designated success component.
 
-    Build it from a config with :func:`~torchtune_grpo.rewards.build.build_reward_set`, or
-    directly from :class:`RewardEntry` objects.
-
     Args:
         entries: the components, in order.
         success_name: name of the entry that defines success; default the first entry.
 
     Raises:
-        ValueError: on no entries, duplicate names, an entry that
-            :func:`check_reward_entry` rejects (e.g. a non-finite weight or an unknown
-            ``on_error``) or an unknown ``success_name``.
+        ValueError: on no entries, duplicate names, an entry that :func:`check_reward_entry`
+            rejects or an unknown ``success_name``.
     """
 
     def __init__(self, entries: Sequence[RewardEntry], success_name: str | None = None) -> None:

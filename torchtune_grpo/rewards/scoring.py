@@ -1,11 +1,4 @@
-"""Step 3 of the GRPO step, shared by training and evaluation: decode a rollout and score it.
-
-:func:`score_rollout` turns the ``group_size`` completions of each prompt of a collated batch
-into text and applies the reward set, with each completion paired with its prompt's question
-and reference answer. The training recipe and
-:func:`torchtune_grpo.evaluation.evaluate.evaluate` both call it, so a completion is scored the
-same way in both.
-"""
+"""Decoding a rollout and scoring it, shared by training and evaluation (:func:`score_rollout`)."""
 
 from __future__ import annotations
 
@@ -33,26 +26,19 @@ def score_rollout(
 ) -> tuple[list[str], Any]:
     """Decode ``traj``'s completions and score them.
 
-    With tools (a multi-turn rollout), a completion's text is the model's and the tools'
-    tokens in order (:func:`~torchtune_grpo.rollout.tool_trajectory.decode_with_tools`), so a reward
-    reads the final answer the model wrote after the last tool result; the
-    ``response_lengths`` given to the rewards count the policy's tokens only.
-
     Args:
         rewards: the reward set (:class:`~torchtune_grpo.rewards.reward_set.RewardSet`).
         tokenizer: decodes the completions.
-        traj: ``N = B * group_size`` completions, the group of prompt ``b`` in rows
-            ``b * group_size ... (b + 1) * group_size - 1``.
+        traj: ``N = B * group_size`` completions, groups contiguous.
         batch: the collated prompts (``questions`` and ``answers``, ``B`` each).
         group_size: completions per prompt.
         allowed_tokens: ``[V]`` bool, ids the tokenizer can decode.
         max_generated_tokens: the generation budget (for length-aware rewards).
         with_tools: decode model and tool tokens together (``traj.tool_mask``); False: the
-            policy's tokens only (:func:`~torchtune_grpo.rollout.sampling.decode_completions`).
+            policy's tokens only. ``response_lengths`` count the policy's tokens either way.
 
     Returns:
-        ``(completions, reward_output)``: the ``N`` texts and the reward set's output
-        (``total [N]``, per-component ``[N]``, ``success [N]``, error counts).
+        ``(completions, reward_output)``: the ``N`` texts and the reward set's output.
     """
     if with_tools:
         from torchtune_grpo.rollout.tool_trajectory import decode_with_tools

@@ -1,59 +1,10 @@
 """Gemma 2 (``Gemma2ForCausalLM``, ``model_type: gemma2``) as a torchtune decoder.
 
-torchtune 0.6.1 has a Gemma 2, but its logits are wrong (off by up to 23 on a tiny random
-model): its weight converter swaps the pre- and post-feed-forward norms, its builder passes the
-attention and final soft-caps the other way round (30 for attention, 50 for the logits), and it
-applies the final cap to the normalised hidden state instead of the logits. None of its code is
-used here. What differs from a Llama layer, and where it lives:
-
-* **Norms.** Gemma's RMSNorm (``x * (1 + w)`` in float32, :class:`~.layers.GemmaRMSNorm`), four
-  per layer: ``input_layernorm`` (``sa_norm``), ``post_attention_layernorm`` (``sa_scale``, on
-  the attention output before the residual add), ``pre_feedforward_layernorm`` (``mlp_norm``)
-  and ``post_feedforward_layernorm`` (``mlp_scale``): torchtune's
-  ``TransformerSelfAttentionLayer`` computes ``h = x + sa_scale(attn(sa_norm(x)))``,
-  ``out = h + mlp_scale(mlp(mlp_norm(h)))``.
-* **Attention scale.** The query projection multiplies by ``sqrt(head_dim /
-  query_pre_attn_scalar)`` (:class:`~.layers.NormedProjection` without a norm; always there,
-  so the weight name does not depend on the factor), turning ``head_dim ** -0.5`` into
-  ``query_pre_attn_scalar ** -0.5``. No q/k norms.
-* **Attention soft-cap** (``attn_logit_softcapping``, 50): every attention is a
-  :class:`~.layers.SoftCappedAttention`, scores ``cap * tanh(scores / cap)`` after the scaling
-  and before the mask, in each path that computes attention: torchtune's forward (training,
-  padded), the packed training rows (:mod:`torchtune_grpo.policy.packing`), the native
-  KV-cache engine (:func:`~torchtune_grpo.policy.kv_cache.attend_projected`). The CPU decode
-  backend's fused layer does not take these layers (:func:`~torchtune_grpo.backends.cpu_decode.
-  _fusable`); a flex-attention ``BlockMask`` is refused.
-* **Final-logit soft-cap** (``final_logit_softcapping``, 30): not part of the decoder; it is
-  returned by :func:`check_config` as ``final_logit_softcap`` and becomes the policy's
-  :class:`~torchtune_grpo.policy.head.OutputHead` cap, applied to the float32 logits before
-  temperature, logit bias and log-softmax (the generic chunked log-prob path, not the fused
-  linear kernel).
-* **Sliding and global layers.** ``layer_types`` (default: even layers ``0, 2, ...`` slide,
-  odd ones are global, as ``Gemma2Config``) with ``sliding_window`` (4096 in the released
-  models) through :class:`~.layers.SlidingWindowLayer`; one RoPE base for all layers.
-* **Embeddings** times ``sqrt(hidden_size)`` (rounded to the table's dtype), the output
-  projection is the (unscaled) table when tied, and the MLP is gated GELU-tanh.
-
-Weights (:data:`GEMMA2_NAMES`, :func:`Gemma2HFCheckpointer`) map one to one, tensors unchanged:
-
-================================================== =========================================
-HF (``Gemma2ForCausalLM``)                         torchtune
-================================================== =========================================
-``model.embed_tokens.weight``                      ``tok_embeddings.weight``
-``model.layers.{i}.self_attn.q_proj.weight``       ``layers.{i}.attn.q_proj.proj.weight``
-``model.layers.{i}.self_attn.k_proj.weight``       ``layers.{i}.attn.k_proj.weight``
-``model.layers.{i}.self_attn.v_proj.weight``       ``layers.{i}.attn.v_proj.weight``
-``model.layers.{i}.self_attn.o_proj.weight``       ``layers.{i}.attn.output_proj.weight``
-``model.layers.{i}.mlp.gate_proj.weight``          ``layers.{i}.mlp.w1.weight``
-``model.layers.{i}.mlp.down_proj.weight``          ``layers.{i}.mlp.w2.weight``
-``model.layers.{i}.mlp.up_proj.weight``            ``layers.{i}.mlp.w3.weight``
-``model.layers.{i}.input_layernorm``               ``layers.{i}.sa_norm.scale``
-``model.layers.{i}.post_attention_layernorm``      ``layers.{i}.sa_scale.scale``
-``model.layers.{i}.pre_feedforward_layernorm``     ``layers.{i}.mlp_norm.scale``
-``model.layers.{i}.post_feedforward_layernorm``    ``layers.{i}.mlp_scale.scale``
-``model.norm.weight``                              ``norm.scale``
-``lm_head.weight`` (untied only)                   ``output.weight``
-================================================== =========================================
+Gemma 3's layer without q/k norms, with one RoPE base, alternating sliding and global layers,
+an attention-logit soft-cap in every attention path (:class:`~.layers.SoftCappedAttention`)
+and a final-logit soft-cap applied by the policy's
+:class:`~torchtune_grpo.policy.head.OutputHead`. torchtune's own Gemma 2 is not used. Weights
+map one to one (:data:`GEMMA2_NAMES`); ``docs/models.md`` has the details.
 """
 
 from __future__ import annotations
@@ -121,22 +72,20 @@ def _cap(cfg: dict[str, Any], key: str, where: str) -> float | None:
 
 def check_gemma2_config(cfg: dict[str, Any], *, where: str, heads: int,
                         rope_scaling: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Refuse what this implementation does not compute; return the Gemma 2 builder kwargs.
+    """Refuse the Gemma 2 ``config.json`` fields this implementation does not compute.
 
     Args:
-        cfg: the parsed ``config.json``.
-        where: how to name the file in messages.
-        heads: ``num_attention_heads``.
-        rope_scaling: the config's RoPE scaling (``None``: plain RoPE).
+        cfg, where, heads, rope_scaling: the parsed ``config.json``, the file's name in
+            messages, ``num_attention_heads``, the folder's RoPE scaling (None: plain RoPE).
 
     Returns:
         ``head_dim``, ``query_pre_attn_scalar``, ``attn_softcap``, ``sliding_window``,
-        ``layer_types``, ``pad_id`` (builder arguments) and ``final_logit_softcap`` (the
-        output head's, which ``hf_architecture`` takes out of the builder arguments).
+        ``layer_types``, ``pad_id`` and the output head's ``final_logit_softcap``.
 
     Raises:
-        ValueError: one line naming the field: a RoPE scaling, bidirectional attention,
-            attention biases, another activation, an unknown layer type, a cap <= 0.
+        ValueError: one line naming the field: a RoPE scaling,
+            bidirectional attention, attention biases, another activation, an unknown layer
+            type, a cap <= 0.
     """
     if rope_scaling is not None:
         kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
@@ -220,8 +169,7 @@ def gemma2(
     attn_dropout: float = 0.0,
     pad_id: int | None = None,
 ) -> TransformerDecoder:
-    """A Gemma 2 decoder (see the module docstring); the final-logit soft-cap is the policy's
-    output head's (:func:`~torchtune_grpo.models.hf_model` sets it).
+    """A Gemma 2 decoder; the final-logit soft-cap is the policy's output head's.
 
     Args:
         vocab_size: ``V``. num_layers, num_heads, num_kv_heads, embed_dim (``D``),
@@ -253,14 +201,14 @@ def lora_gemma2(
     quantize_base: bool = False,
     **model: Any,
 ) -> TransformerDecoder:
-    """:func:`gemma2` with LoRA (or DoRA) adapters on the named projections
-    (:func:`~.decoder.build_lora_decoder`).
+    """:func:`gemma2` with LoRA (or DoRA) adapters (:func:`~.decoder.build_lora_decoder`).
 
     Args:
         lora_attn_modules: ``q_proj``, ``k_proj``, ``v_proj``, ``output_proj`` (one or more).
         apply_lora_to_mlp: adapters on ``w1``, ``w2``, ``w3`` too.
         apply_lora_to_output: an adapter on the output projection (untied only).
-        lora_rank, lora_alpha, lora_dropout, use_dora, quantize_base: the adapters.
+        lora_rank, lora_alpha, lora_dropout, use_dora, quantize_base: the adapters (rank ``r``,
+            scale ``alpha / r``, input dropout, DoRA, NF4 frozen base weights).
         **model: :func:`gemma2`'s arguments.
 
     Raises:

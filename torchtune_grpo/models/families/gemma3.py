@@ -1,52 +1,9 @@
 """Gemma 3 (text, ``Gemma3ForCausalLM``, ``model_type: gemma3_text``) as a torchtune decoder.
 
-What differs from a Llama layer, and where it lives here:
-
-* **Norms.** Gemma's RMSNorm multiplies by ``1 + w`` in float32
-  (:class:`~.layers.GemmaRMSNorm`), and a layer has four: ``input_layernorm`` (``sa_norm``),
-  ``post_attention_layernorm`` (``sa_scale``: applied to the attention output before the
-  residual add), ``pre_feedforward_layernorm`` (``mlp_norm``) and ``post_feedforward_layernorm``
-  (``mlp_scale``). torchtune's ``TransformerSelfAttentionLayer`` computes exactly
-  ``h = x + sa_scale(attn(sa_norm(x)))``, ``out = h + mlp_scale(mlp(mlp_norm(h)))``.
-* **QK-norm before RoPE and the attention scale.** As for Qwen3, the per-head norms are part of
-  the query/key projections (:class:`~.layers.NormedProjection`), so every path
-  that runs torchtune's attention (training, packed forwards, the native KV-cache engine, LoRA)
-  applies them before RoPE. The query projection also multiplies by ``sqrt(head_dim /
-  query_pre_attn_scalar)``, turning SDPA's default scale into ``query_pre_attn_scalar ** -0.5``.
-* **Sliding and global layers.** ``layer_types`` (or ``sliding_window_pattern``: every
-  ``pattern``-th layer global) picks each layer's kind; sliding layers see the last
-  ``sliding_window`` keys (:class:`~.layers.SlidingWindowLayer`) and rotate with
-  ``rope_local_base_freq``, global layers with ``rope_theta`` (and linear scaling if any).
-* **Embeddings** are multiplied by ``sqrt(hidden_size)`` (rounded to the table's dtype), the
-  output projection is the (unscaled) table when tied, and the MLP is gated GELU-tanh.
-
-Logit and attention soft-capping are null in Gemma 3; a config that sets them is refused.
-
-The whole decoder is :func:`~.decoder.build_decoder`'s (``norm="gemma"``,
-``placement="sandwich"``, ``qk_norm="head"``). Weights (:data:`GEMMA3_NAMES`,
-:func:`Gemma3HFCheckpointer`) map one to one, tensors unchanged (the Gemma norms store the
-offset from 1 on both sides, both RoPEs rotate halves):
-
-================================================== =========================================
-HF (``Gemma3ForCausalLM``)                         torchtune
-================================================== =========================================
-``model.embed_tokens.weight``                      ``tok_embeddings.weight``
-``model.layers.{i}.self_attn.q_proj.weight``       ``layers.{i}.attn.q_proj.proj.weight``
-``model.layers.{i}.self_attn.q_norm.weight``       ``layers.{i}.attn.q_proj.norm.scale``
-``model.layers.{i}.self_attn.k_proj.weight``       ``layers.{i}.attn.k_proj.proj.weight``
-``model.layers.{i}.self_attn.k_norm.weight``       ``layers.{i}.attn.k_proj.norm.scale``
-``model.layers.{i}.self_attn.v_proj.weight``       ``layers.{i}.attn.v_proj.weight``
-``model.layers.{i}.self_attn.o_proj.weight``       ``layers.{i}.attn.output_proj.weight``
-``model.layers.{i}.mlp.gate_proj.weight``          ``layers.{i}.mlp.w1.weight``
-``model.layers.{i}.mlp.down_proj.weight``          ``layers.{i}.mlp.w2.weight``
-``model.layers.{i}.mlp.up_proj.weight``            ``layers.{i}.mlp.w3.weight``
-``model.layers.{i}.input_layernorm``               ``layers.{i}.sa_norm.scale``
-``model.layers.{i}.post_attention_layernorm``      ``layers.{i}.sa_scale.scale``
-``model.layers.{i}.pre_feedforward_layernorm``     ``layers.{i}.mlp_norm.scale``
-``model.layers.{i}.post_feedforward_layernorm``    ``layers.{i}.mlp_scale.scale``
-``model.norm.weight``                              ``norm.scale``
-``lm_head.weight`` (untied only)                   ``output.weight``
-================================================== =========================================
+Four Gemma RMSNorms per layer (``x * (1 + w)``, ``placement="sandwich"``), per-head q/k norms
+before RoPE, the query scaled to ``query_pre_attn_scalar ** -0.5``, sliding and global layers
+with their own RoPE bases, scaled embeddings and a GELU-tanh MLP. Weights map one to one
+(:data:`GEMMA3_NAMES`); ``docs/models.md`` has the details.
 """
 
 from __future__ import annotations
@@ -113,20 +70,20 @@ def _rope(params: Any, where: str, key: str) -> tuple[float, float]:
 
 
 def check_gemma3_config(cfg: dict[str, Any], *, where: str, heads: int) -> dict[str, Any]:
-    """Refuse what this implementation does not compute; return the Gemma-only builder kwargs.
+    """Refuse the Gemma 3 ``config.json`` fields this implementation does not compute.
 
     Args:
-        cfg: the parsed ``config.json``.
-        where: how to name the file in messages.
-        heads: ``num_attention_heads``.
+        cfg, where, heads: the parsed ``config.json``, the file's name in messages,
+            ``num_attention_heads``.
 
     Returns:
         ``head_dim``, ``query_pre_attn_scalar``, ``sliding_window``, ``layer_types``,
         ``rope_base``, ``rope_scale``, ``local_rope_base``, ``pad_id``.
 
     Raises:
-        ValueError: one line naming the field: soft-capping, bidirectional attention,
-            attention biases, another activation, another RoPE type, an unknown layer type.
+        ValueError: one line naming the field: soft-capping,
+            bidirectional attention, attention biases, another activation, another RoPE type,
+            an unknown layer type.
     """
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         if cfg.get(key) is not None:
@@ -225,7 +182,7 @@ def gemma3(
     attn_dropout: float = 0.0,
     pad_id: int | None = None,
 ) -> TransformerDecoder:
-    """A Gemma 3 text decoder (see the module docstring).
+    """A Gemma 3 text decoder.
 
     Args:
         vocab_size: ``V``. num_layers, num_heads, num_kv_heads, embed_dim (``D``),
@@ -257,14 +214,14 @@ def lora_gemma3(
     quantize_base: bool = False,
     **model: Any,
 ) -> TransformerDecoder:
-    """:func:`gemma3` with LoRA (or DoRA) adapters on the named projections
-    (:func:`~.decoder.build_lora_decoder`).
+    """:func:`gemma3` with LoRA (or DoRA) adapters (:func:`~.decoder.build_lora_decoder`).
 
     Args:
         lora_attn_modules: ``q_proj``, ``k_proj``, ``v_proj``, ``output_proj`` (one or more).
         apply_lora_to_mlp: adapters on ``w1``, ``w2``, ``w3`` too.
         apply_lora_to_output: an adapter on the output projection (untied only).
-        lora_rank, lora_alpha, lora_dropout, use_dora, quantize_base: the adapters.
+        lora_rank, lora_alpha, lora_dropout, use_dora, quantize_base: the adapters (rank ``r``,
+            scale ``alpha / r``, input dropout, DoRA, NF4 frozen base weights).
         **model: :func:`gemma3`'s arguments.
 
     Raises:

@@ -1,48 +1,9 @@
-"""Mistral (``MistralForCausalLM``, ``model_type: mistral``; v0.2 and later, Mistral-Nemo) as a
-torchtune decoder.
+"""Mistral (``MistralForCausalLM``, ``model_type: mistral``) as a torchtune decoder.
 
-A Mistral layer is a Llama layer: RMSNorm before the attention and before the SiLU-gated MLP,
-no biases, rotate-half RoPE with one ``rope_theta``, grouped-query attention. What differs:
-
-* **An explicit** ``head_dim``. ``config.json`` may set it (Mistral-Nemo: 5120 wide, 32 heads
-  of 128, not 160); null means ``hidden_size // num_attention_heads``. torchtune's
-  ``llama3_2`` builder cannot express that; :func:`~.decoder.build_decoder` can.
-* **A sliding window.** ``sliding_window`` (null in v0.2 and later, 4096 in v0.1) applies to
-  every layer when set. ``transformers`` lets query ``q`` see key ``k`` when ``k <= q`` and
-  ``k > q - sliding_window``: the last ``sliding_window`` keys *including the query itself*,
-  which is what :class:`~.layers.SlidingWindowLayer` keeps
-  (``tests/unit/models/families/test_mistral_smollm3.py``
-  shows that a window one key wider or narrower moves the logits). Every layer is then a
-  sliding layer; the CPU decode backend does not fuse those (its fused layer has no window)
-  and runs their own forward on packed linear weights. Layers of a model without a window are
-  plain torchtune layers, which the fused CPU decode path does take (its attention calls
-  :class:`~.layers.HalfRoPE` itself: the same rotation).
-
-Refused in one line naming the field (:func:`check_mistral_config`): RoPE scaling of any type,
-``attention_bias`` / ``mlp_bias`` true, a ``hidden_act`` other than ``silu``, ``layer_types``
-(alternating layers are ``MinistralForCausalLM``'s, not this class's), an odd ``head_dim``.
-
-Weights (:data:`MISTRAL_NAMES`, :func:`MistralHFCheckpointer`) keep the HF layout: names map
-one to one, tensors unchanged (rotate-half RoPE on both sides, so no q/k permutation; torchtune's
-own ``MISTRAL`` model type permutes for its interleaved RoPE, which is why this checkpointer's
-``model_type`` is ``MISTRAL_HF``):
-
-============================================== ===========================================
-HF (``MistralForCausalLM``)                    torchtune
-============================================== ===========================================
-``model.embed_tokens.weight``                  ``tok_embeddings.weight``
-``model.layers.{i}.self_attn.q_proj.weight``   ``layers.{i}.attn.q_proj.weight``
-``model.layers.{i}.self_attn.k_proj.weight``   ``layers.{i}.attn.k_proj.weight``
-``model.layers.{i}.self_attn.v_proj.weight``   ``layers.{i}.attn.v_proj.weight``
-``model.layers.{i}.self_attn.o_proj.weight``   ``layers.{i}.attn.output_proj.weight``
-``model.layers.{i}.mlp.gate_proj.weight``      ``layers.{i}.mlp.w1.weight``
-``model.layers.{i}.mlp.down_proj.weight``      ``layers.{i}.mlp.w2.weight``
-``model.layers.{i}.mlp.up_proj.weight``        ``layers.{i}.mlp.w3.weight``
-``model.layers.{i}.input_layernorm.weight``    ``layers.{i}.sa_norm.scale``
-``model.layers.{i}.post_attention_layernorm``  ``layers.{i}.mlp_norm.scale``
-``model.norm.weight``                          ``norm.scale``
-``lm_head.weight`` (untied only)               ``output.weight``
-============================================== ===========================================
+A Llama layer with an explicit ``head_dim`` and an optional ``sliding_window`` on every layer
+(the last ``sliding_window`` keys, the query included). Weights keep the HF layout, one to one
+(:data:`MISTRAL_NAMES`, checkpointer ``model_type`` ``MISTRAL_HF``); ``docs/models.md`` has the
+details.
 """
 
 from __future__ import annotations
@@ -142,18 +103,14 @@ def check_mistral_config(cfg: dict[str, Any], *, where: str, heads: int,
     """Refuse the Mistral ``config.json`` fields this implementation does not compute.
 
     Args:
-        cfg: the parsed ``config.json``.
-        where: how to name the file in messages.
-        heads: ``num_attention_heads``.
-        rope_scaling: the folder's RoPE scaling (``rope_scaling`` or a non-default
-            ``rope_parameters``), None for plain RoPE.
+        cfg, where, heads, rope_scaling: the parsed ``config.json``, the file's name in
+            messages, ``num_attention_heads``, the folder's RoPE scaling (None: plain RoPE).
 
     Returns:
-        ``head_dim`` (the config's, else ``hidden_size // num_attention_heads``),
-        ``sliding_window`` (an int or None) and ``pad_id``.
+        ``head_dim``, ``sliding_window`` (an int or None) and ``pad_id``.
 
     Raises:
-        ValueError: one line naming the field and what is supported: RoPE scaling,
+        ValueError: one line naming the field: RoPE scaling,
             ``attention_bias``/``mlp_bias`` true, ``hidden_act`` other than ``silu``,
             ``layer_types``, a ``sliding_window`` that is not a positive integer, an odd
             ``head_dim``.
@@ -202,16 +159,11 @@ def mistral(
     tie_word_embeddings: bool = False,
     pad_id: int | None = None,
 ) -> TransformerDecoder:
-    """A Mistral decoder (see the module docstring).
+    """A Mistral decoder.
 
     Args:
-        vocab_size: ``V``.
-        num_layers: decoder layers.
-        num_heads: query heads.
-        num_kv_heads: key/value heads (a divisor of ``num_heads``).
-        embed_dim: ``D``, the residual width (``hidden_size``).
-        intermediate_dim: the gated MLP's width.
-        max_seq_len: context length (RoPE cache, KV caches).
+        vocab_size: ``V``. num_layers, num_heads, num_kv_heads, embed_dim (``D``),
+            intermediate_dim, max_seq_len: the dimensions.
         head_dim: channels per head; ``None``: ``embed_dim // num_heads``.
         sliding_window: keys every layer sees (the query included); ``None``: full attention.
         attn_dropout: attention dropout (training only).
@@ -239,24 +191,18 @@ def lora_mistral(
     quantize_base: bool = False,
     **model: Any,
 ) -> TransformerDecoder:
-    """:func:`mistral` with LoRA (or DoRA) adapters where torchtune's ``lora_*`` builders place
-    them (:func:`~.decoder.build_lora_decoder`).
+    """:func:`mistral` with LoRA (or DoRA) adapters (:func:`~.decoder.build_lora_decoder`).
 
     Args:
-        lora_attn_modules: attention projections that get adapters (``q_proj``, ``k_proj``,
-            ``v_proj``, ``output_proj``).
-        apply_lora_to_mlp: adapters on the three MLP projections too.
-        apply_lora_to_output: an adapter on the output projection (untied models only).
-        lora_rank: adapter rank ``r``.
-        lora_alpha: adapter scale numerator (``alpha / r``).
-        lora_dropout: dropout on the adapters' input.
-        use_dora: DoRA instead of LoRA.
-        quantize_base: NF4-quantize the adapted layers' frozen base weights.
+        lora_attn_modules: ``q_proj``, ``k_proj``, ``v_proj``, ``output_proj`` (one or more).
+        apply_lora_to_mlp: adapters on ``w1``, ``w2``, ``w3`` too.
+        apply_lora_to_output: an adapter on the output projection (untied only).
+        lora_rank, lora_alpha, lora_dropout, use_dora, quantize_base: the adapters (rank ``r``,
+            scale ``alpha / r``, input dropout, DoRA, NF4 frozen base weights).
         **model: :func:`mistral`'s arguments.
 
     Raises:
-        ValueError: no or unknown ``lora_attn_modules``; ``apply_lora_to_output`` with tied
-            embeddings.
+        ValueError: no or unknown ``lora_attn_modules``; an output adapter on tied embeddings.
     """
     return build_lora_decoder(
         _spec(**model), lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output,

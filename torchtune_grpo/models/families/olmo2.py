@@ -1,50 +1,9 @@
 """OLMo 2 (``Olmo2ForCausalLM``, ``model_type: olmo2``) as a torchtune decoder.
 
-What differs from a Llama layer, and where it lives here:
-
-* **Norms after, not before.** An OLMo 2 layer has no input norm: ``h = x +
-  post_attention_layernorm(attn(x))``, ``out = h + post_feedforward_layernorm(mlp(h))``.
-  torchtune's ``TransformerSelfAttentionLayer`` computes ``h = x + sa_scale(attn(sa_norm(x)))``;
-  with ``sa_norm``/``mlp_norm`` the identity and the two RMSNorms as ``sa_scale``/``mlp_scale``
-  it is OLMo 2's layer (:func:`~.decoder.build_decoder`'s ``placement="post"``).
-* **Q/K norm over the whole projection, before RoPE.** ``q_norm`` and ``k_norm`` normalise the
-  whole ``[heads * head_dim]`` query and ``[kv_heads * head_dim]`` key projections (one scale
-  per channel of the projection, not per head as Qwen3), right after the projection and before
-  RoPE: :class:`~.layers.NormedProjection` with ``head_dim=None`` (``qk_norm="projection"``),
-  so every path that runs torchtune's attention (training, packed forwards, the native KV-cache
-  engine, LoRA) applies them in that order.
-* **RMSNorm arithmetic.** transformers' ``Olmo2RMSNorm`` normalises in float32 and multiplies
-  by the weight *before* casting back (``(w * x_normed).to(dtype)``); torchtune's ``RMSNorm``
-  (``F.rms_norm`` on the float32 input with the weight, then the cast) is the same product
-  in the same order, in float32 and in bf16, so torchtune's own module is used.
-
-Everything else is Llama's: rotate-half RoPE (plain; any ``rope_scaling`` is refused), a
-SiLU-gated MLP, no biases, an untied output projection unless ``tie_word_embeddings``.
-
-The CPU decode backend's fused layer needs pre-norm RMSNorms and no residual scales
-(:func:`torchtune_grpo.backends.cpu_decode.fused_decode_layer`); OLMo 2 layers are not fused
-and decode through their own forward, each inner ``nn.Linear`` on oneDNN-packed weights.
-
-Weights (:data:`OLMO2_NAMES`, :func:`Olmo2HFCheckpointer`) map one to one, tensors unchanged:
-
-================================================== =========================================
-HF (``Olmo2ForCausalLM``)                          torchtune
-================================================== =========================================
-``model.embed_tokens.weight``                      ``tok_embeddings.weight``
-``model.layers.{i}.self_attn.q_proj.weight``       ``layers.{i}.attn.q_proj.proj.weight``
-``model.layers.{i}.self_attn.q_norm.weight``       ``layers.{i}.attn.q_proj.norm.scale``
-``model.layers.{i}.self_attn.k_proj.weight``       ``layers.{i}.attn.k_proj.proj.weight``
-``model.layers.{i}.self_attn.k_norm.weight``       ``layers.{i}.attn.k_proj.norm.scale``
-``model.layers.{i}.self_attn.v_proj.weight``       ``layers.{i}.attn.v_proj.weight``
-``model.layers.{i}.self_attn.o_proj.weight``       ``layers.{i}.attn.output_proj.weight``
-``model.layers.{i}.mlp.gate_proj.weight``          ``layers.{i}.mlp.w1.weight``
-``model.layers.{i}.mlp.down_proj.weight``          ``layers.{i}.mlp.w2.weight``
-``model.layers.{i}.mlp.up_proj.weight``            ``layers.{i}.mlp.w3.weight``
-``model.layers.{i}.post_attention_layernorm``      ``layers.{i}.sa_scale.scale``
-``model.layers.{i}.post_feedforward_layernorm``    ``layers.{i}.mlp_scale.scale``
-``model.norm.weight``                              ``norm.scale``
-``lm_head.weight`` (untied only)                   ``output.weight``
-================================================== =========================================
+A Llama layer with its norms on the attention and MLP outputs instead of their inputs
+(``placement="post"``) and a q/k RMSNorm over the whole projection before RoPE
+(``qk_norm="projection"``). Weights map one to one (:data:`OLMO2_NAMES`); ``docs/models.md``
+has the details.
 """
 
 from __future__ import annotations
@@ -101,17 +60,14 @@ def check_olmo2_config(cfg: dict[str, Any], *, where: str, heads: int,
     """Refuse the OLMo 2 ``config.json`` fields this implementation does not compute.
 
     Args:
-        cfg: the parsed ``config.json``.
-        where: how to name the file in messages.
-        heads: ``num_attention_heads``.
-        rope_scaling: the folder's RoPE scaling, None for plain RoPE.
+        cfg, where, heads, rope_scaling: the parsed ``config.json``, the file's name in
+            messages, ``num_attention_heads``, the folder's RoPE scaling (None: plain RoPE).
 
     Returns:
-        ``head_dim`` (the config's, else ``hidden_size // num_attention_heads``) and
-        ``pad_id`` (``pad_token_id`` when it is a token id: the embedding row without gradient).
+        ``head_dim`` and ``pad_id``.
 
     Raises:
-        ValueError: one line naming the field and what is supported: RoPE scaling,
+        ValueError: one line naming the field: RoPE scaling,
             ``attention_bias: true``, ``hidden_act`` other than ``silu``, an odd ``head_dim``.
     """
     if cfg.get("hidden_act", "silu") != "silu":
@@ -162,16 +118,11 @@ def olmo2(
     tie_word_embeddings: bool = False,
     pad_id: int | None = None,
 ) -> TransformerDecoder:
-    """An OLMo 2 decoder (see the module docstring).
+    """An OLMo 2 decoder.
 
     Args:
-        vocab_size: ``V``.
-        num_layers: decoder layers.
-        num_heads: query heads.
-        num_kv_heads: key/value heads (a divisor of ``num_heads``).
-        embed_dim: ``D``, the residual width (``hidden_size``).
-        intermediate_dim: the gated MLP's width.
-        max_seq_len: context length (RoPE cache, KV caches).
+        vocab_size: ``V``. num_layers, num_heads, num_kv_heads, embed_dim (``D``),
+            intermediate_dim, max_seq_len: the dimensions.
         head_dim: channels per head; ``None``: ``embed_dim // num_heads``.
         attn_dropout: attention dropout (training only).
         norm_eps: epsilon of every RMSNorm (``rms_norm_eps``).
@@ -198,25 +149,18 @@ def lora_olmo2(
     quantize_base: bool = False,
     **model: Any,
 ) -> TransformerDecoder:
-    """:func:`olmo2` with LoRA (or DoRA) adapters (:func:`~.decoder.build_lora_decoder`; an
-    adapted query/key projection keeps its norm after the adapter's sum, so a merged
-    checkpoint is the plain model's).
+    """:func:`olmo2` with LoRA (or DoRA) adapters (:func:`~.decoder.build_lora_decoder`).
 
     Args:
-        lora_attn_modules: attention projections that get adapters (``q_proj``, ``k_proj``,
-            ``v_proj``, ``output_proj``).
-        apply_lora_to_mlp: adapters on the three MLP projections too.
-        apply_lora_to_output: an adapter on the output projection (untied models only).
-        lora_rank: adapter rank ``r``.
-        lora_alpha: adapter scale numerator (``alpha / r``).
-        lora_dropout: dropout on the adapters' input.
-        use_dora: DoRA instead of LoRA.
-        quantize_base: NF4-quantize the adapted layers' frozen base weights.
+        lora_attn_modules: ``q_proj``, ``k_proj``, ``v_proj``, ``output_proj`` (one or more).
+        apply_lora_to_mlp: adapters on ``w1``, ``w2``, ``w3`` too.
+        apply_lora_to_output: an adapter on the output projection (untied only).
+        lora_rank, lora_alpha, lora_dropout, use_dora, quantize_base: the adapters (rank ``r``,
+            scale ``alpha / r``, input dropout, DoRA, NF4 frozen base weights).
         **model: :func:`olmo2`'s arguments.
 
     Raises:
-        ValueError: no or unknown ``lora_attn_modules``; ``apply_lora_to_output`` with tied
-            embeddings.
+        ValueError: no or unknown ``lora_attn_modules``; an output adapter on tied embeddings.
     """
     return build_lora_decoder(
         _spec(**model), lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output,

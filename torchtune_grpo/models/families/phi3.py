@@ -1,58 +1,9 @@
 """Phi-3 and Phi-4 (``Phi3ForCausalLM``, ``model_type: phi3``) as a torchtune decoder.
 
-A Phi-3 layer computes a Llama layer (pre-norm RMSNorms, SiLU-gated MLP, rotate-half RoPE,
-no biases). What differs, and where it lives here:
-
-* **Fused weights.** HF stores the query, key and value projections as one ``qkv_proj``
-  (rows ``[q; k; v]``: ``heads * head_dim``, then ``kv_heads * head_dim`` twice) and the
-  gate and up projections as one ``gate_up_proj`` (rows ``[gate; up]``). The model here keeps
-  torchtune's separate ``q_proj``/``k_proj``/``v_proj`` and ``w1``/``w3`` modules, so LoRA,
-  FSDP, the native engine and the CPU decode backend need nothing new; the checkpointer splits
-  the fused tensors on load and stacks them again on save (:class:`~.hf_weights.Fused` entries
-  of :data:`PHI3_NAMES`), the vLLM weight sync stacks them as it streams
-  (:func:`~torchtune_grpo.rollout.vllm_engine.torchtune_to_hf_converter`), and the PEFT
-  adapter file holds one adapter per fused module (see :mod:`~.hf_weights`).
-* **Partial rotary** (``partial_rotary_factor``, Phi-4-mini: 0.75): RoPE turns the first
-  ``int(head_dim * factor)`` channels of each head, the others pass through
-  (:class:`~.layers.HalfRoPE`'s ``rotary_dim``).
-* **LongRoPE** (``rope_scaling.type: longrope`` or its old name ``su``: Phi-3-mini-128k,
-  Phi-4-mini) is computed for contexts up to ``original_max_position_embeddings``, as
-  transformers does there: the ``short_factor`` divides each frequency and cos/sin are
-  multiplied by the attention factor (``rope_scaling.attention_factor``, else
-  ``sqrt(1 + ln(factor) / ln(original_max_position_embeddings))`` with ``factor``
-  ``rope_scaling.factor`` or ``max_position_embeddings / original_max_position_embeddings``;
-  1 when ``factor <= 1``). Beyond it transformers switches every position to the
-  ``long_factor``, which a fixed RoPE cache cannot follow: a ``max_seq_len`` beyond
-  ``original_max_position_embeddings`` is refused in one line (set ``model.max_seq_len``).
-* **Sliding window** (``sliding_window``, Phi-3-mini-4k: 2047): every layer's query sees the
-  keys with ``q - k < sliding_window`` (transformers' ``kv_idx > q_idx - sliding_window``;
-  :class:`~.layers.SlidingWindowLayer`). A window at least ``max_seq_len`` long is no window
-  (Phi-4-mini's 262144) and the layers stay plain.
-* **Tied or untied** output as ``tie_word_embeddings`` says (Phi-3: untied; Phi-4-mini: tied).
-
-Norm arithmetic: transformers' ``Phi3RMSNorm`` casts the normalised float32 input back before
-the weight product (``w * x.to(dtype)``), torchtune's ``RMSNorm`` multiplies in float32 and
-casts after; in float32 they are equal, in bf16 they differ by a rounding, as for torchtune's
-Llama and Qwen2 models. Residual and embedding dropout (``resid_pdrop``, ``embd_pdrop``) are
-not computed; a config that sets them is refused.
-
-The CPU decode backend fuses full-attention Phi-3 layers (plain ``nn.Linear`` projections,
-pre-norm RMSNorms; the attention calls the layer's :class:`~.layers.HalfRoPE`, partial and
-LongRoPE included); sliding-window layers decode through their own forward.
-
-============================================== ================================================
-HF (``Phi3ForCausalLM``)                       torchtune
-============================================== ================================================
-``model.embed_tokens.weight``                  ``tok_embeddings.weight``
-``model.layers.{i}.self_attn.qkv_proj.weight`` ``layers.{i}.attn.{q,k,v}_proj.weight`` (rows)
-``model.layers.{i}.self_attn.o_proj.weight``   ``layers.{i}.attn.output_proj.weight``
-``model.layers.{i}.mlp.gate_up_proj.weight``   ``layers.{i}.mlp.{w1,w3}.weight`` (rows)
-``model.layers.{i}.mlp.down_proj.weight``      ``layers.{i}.mlp.w2.weight``
-``model.layers.{i}.input_layernorm``           ``layers.{i}.sa_norm.scale``
-``model.layers.{i}.post_attention_layernorm``  ``layers.{i}.mlp_norm.scale``
-``model.norm.weight``                          ``norm.scale``
-``lm_head.weight`` (untied only)               ``output.weight``
-============================================== ================================================
+A Llama layer whose HF weights fuse ``qkv_proj`` and ``gate_up_proj`` (split on load, stacked
+on save: :class:`~.hf_weights.Fused` entries of :data:`PHI3_NAMES`), with partial rotary,
+LongRoPE up to ``original_max_position_embeddings`` (a longer ``max_seq_len`` is refused) and
+an optional sliding window. ``docs/models.md`` has the details.
 """
 
 from __future__ import annotations
@@ -143,19 +94,16 @@ def check_phi3_config(cfg: dict[str, Any], *, where: str, heads: int,
     """Refuse the Phi-3 ``config.json`` fields this implementation does not compute.
 
     Args:
-        cfg: the parsed ``config.json``.
-        where: how to name the file in messages.
-        heads: ``num_attention_heads``.
-        rope_scaling: the folder's RoPE scaling (``rope_scaling`` or a non-default
-            ``rope_parameters``), None for plain RoPE.
+        cfg, where, heads, rope_scaling: the parsed ``config.json``, the file's name in
+            messages, ``num_attention_heads``, the folder's RoPE scaling (None: plain RoPE).
 
     Returns:
         ``rotary_dim``, ``sliding_window``, ``pad_id``, and for LongRoPE ``rope_factors``,
         ``rope_attention_factor``, ``rope_original_max``.
 
     Raises:
-        ValueError: one line naming the field and what is supported: a RoPE scaling other
-            than ``longrope``, ``hidden_act`` other than ``silu``, residual or embedding
+        ValueError: one line naming the field: a RoPE scaling
+            other than ``longrope``, ``hidden_act`` other than ``silu``, residual or embedding
             dropout, a ``head_dim`` other than ``hidden_size / num_attention_heads``, a
             ``partial_rotary_factor`` that rotates an odd or zero number of channels.
     """
@@ -235,23 +183,16 @@ def phi3(
     tie_word_embeddings: bool = False,
     pad_id: int | None = None,
 ) -> TransformerDecoder:
-    """A Phi-3 / Phi-4 decoder (see the module docstring).
+    """A Phi-3 / Phi-4 decoder.
 
     Args:
-        vocab_size: ``V``.
-        num_layers: decoder layers.
-        num_heads: query heads (``head_dim = embed_dim // num_heads``).
-        num_kv_heads: key/value heads (a divisor of ``num_heads``).
-        embed_dim: ``D``, the residual width (``hidden_size``).
-        intermediate_dim: the gated MLP's width.
-        max_seq_len: context length (RoPE cache, KV caches).
-        rotary_dim: channels RoPE turns per head (``partial_rotary_factor * head_dim``);
-            ``None``: all.
+        vocab_size: ``V``. num_layers, num_heads, num_kv_heads, embed_dim (``D``),
+            intermediate_dim, max_seq_len: the dimensions (``head_dim = D // num_heads``).
+        rotary_dim: channels RoPE turns per head; ``None``: all.
         sliding_window: keys each query sees (itself included), ``None``: all.
         rope_factors: LongRoPE's ``short_factor`` (divides each frequency), ``None``: none.
         rope_attention_factor: LongRoPE's cos/sin factor.
-        rope_original_max: LongRoPE's ``original_max_position_embeddings``: ``max_seq_len``
-            may not exceed it.
+        rope_original_max: LongRoPE's ``original_max_position_embeddings``.
         attn_dropout: attention dropout (training only).
         norm_eps: epsilon of every RMSNorm (``rms_norm_eps``).
         rope_base: RoPE ``theta``.
@@ -280,24 +221,19 @@ def lora_phi3(
     quantize_base: bool = False,
     **model: Any,
 ) -> TransformerDecoder:
-    """:func:`phi3` with LoRA (or DoRA) adapters on torchtune's separate projections
-    (:func:`~.decoder.build_lora_decoder`).
+    """:func:`phi3` with LoRA (or DoRA) adapters (:func:`~.decoder.build_lora_decoder`).
 
     Args:
-        lora_attn_modules: attention projections that get adapters (``q_proj``, ``k_proj``,
-            ``v_proj``, ``output_proj``).
+        lora_attn_modules: ``q_proj``, ``k_proj``, ``v_proj``, ``output_proj`` (one or more).
         apply_lora_to_mlp: adapters on ``w1``, ``w2``, ``w3`` too.
-        apply_lora_to_output: an adapter on the output projection (untied models only).
-        lora_rank: adapter rank ``r``.
-        lora_alpha: adapter scale numerator (``alpha / r``).
-        lora_dropout: dropout on the adapters' input.
-        use_dora: DoRA instead of LoRA.
-        quantize_base: NF4-quantize the adapted layers' frozen base weights.
+        apply_lora_to_output: an adapter on the output projection (untied only).
+        lora_rank, lora_alpha, lora_dropout, use_dora, quantize_base: the adapters (rank ``r``,
+            scale ``alpha / r``, input dropout, DoRA, NF4 frozen base weights).
         **model: :func:`phi3`'s arguments.
 
     Raises:
-        ValueError: no or unknown ``lora_attn_modules``; ``apply_lora_to_output`` with tied
-            embeddings; ``max_seq_len`` beyond ``rope_original_max``.
+        ValueError: no or unknown ``lora_attn_modules``; an output adapter on tied embeddings;
+            ``max_seq_len`` beyond ``rope_original_max``.
     """
     return build_lora_decoder(
         _spec(**model), lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output,

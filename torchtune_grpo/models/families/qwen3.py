@@ -1,49 +1,9 @@
 """Qwen3 (dense, ``Qwen3ForCausalLM``) as a torchtune decoder.
 
-A Qwen3 layer is a Qwen2 layer without QKV biases, with an explicit ``head_dim`` (Qwen3-0.6B:
-``hidden_size`` 1024, 16 heads of 128) and one difference that matters: every query head and
-every key head is RMS-normalised over its ``head_dim`` channels (one learned scale per
-channel, shared by the heads) **right after the projection and before RoPE**.
-
-torchtune 0.6.1's :class:`~torchtune.modules.MultiHeadAttention` has ``q_norm``/``k_norm`` but
-applies them after the rotary embedding (torchtune issue #2809); RMSNorm does not commute with
-a rotation once its scale is not uniform, so that order gives other logits. Here the attention
-module is torchtune's own, with ``q_norm = k_norm = None``, and the norm is part of the query
-and key projections instead (:class:`~.layers.NormedProjection`: linear, then the per-head
-RMSNorm), built by :func:`~.decoder.build_decoder` with ``qk_norm="head"``.
-Every consumer of the attention module (torchtune's forward, the native engine's grouped-query
-attention in :mod:`torchtune_grpo.policy.kv_cache`, packed training forwards) calls
-``q_proj(x)`` / ``k_proj(x)`` and rotates what they return, so all of them compute Qwen3's
-order without knowing about it.
-
-The CPU decode backend fuses only layers whose projections are plain ``nn.Linear``
-(:func:`torchtune_grpo.backends.cpu_decode.fused_decode_layer`); Qwen3 layers are not fused and
-decode through the layer's own forward, each inner ``nn.Linear`` on oneDNN-packed weights.
-
-:func:`check_qwen3_config` is what :func:`torchtune_grpo.models.hf_architecture` asks of a
-Qwen3 ``config.json``; :func:`qwen3` and :func:`lora_qwen3` build the model.
-
-Weights (:data:`QWEN3_NAMES`, :func:`Qwen3HFCheckpointer`): HF names map one to one onto
-torchtune's, tensors unchanged (rotate-half RoPE on both sides, no q/k permutation):
-
-============================================== ===========================================
-HF (``Qwen3ForCausalLM``)                      torchtune
-============================================== ===========================================
-``model.embed_tokens.weight``                  ``tok_embeddings.weight``
-``model.layers.{i}.self_attn.q_proj.weight``   ``layers.{i}.attn.q_proj.proj.weight``
-``model.layers.{i}.self_attn.q_norm.weight``   ``layers.{i}.attn.q_proj.norm.scale``
-``model.layers.{i}.self_attn.k_proj.weight``   ``layers.{i}.attn.k_proj.proj.weight``
-``model.layers.{i}.self_attn.k_norm.weight``   ``layers.{i}.attn.k_proj.norm.scale``
-``model.layers.{i}.self_attn.v_proj.weight``   ``layers.{i}.attn.v_proj.weight``
-``model.layers.{i}.self_attn.o_proj.weight``   ``layers.{i}.attn.output_proj.weight``
-``model.layers.{i}.mlp.gate_proj.weight``      ``layers.{i}.mlp.w1.weight``
-``model.layers.{i}.mlp.down_proj.weight``      ``layers.{i}.mlp.w2.weight``
-``model.layers.{i}.mlp.up_proj.weight``        ``layers.{i}.mlp.w3.weight``
-``model.layers.{i}.input_layernorm.weight``    ``layers.{i}.sa_norm.scale``
-``model.layers.{i}.post_attention_layernorm``  ``layers.{i}.mlp_norm.scale``
-``model.norm.weight``                          ``norm.scale``
-``lm_head.weight`` (untied only)               ``output.weight``
-============================================== ===========================================
+A Qwen2 layer without QKV biases, with an explicit ``head_dim`` and a per-head RMSNorm on
+queries and keys before RoPE, held inside the projections
+(:class:`~.layers.NormedProjection`) so every attention path applies it in that order.
+Weights map one to one (:data:`QWEN3_NAMES`); ``docs/models.md`` has the details.
 """
 
 from __future__ import annotations
@@ -99,17 +59,14 @@ def check_qwen3_config(cfg: dict[str, Any], *, where: str, heads: int,
     """Refuse the Qwen3 ``config.json`` fields this implementation does not compute.
 
     Args:
-        cfg: the parsed ``config.json``.
-        where: how to name the file in messages.
-        heads: ``num_attention_heads``.
-        rope_scaling: the folder's RoPE scaling (``rope_scaling`` or a non-default
-            ``rope_parameters``), None for plain RoPE.
+        cfg, where, heads, rope_scaling: the parsed ``config.json``, the file's name in
+            messages, ``num_attention_heads``, the folder's RoPE scaling (None: plain RoPE).
 
     Returns:
         ``head_dim``: the config's, else ``hidden_size // num_attention_heads``.
 
     Raises:
-        ValueError: one line naming the field and what is supported: RoPE scaling,
+        ValueError: one line naming the field: RoPE scaling,
             ``use_sliding_window: true`` or a sliding ``layer_types`` entry,
             ``attention_bias: true``, ``hidden_act`` other than ``silu``.
     """
@@ -165,16 +122,11 @@ def qwen3(
     rope_base: float = 1_000_000.0,
     tie_word_embeddings: bool = False,
 ) -> TransformerDecoder:
-    """A dense Qwen3 decoder (see the module docstring for the attention).
+    """A dense Qwen3 decoder.
 
     Args:
-        vocab_size: ``V``.
-        num_layers: decoder layers.
-        num_heads: query heads.
-        num_kv_heads: key/value heads (a divisor of ``num_heads``).
-        embed_dim: ``D``, the residual width (``hidden_size``).
-        intermediate_dim: the gated MLP's width.
-        max_seq_len: context length (RoPE cache, KV caches).
+        vocab_size: ``V``. num_layers, num_heads, num_kv_heads, embed_dim (``D``),
+            intermediate_dim, max_seq_len: the dimensions.
         head_dim: channels per head; ``None``: ``embed_dim // num_heads``.
         attn_dropout: attention dropout (training only).
         norm_eps: epsilon of every RMSNorm (``rms_norm_eps``).
@@ -200,25 +152,18 @@ def lora_qwen3(
     quantize_base: bool = False,
     **model: Any,
 ) -> TransformerDecoder:
-    """:func:`qwen3` with LoRA (or DoRA) adapters, as torchtune's ``lora_qwen2`` places them
-    (:func:`~.decoder.build_lora_decoder`; the adapted query/key projections keep their
-    per-head norm after the adapter's sum, so a merged checkpoint is the plain model's).
+    """:func:`qwen3` with LoRA (or DoRA) adapters (:func:`~.decoder.build_lora_decoder`).
 
     Args:
-        lora_attn_modules: attention projections that get adapters (``q_proj``, ``k_proj``,
-            ``v_proj``, ``output_proj``).
-        apply_lora_to_mlp: adapters on the three MLP projections too.
-        apply_lora_to_output: an adapter on the output projection (untied models only).
-        lora_rank: adapter rank ``r``.
-        lora_alpha: adapter scale numerator (``alpha / r``).
-        lora_dropout: dropout on the adapters' input.
-        use_dora: DoRA instead of LoRA.
-        quantize_base: NF4-quantize the adapted layers' frozen base weights.
+        lora_attn_modules: ``q_proj``, ``k_proj``, ``v_proj``, ``output_proj`` (one or more).
+        apply_lora_to_mlp: adapters on ``w1``, ``w2``, ``w3`` too.
+        apply_lora_to_output: an adapter on the output projection (untied only).
+        lora_rank, lora_alpha, lora_dropout, use_dora, quantize_base: the adapters (rank ``r``,
+            scale ``alpha / r``, input dropout, DoRA, NF4 frozen base weights).
         **model: :func:`qwen3`'s arguments.
 
     Raises:
-        ValueError: no or unknown ``lora_attn_modules``; ``apply_lora_to_output`` with tied
-            embeddings.
+        ValueError: no or unknown ``lora_attn_modules``; an output adapter on tied embeddings.
     """
     return build_lora_decoder(
         _spec(**model), lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output,

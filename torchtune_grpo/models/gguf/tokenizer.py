@@ -1,34 +1,9 @@
 """The tokenizer of a GGUF model as Hugging Face tokenizer files (used by ``gguf_to_hf``).
 
-GGUF files carry their tokenizer as metadata. For byte-level BPE models (``tokenizer.ggml.model``
-``gpt2``, e.g. SmolLM2) :func:`tokenizer_from_gguf` rebuilds it with ``tokenizers``:
-
-* the BPE model from ``tokenizer.ggml.tokens`` and ``tokenizer.ggml.merges`` (a plain token
-  written in raw text is respelled in the byte-level alphabet so that the merges reach it);
-* a pre-tokenizer chosen by ``tokenizer.ggml.pre`` (``smollm``: single digits, then GPT-2's
-  byte-level regex split; ``gpt2``: the GPT-2 split alone) and the byte-level decoder;
-* the tokens typed control (3) or user-defined (4) as added tokens that are never split
-  (control ones are special);
-* ``tokenizer.ggml.add_bos_token`` / ``add_eos_token`` as a post-processor and
-  ``tokenizer_config.json`` flags, and ``tokenizer.chat_template`` as the config's template.
-
-Gemma 3's vocabulary is SentencePiece BPE (``tokenizer.ggml.model`` ``llama``, 262,144 pieces
-with scores and types, no merges); :func:`_sentencepiece_bpe` rebuilds it as a ``tokenizers``
-BPE with byte fallback:
-
-* spaces become ``▁`` (a normalizer; no prefix space, as ``add_space_prefix`` is false), and
-  the user-defined pieces made only of spaces, which llama.cpp's converter stores with real
-  spaces, are spelled with ``▁`` again so that the merges reach them;
-* the merges, which the file does not list, are derived from the vocabulary: every split of a
-  piece into two pieces is a merge, ranked by the piece's position in the file (Gemma's scores
-  are ``-position`` for the normal pieces, and a placeholder -1000 for the control and
-  user-defined ones, so the position is the rank), the longer left part first;
-* control pieces are special added tokens; user-defined ones (newline runs,
-  ``<start_of_image>``) plain added tokens matched whole, as llama.cpp matches them;
-* the decoder turns ``▁`` back into spaces and ``<0xNN>`` byte pieces into bytes.
-
-The reference is transformers' own GGUF tokenizer (``AutoTokenizer.from_pretrained(dir,
-gguf_file=...)``): ids are identical on the corpus of ``tests/unit/models/test_gemma3_gguf.py``.
+Byte-level BPE (``tokenizer.ggml.model`` ``gpt2``, e.g. SmolLM2) is rebuilt from the tokens,
+merges and ``tokenizer.ggml.pre``; Gemma 3's SentencePiece BPE (``llama``, no merges listed)
+by :func:`_sentencepiece_bpe`, with merges derived from the vocabulary order and byte fallback.
+Control tokens become special added tokens, user-defined ones added tokens matched whole.
 """
 
 from __future__ import annotations
@@ -50,19 +25,16 @@ def tokenizer_from_gguf(src: GgufFile) -> tuple[Any, dict[str, Any], dict[str, A
     """The Hugging Face tokenizer files of a GGUF model, from its metadata.
 
     Args:
-        src: the GGUF file as read by :func:`torchtune_grpo.models.gguf.gguf_to_hf`
-            (``src.get(key, default)`` reads a metadata key; without a default a missing key
-            raises, naming ``src.path``).
+        src: the GGUF file (``src.get(key, default)`` reads a metadata key).
 
     Returns:
-        ``(tokenizer, tokenizer_config, special_tokens_map)``: a ``tokenizers.Tokenizer`` (saved
-        as ``tokenizer.json``) and the contents of ``tokenizer_config.json`` (with the chat
-        template, when the GGUF has one) and ``special_tokens_map.json``.
+        ``(tokenizer, tokenizer_config, special_tokens_map)``: a ``tokenizers.Tokenizer`` and the
+        contents of ``tokenizer_config.json`` (with the chat template, when the GGUF has one) and
+        ``special_tokens_map.json``.
 
     Raises:
-        ValueError: a tokenizer other than byte-level BPE (``tokenizer.ggml.model`` ``gpt2``)
-            or Gemma 3's SentencePiece BPE (``llama``), an unsupported ``tokenizer.ggml.pre``,
-            or a malformed merge.
+        ValueError: a tokenizer other than byte-level BPE (``gpt2``) or Gemma 3's SentencePiece
+            BPE (``llama``), an unsupported ``tokenizer.ggml.pre``, or a malformed merge.
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
@@ -155,8 +127,12 @@ def _with_configs(src: GgufFile, tokenizer: Any) -> tuple[Any, dict[str, Any], d
 
 
 def _sentencepiece_bpe(src: GgufFile) -> Any:
-    """Gemma 3's SentencePiece BPE vocabulary as a ``tokenizers.Tokenizer`` (no post-processor;
-    see the module docstring)."""
+    """Gemma 3's SentencePiece BPE vocabulary as a ``tokenizers.Tokenizer`` (no post-processor).
+
+    Spaces are ``▁`` (no prefix space); every split of a piece into two pieces is a merge, ranked
+    by the piece's position in the file, the longer left part first; ``<0xNN>`` pieces decode to
+    bytes.
+    """
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 
     if src.get("tokenizer.ggml.add_space_prefix", False):

@@ -1,43 +1,8 @@
 """Learned rewards: a reward model's score, or a judge model's verdict, as a reward component.
 
-Both components follow the reward-component interface of
-:mod:`torchtune_grpo.rewards.components` (``component(completions, answers, **kwargs)``, one
-float per completion, ``questions`` read from the keyword arguments) and are listed under
-``rewards:`` like any other::
-
-    rewards:
-      - _component_: torchtune_grpo.rewards.components.NumericCorrectness
-        success: true
-      - _component_: torchtune_grpo.rewards.RewardModelScore
-        model_dir: /tmp/my-reward-model
-        normalize: sigmoid
-        weight: 0.5
-        requires_success: true
-
-* :class:`RewardModelScore` scores each completion with a sequence-classification reward model
-  (an HF folder of ``LlamaForSequenceClassification`` / ``Qwen2ForSequenceClassification``
-  with one label, built through torchtune's classifier builders:
-  :mod:`torchtune_grpo.models.classifier`).
-* :class:`GenerativeJudge` asks a causal chat model (any folder
-  :func:`~torchtune_grpo.models.hf_model` builds) a question per completion, generates its
-  reply greedily with the package's own KV-cache engine
-  (:func:`~torchtune_grpo.rollout.native.generate_trajectory`) and reads a score from the reply
-  (:mod:`torchtune_grpo.rewards.learned.judge_parsers`).
-
-Both models are **built and loaded when the component is constructed**, i.e. when the recipe
-builds its reward set, before the policy is loaded: a missing folder, an unsupported
-architecture, a classifier with several labels or weights that do not fit ``config.json`` stop
-the run before any expensive work, and the first training step does not pay for the loading.
-They are never trained: eval mode, ``requires_grad=False``, the reward model's forwards under
-``torch.inference_mode()`` and the judge's generation under ``torch.no_grad()`` (the engine
-memoises tensors by their version counter, which inference tensors do not have). Each lives
-on its own ``device`` (another GPU than the policy's, or the CPU) and holds nothing on it
-between calls but its weights and the judge's RoPE angle table (no KV cache, no activations).
-
-The inputs (padding, the score at the last token, template fields, argument checks) are in
-:mod:`torchtune_grpo.rewards.learned.inputs`; the parsers of judge replies in
-:mod:`torchtune_grpo.rewards.learned.judge_parsers`; the reward model's architecture and weights in
-:mod:`torchtune_grpo.models.classifier`.
+Both models are built and loaded when the component is constructed (before the policy), run
+frozen on their own ``device``, and follow the reward-component interface of
+:mod:`torchtune_grpo.rewards.components`. ``docs/rewards.md`` shows their config.
 """
 
 from __future__ import annotations
@@ -72,40 +37,21 @@ _QUOTE = 300  # characters of a judge reply quoted in an error
 class RewardModelScore:
     """The score of a sequence-classification reward model, one per completion.
 
-    Each completion is scored as the conversation ``[user: question, assistant: completion]``
-    rendered with the reward model folder's own chat template (``chat_template.jinja`` or
-    ``tokenizer_config.json``) and encoded as ``transformers``' ``apply_chat_template(...,
-    tokenize=True)`` does; the score is the classifier's output at the last token of that
-    sequence, what ``transformers``' ``*ForSequenceClassification`` returns. Sequences are
-    scored ``batch_size`` at a time, right-padded (causal attention: the padding after a
-    sequence never changes its scores), in the order given.
-
-    The model is built and its weights loaded here, at construction (see the module
-    docstring: failures come before training, and the first step does not pay for loading).
-
-    **Longer than** ``max_seq_len``: ``truncation="left"`` (default) keeps the last
-    ``max_seq_len`` tokens, dropping the start of the rendered prompt (template header, the
-    question's beginning) and, for a completion longer than that alone, its beginning: the
-    end of the completion, where the score is read, is always kept. The count is in
-    :attr:`last_truncated`. ``truncation="error"`` raises a ``ValueError`` naming the sample.
+    Each ``[user: question, assistant: completion]`` is rendered with the folder's chat template;
+    the score is the classifier's output at the last token, ``batch_size`` sequences per forward.
+    A sequence longer than ``max_seq_len`` keeps its last ``max_seq_len`` tokens
+    (``truncation="left"``) or raises (``"error"``).
 
     Args:
-        model_dir: an HF folder with ``config.json`` (``LlamaForSequenceClassification`` or
-            ``Qwen2ForSequenceClassification``, ``num_labels`` 1), its weights
-            (``*.safetensors`` or ``*.bin``) and its tokenizer (``tokenizer.json``, a chat
-            template).
-        device: where the reward model runs (``"cpu"``, ``"cuda"``, ``"cuda:1"``: it may sit
-            on another GPU than the policy).
+        model_dir: an HF folder (``LlamaForSequenceClassification`` or
+            ``Qwen2ForSequenceClassification``, ``num_labels`` 1) with weights and tokenizer.
+        device: where the reward model runs (``"cpu"``, ``"cuda"``, ``"cuda:1"``).
         dtype: ``"fp32"`` or ``"bf16"``.
         batch_size: sequences per forward.
         max_seq_len: the most tokens scored per sequence (and the RoPE cache length).
-        truncation: ``"left"`` or ``"error"`` (see above).
-        normalize: ``"none"`` (the raw score, a real number) or ``"sigmoid"`` (``1 / (1 +
-            exp(-score))``, in ``(0, 1)``: a Bradley-Terry reward model's score as a
-            probability-like value; non-negative, so that with ``requires_success: true`` a
-            wrong answer gets exactly 0 from this term).
-        chat_template: a jinja chat template (or the path of a file holding one) that replaces
-            the folder's.
+        truncation: ``"left"`` or ``"error"``.
+        normalize: ``"none"`` (the raw score) or ``"sigmoid"`` (in ``(0, 1)``).
+        chat_template: a jinja chat template (or a file path) that replaces the folder's.
 
     Raises:
         FileNotFoundError: the folder, its ``config.json``, ``tokenizer.json`` or weights are
@@ -117,8 +63,7 @@ class RewardModelScore:
         model: the frozen torchtune classifier (``[b, s]`` ids -> ``[b, s, 1]`` scores).
         tokenizer: the folder's :class:`~torchtune_grpo.models.HFTokenizer`.
         last_truncated: sequences truncated in the last call.
-        last_counts: ``{"truncated": last_truncated}``, logged by the recipe as
-            ``reward/<name>/truncated``.
+        last_counts: ``{"truncated": last_truncated}`` (logged as ``reward/<name>/truncated``).
     """
 
     name = "reward_model"
@@ -165,28 +110,16 @@ class RewardModelScore:
         self.last_truncated = 0
 
     def encode(self, question: str, completion: str) -> list[int]:
-        """Token ids of ``[user: question, assistant: completion]`` in the folder's template.
-
-        Args:
-            question: the prompt's question.
-            completion: the generated text.
-
-        Returns:
-            The ids (not truncated).
+        """Token ids (not truncated) of ``[user: question, assistant: completion]`` in the folder's
+        template.
         """
         text = self.tokenizer.apply_chat_template(
             [{"role": "user", "content": question}, {"role": "assistant", "content": completion}])
         return self.tokenizer.encode(text, add_bos=False, add_eos=False)
 
     def score_ids(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Raw scores of token id sequences, ``batch_size`` per forward.
-
-        Args:
-            sequences: ``N`` non-empty id lists of at most ``max_seq_len`` ids.
-
-        Returns:
-            ``[N]`` float32 on the CPU: the classifier's output at each sequence's last token.
-        """
+        """Raw scores of ``N`` non-empty id lists of at most ``max_seq_len`` ids: ``[N]``
+        float32 on the CPU."""
         out = []
         for start in range(0, len(sequences), self.batch_size):
             tokens, lengths = pad_right(sequences[start : start + self.batch_size],
@@ -198,15 +131,7 @@ class RewardModelScore:
         return torch.cat(out) if out else torch.zeros(0)
 
     def __call__(self, completions: list[str], answers: list[str], **kwargs: Any) -> list[float]:
-        """Score a batch.
-
-        Args:
-            completions: ``N`` generated texts.
-            answers: ``N`` gold answers (unused).
-            **kwargs: ``questions`` (``N`` strings, required); the rest is ignored.
-
-        Returns:
-            ``N`` floats (see ``normalize``).
+        """Score ``N`` completions (``questions`` required in ``kwargs``; ``answers`` unused).
 
         Raises:
             ValueError: no ``questions``, or (``truncation="error"``) a sequence longer than
@@ -237,44 +162,25 @@ class RewardModelScore:
 class GenerativeJudge:
     """A chat model asked to grade each completion; its greedy reply, parsed, is the score.
 
-    For each completion, ``prompt_template`` is filled with ``{question}``, ``{completion}``
-    and ``{answer}`` (the gold answer) by ``str.format`` (literal braces are ``{{``/``}}``), sent
-    as one user turn (after ``system_prompt`` when given) in the judge folder's chat template
-    with the assistant turn opened, and the judge's reply is generated greedily (temperature 0)
-    with the package's KV-cache engine, ``batch_size`` prompts at a time, until a stop token or
-    ``max_generated_tokens``. ``parser`` reads the score from the reply
-    (:func:`~torchtune_grpo.rewards.learned.judge_parsers.make_parser`: ``number`` = first number,
-    ``last_number``, ``yes_no``, ``regex:<pattern>`` = first match). With ``score_range:
-    [lo, hi]`` a score ``s`` becomes ``(s - lo) / (hi - lo)``, in ``[0, 1]``; a parsed score
-    outside ``[lo, hi]`` counts as a parse failure.
-
-    **Parse failures** (a reply without a score) never crash: with ``on_parse_failure="error"``
-    the call raises a ``ValueError`` naming the sample and quoting the reply (the reward set
-    then reports the first failing sample, or zeroes failures with ``on_error: zero``); with a
-    number, a reply that does not parse scores that number. Failures are counted in
-    :attr:`last_parse_failures` (the last call) and :attr:`parse_failures` (all calls), and the
-    replies of the last call are kept in :attr:`last_replies`.
-
-    **Prompt length**: a prompt longer than ``max_seq_len - max_generated_tokens`` tokens is a
-    ``ValueError`` naming the sample (it is not truncated: that would cut the instructions or
-    the completion).
-
-    The judge model is built and loaded at construction, after the arguments are checked (an
-    unknown template field is reported before any folder is read).
+    ``prompt_template`` is filled by ``str.format`` with ``{question}``, ``{completion}`` and
+    ``{answer}``, sent as one user turn, and answered greedily by the package's KV-cache engine. A
+    reply without a score raises (``on_parse_failure="error"``) or scores the given number; a
+    prompt longer than ``max_seq_len - max_generated_tokens`` raises.
 
     Args:
-        model_dir: an HF causal-LM folder (``LlamaForCausalLM``, ``Qwen2ForCausalLM``) with its
-            weights and tokenizer (``tokenizer.json``, a chat template).
+        model_dir: an HF causal-LM folder with its weights and tokenizer.
         prompt_template: the user message; names any of ``{question}``, ``{completion}``,
             ``{answer}``.
-        parser: how to read the reply (see above).
+        parser: ``number``, ``last_number``, ``yes_no`` or ``regex:<pattern>``
+            (:func:`~torchtune_grpo.rewards.learned.judge_parsers.make_parser`).
         on_parse_failure: ``"error"``, or the score (a finite number) of an unparsable reply.
-        score_range: ``[lo, hi]`` to rescale parsed scores to ``[0, 1]``, or ``None``.
+        score_range: ``[lo, hi]`` to rescale parsed scores to ``[0, 1]`` (outside: a parse
+            failure), or ``None``.
         max_generated_tokens: the longest reply.
         batch_size: prompts per generation batch.
         device: where the judge runs (``"cpu"``, ``"cuda"``, ``"cuda:1"``).
         dtype: ``"fp32"`` or ``"bf16"``.
-        max_seq_len: the judge's context (prompt plus reply; the RoPE cache length).
+        max_seq_len: the judge's context (prompt plus reply).
         system_prompt: a system message before the user turn, or ``None``.
         chat_template: a jinja chat template (or a file path) that replaces the folder's.
 
@@ -291,8 +197,8 @@ class GenerativeJudge:
         last_replies: the judge's replies of the last call.
         last_parse_failures: replies of the last call that did not parse.
         parse_failures: replies that did not parse, over all calls.
-        last_counts: ``{"parse_failures": last_parse_failures}``, logged by the recipe as
-            ``reward/<name>/parse_failures``.
+        last_counts: ``{"parse_failures": last_parse_failures}`` (logged as
+            ``reward/<name>/parse_failures``).
     """
 
     name = "judge"
@@ -368,13 +274,7 @@ class GenerativeJudge:
         self.parse_failures = 0
 
     def prompt_ids(self, question: str, completion: str, answer: str) -> list[int]:
-        """Token ids of the judge prompt for one completion (the assistant turn opened).
-
-        Args:
-            question: the prompt's question.
-            completion: the generated text.
-            answer: the gold answer.
-        """
+        """Token ids of the judge prompt for one completion, the assistant turn opened."""
         values = {"question": question, "completion": completion, "answer": answer}
         messages = [{"role": "user", "content": self.prompt_template.format(**values)}]
         if self.system_prompt is not None:
@@ -383,14 +283,8 @@ class GenerativeJudge:
         return self.tokenizer.encode(text, add_bos=False, add_eos=False)
 
     def generate(self, prompts: Sequence[Sequence[int]]) -> list[str]:
-        """The judge's greedy replies to prompt id lists, ``batch_size`` at a time.
-
-        Args:
-            prompts: ``N`` non-empty id lists.
-
-        Returns:
-            ``N`` reply texts (stop tokens and special tokens left out).
-        """
+        """The judge's greedy replies to ``N`` non-empty prompt id lists (stop and special
+        tokens left out), ``batch_size`` at a time."""
         from torchtune_grpo.rollout.native import generate_trajectory
         from torchtune_grpo.rollout.sampling import decode_completions
 
@@ -424,16 +318,7 @@ class GenerativeJudge:
         return (value - lo) / (hi - lo)
 
     def __call__(self, completions: list[str], answers: list[str], **kwargs: Any) -> list[float]:
-        """Grade a batch.
-
-        Args:
-            completions: ``N`` generated texts.
-            answers: ``N`` gold answers (``{answer}``).
-            **kwargs: ``questions`` (``N`` strings; required when the template names
-                ``{question}``); the rest is ignored.
-
-        Returns:
-            ``N`` floats.
+        """Grade ``N`` completions (``questions`` needed when the template names it).
 
         Raises:
             ValueError: a reply without a score with ``on_parse_failure="error"`` (naming the

@@ -1,7 +1,5 @@
-"""Inputs of the learned reward components (:mod:`torchtune_grpo.rewards.learned`): padding
-token ids into batches, reading a score at each sequence's last token, the fields of a judge's
-prompt template, and the checks of the components' common arguments (device, dtype, counts,
-the model folder's tokenizer, the ``questions`` keyword).
+"""Inputs of the learned reward components: padding, the score at the last token, template
+fields, and the checks of their common arguments.
 """
 
 from __future__ import annotations
@@ -67,14 +65,11 @@ def pad_left(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Ten
 
 
 def last_position_scores(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """The score of each right-padded sequence at its last real token.
-
-    This is what ``transformers``' ``*ForSequenceClassification`` returns (it takes the
-    rightmost token that is not the pad id; with the true lengths known, a sequence whose own
-    last token happens to be the pad id is read at that token, not before it).
+    """The score of each right-padded sequence at its last real token (as ``transformers``'
+    ``*ForSequenceClassification``, but from the true lengths).
 
     Args:
-        scores: ``[b, L]`` per-position scores (the classifier's single output).
+        scores: ``[b, L]`` per-position scores.
         lengths: ``[b]`` real tokens per sequence (``1 <= length <= L``).
 
     Returns:

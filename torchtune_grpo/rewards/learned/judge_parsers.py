@@ -1,24 +1,9 @@
-"""Reading a judge model's reply as a score.
+"""Reading a judge model's reply as a score (``None`` when it holds none).
 
-A *parser* maps the text a judge generated to a float, or to ``None`` when the reply holds no
-score (the :class:`~torchtune_grpo.rewards.learned.GenerativeJudge` then raises or uses its
-``on_parse_failure`` score). :func:`make_parser` turns a config's ``parser`` string into one:
-
-- ``"number"``: the **first** number of the reply (``"8/10"`` -> 8, ``"Score: 7.5"`` -> 7.5,
-  ``"-2"`` -> -2). Judges are usually asked to answer with the score first, and a reply such as
-  ``"7 out of 10"`` ends with the scale, not the score.
-- ``"last_number"``: the **last** number (for judges that reason first and end with the score).
-- ``"yes_no"``: 1.0 for ``yes``, 0.0 for ``no``: the **first** of these words in the reply
-  (whole words, any case: ``"Yes."``, ``"NO, because..."``; ``"Nobody"`` is no match).
-- ``"regex:<pattern>"``: the **first** match of the Python regular expression ``<pattern>``
-  (``re.search``); its first group when the pattern has groups, else the whole match, read with
-  ``float()`` (e.g. ``"regex:Score:\\s*(\\d+)"``). A match that ``float()`` cannot read is no
-  score.
-
-Numbers are written with an optional sign, digits and an optional decimal part (``7``,
-``-3``, ``0.25``, ``.5``); a digit glued to a letter (``v2``, ``x7``) is not a number, and
-thousands separators are not read (``1,000`` is 1 then 0). Every parser is a pure function that
-never raises on any string.
+``"number"``: the first number; ``"last_number"``: the last; ``"yes_no"``: 1.0 / 0.0 for the
+first whole word ``yes`` or ``no``; ``"regex:<pattern>"``: the first match (its first group if
+any) read by ``float()``. A number is an optional sign, digits and decimals, not glued to a
+letter, without thousands separators. No parser raises on a string.
 """
 
 from __future__ import annotations
