@@ -316,8 +316,8 @@ def _same_as(name: str) -> Any:
 @dataclass(frozen=True, kw_only=True)
 class EvalConfig:
     """Every top-level key of ``grpo_eval``; a key it shares with :class:`RecipeConfig` keeps
-    that key's type, default and meaning (:func:`_same_as`), and the sampling keys take their
-    defaults from :class:`~torchtune_grpo.evaluation.settings.EvalSettings`."""
+    that key's type, default, meaning and check, and the sampling keys take their defaults from
+    :class:`~torchtune_grpo.evaluation.settings.EvalSettings`."""
 
     checkpoint_dir: str = key(REQUIRED,
                               "The checkpoint to evaluate; results are written into it.")
