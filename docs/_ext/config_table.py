@@ -1,13 +1,21 @@
-"""Sphinx directive ``grpo-config-table``: the config reference, generated from the code.
+"""Sphinx directives ``grpo-config-table`` and ``grpo-settings-table``: the config reference,
+generated from the config tree.
 
 Usage (Markdown page, MyST)::
 
-    ```{grpo-config-table} RECIPE_KEYS
+    ```{grpo-config-table} RecipeConfig
     ```
 
-The argument names a ``dict[str, Key]`` of :mod:`torchtune_grpo.config.schema` (``RECIPE_KEYS``
-or ``EVAL_KEYS``). The table is built from that dict at every docs build, so the reference cannot
-drift from the schema that :func:`torchtune_grpo.config.validation.validate_config` enforces.
+    ```{grpo-settings-table} AdvantageSettings
+    ```
+
+``grpo-config-table`` names a config tree of :mod:`torchtune_grpo.config.schema`
+(``RecipeConfig``, ``AsyncConfig`` or ``EvalConfig``) and lists its fields: key, type (in the
+config's words, from the annotation), default and meaning (the field's ``doc``).
+``grpo-settings-table`` names the settings dataclass of a nested block of ``RecipeConfig`` and
+lists its fields with the meanings of its ``Attributes:`` docstring. Both are built at every
+docs build, so the reference cannot drift from what
+:func:`torchtune_grpo.config.validation.validate_config` enforces.
 """
 
 from __future__ import annotations
@@ -18,11 +26,8 @@ from typing import Any
 from docutils import nodes
 from sphinx.util.docutils import SphinxDirective
 
-SCHEMAS = ("RECIPE_KEYS", "EVAL_KEYS", "ASYNC_KEYS")
-#: Settings dataclasses of nested blocks (:mod:`torchtune_grpo.config.settings`) -> their
-#: config key.
-SETTINGS = {"AdvantageSettings": "advantages", "EvalSettings": "eval",
-            "DynamicSamplingSettings": "dynamic_sampling", "HealthSettings": "run_health"}
+#: The config trees a ``grpo-config-table`` may name.
+TREES = ("RecipeConfig", "AsyncConfig", "EvalConfig")
 
 
 def format_default(value: Any) -> str:
@@ -38,17 +43,34 @@ def format_default(value: Any) -> str:
     return f"``{value!r}``"
 
 
-def table_rows(schema_name: str) -> list[tuple[str, str, str, str]]:
-    """``(key, type, default, meaning)`` of every key of ``schema_name``, in schema order."""
-    import torchtune_grpo.config.schema as schemas
+def table_rows(tree_name: str) -> list[tuple[str, str, str, str]]:
+    """``(key, type, default, meaning)`` of every field of the config tree ``tree_name``, in
+    field order.
 
-    if schema_name not in SCHEMAS:
-        raise ValueError(f"grpo-config-table: unknown schema {schema_name!r}; use one of {SCHEMAS}")
-    schema = getattr(schemas, schema_name)
+    Raises:
+        ValueError: ``tree_name`` is not one of :data:`TREES`.
+    """
+    import torchtune_grpo.config.schema as schema
+    from torchtune_grpo.config.settings import keys_of
+
+    if tree_name not in TREES:
+        raise ValueError(f"grpo-config-table: unknown config tree {tree_name!r}; use one of "
+                         f"{TREES}")
     return [
-        (f"``{key}``", f"``{spec.type}``", format_default(spec.default), " ".join(spec.doc.split()))
-        for key, spec in schema.items()
+        (f"``{name}``", f"``{spec.type}``", format_default(spec.default),
+         " ".join(spec.doc.split()))
+        for name, spec in keys_of(getattr(schema, tree_name)).items()
     ]
+
+
+def nested_blocks() -> dict[str, str]:
+    """Settings dataclass name -> the key of ``RecipeConfig`` whose type it is (the nested
+    blocks: ``AdvantageSettings`` -> ``advantages``, ...)."""
+    from torchtune_grpo.config.schema import RecipeConfig
+    from torchtune_grpo.config.settings import keys_of
+
+    return {spec.settings.__name__: name for name, spec in keys_of(RecipeConfig).items()
+            if spec.settings is not None}
 
 
 def _attribute_docs(cls: type) -> dict[str, str]:
@@ -73,28 +95,31 @@ def _attribute_docs(cls: type) -> dict[str, str]:
 
 
 def settings_rows(settings_name: str) -> list[tuple[str, str, str]]:
-    """``(key, default, meaning)`` of every key of a nested block, in field order.
+    """``(key, default, meaning)`` of every key of a nested block, in field order; fields the
+    recipe sets itself (``set_by_recipe`` metadata) are left out.
 
-    Fields the recipe sets itself (those whose meaning says "not a key of the ... block")
-    are left out.
+    Raises:
+        ValueError: ``settings_name`` is not the type of a nested block of ``RecipeConfig``.
     """
     import dataclasses
 
     from torchtune_grpo.config.schema import RECIPE_KEYS
 
-    if settings_name not in SETTINGS:
+    blocks = nested_blocks()
+    if settings_name not in blocks:
         raise ValueError(f"grpo-settings-table: unknown settings {settings_name!r}; use one "
-                         f"of {tuple(SETTINGS)}")
-    cls = RECIPE_KEYS[SETTINGS[settings_name]].settings
+                         f"of {tuple(blocks)}")
+    block = blocks[settings_name]
+    cls = RECIPE_KEYS[block].settings
     docs = _attribute_docs(cls)
     rows = []
     for f in dataclasses.fields(cls):
+        if f.metadata.get("set_by_recipe"):
+            continue
         text = " ".join(docs.get(f.name, "").split())
         text = re.sub(r":\w+:`~?([^`]+)`", r"``\1``", text)  # Sphinx roles as literals
-        if "not a key of" in text:
-            continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        rows.append((f"``{SETTINGS[settings_name]}.{f.name}``", format_default(default), text))
+        rows.append((f"``{block}.{f.name}``", format_default(default), text))
     return rows
 
 
@@ -111,9 +136,9 @@ def _inline(text: str) -> list[nodes.Node]:
     return out
 
 
-def table_node(schema_name: str) -> nodes.table:
+def table_node(tree_name: str) -> nodes.table:
     """A docutils table of :func:`table_rows` (header: key, type, default, meaning)."""
-    return _table(("key", "type", "default", "meaning"), table_rows(schema_name),
+    return _table(("key", "type", "default", "meaning"), table_rows(tree_name),
                   (22, 14, 12, 52))
 
 
@@ -144,7 +169,7 @@ def _table(header: tuple[str, ...], rows: list[tuple[str, ...]],
 
 
 class ConfigTable(SphinxDirective):
-    """``grpo-config-table SCHEMA``: a table of one config schema."""
+    """``grpo-config-table TREE``: a table of the keys of one config tree."""
 
     required_arguments = 1
     has_content = False

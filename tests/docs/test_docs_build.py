@@ -51,19 +51,26 @@ def _config_table():
     return config_table
 
 
-def test_config_table_lists_every_key_in_schema_order():
+def test_config_table_lists_every_field_of_the_tree_in_order():
     _require_sphinx()
-    config_table = _config_table()
-    from torchtune_grpo.config.schema import EVAL_KEYS, RECIPE_KEYS
+    import dataclasses
 
-    for name, schema in (("RECIPE_KEYS", RECIPE_KEYS), ("EVAL_KEYS", EVAL_KEYS)):
+    config_table = _config_table()
+    from torchtune_grpo.config import schema
+
+    for name in config_table.TREES:
+        tree = getattr(schema, name)
         rows = config_table.table_rows(name)
-        assert [r[0] for r in rows] == [f"``{k}``" for k in schema]
+        assert [r[0] for r in rows] == [f"``{f.name}``" for f in dataclasses.fields(tree)]
         assert all(r[1] and r[2] and r[3] for r in rows)
         table = config_table.table_node(name)
-        assert len(list(table.findall(lambda n: n.tagname == "row"))) == len(schema) + 1
-    with pytest.raises(ValueError, match="unknown schema"):
-        config_table.table_rows("NOPE")
+        assert len(list(table.findall(lambda n: n.tagname == "row"))) == len(rows) + 1
+    rows = {r[0]: r for r in config_table.table_rows("RecipeConfig")}
+    assert rows["``batch_size``"][1:3] == ("``int|null``", "``null``")
+    assert rows["``group_size``"][1:3] == ("``int``", "**required**")
+    assert rows["``run_health``"][1:3] == ("``dict|null``", "``{}``")
+    with pytest.raises(ValueError, match="unknown config tree"):
+        config_table.table_rows("RECIPE_KEYS")
 
 
 def test_settings_tables_list_every_key_of_the_nested_blocks():
@@ -73,15 +80,19 @@ def test_settings_tables_list_every_key_of_the_nested_blocks():
     config_table = _config_table()
     from torchtune_grpo.config.schema import RECIPE_KEYS
 
-    for name, key in config_table.SETTINGS.items():
+    blocks = config_table.nested_blocks()
+    assert blocks == {"EvalSettings": "eval", "AdvantageSettings": "advantages",
+                      "DynamicSamplingSettings": "dynamic_sampling",
+                      "HealthSettings": "run_health"}
+    for name, key in blocks.items():
         cls = RECIPE_KEYS[key].settings
         assert cls.__name__ == name
         rows = config_table.settings_rows(name)
         fields = [f.name for f in dataclasses.fields(cls) if f.name != "seed"]
         assert [r[0] for r in rows] == [f"``{key}.{f}``" for f in fields]
         assert all(r[1] and r[2] for r in rows), rows
-    assert {k for k, spec in RECIPE_KEYS.items() if spec.settings} == set(
-        config_table.SETTINGS.values())
+    with pytest.raises(ValueError, match="unknown settings"):
+        config_table.settings_rows("Key")
 
 
 def test_api_page_covers_every_public_module():

@@ -78,7 +78,7 @@ def _plot(args) -> int:
 
 def _validate(args) -> int:
     from torchtune_grpo.config.loading import load_config
-    from torchtune_grpo.config.schema import ASYNC_KEYS, EVAL_KEYS
+    from torchtune_grpo.config.schema import keys_for
     from torchtune_grpo.config.validation import (
         ConfigError,
         validate_async_config,
@@ -86,11 +86,11 @@ def _validate(args) -> int:
     )
 
     cfg = load_config(args.config, args.overrides)
+    schema, extra_keys = keys_for(cfg)
     try:
-        if any(key in cfg for key in ASYNC_KEYS):  # async_grpo_full_finetune_distributed
+        if extra_keys is not None:  # async_grpo_full_finetune_distributed
             validate_async_config(cfg, world_size=args.world_size)
         else:
-            schema = EVAL_KEYS if "checkpoint_dir" in cfg else None
             validate_config(cfg, world_size=args.world_size, schema=schema)
     except ValueError as e:  # a check outside the schema (ConfigError is one too)
         raise ConfigError(str(e)) from None
@@ -112,7 +112,7 @@ def _check_step(args) -> int:
 def _estimate_memory(args) -> int:
     from torchtune_grpo.cli.memory_estimate import estimate_memory, intended_world_size
     from torchtune_grpo.config.loading import load_config
-    from torchtune_grpo.config.schema import ASYNC_KEYS
+    from torchtune_grpo.config.schema import keys_for
     from torchtune_grpo.config.validation import (
         ConfigError,
         validate_async_config,
@@ -122,7 +122,7 @@ def _estimate_memory(args) -> int:
     world_size = args.world_size or intended_world_size(args.config)
     cfg = load_config(args.config, args.overrides)
     try:
-        if any(key in cfg for key in ASYNC_KEYS):
+        if keys_for(cfg)[1] is not None:  # async_grpo_full_finetune_distributed
             validate_async_config(cfg, world_size=world_size)
         else:
             validate_config(cfg, world_size=world_size)

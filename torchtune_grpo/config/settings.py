@@ -1,16 +1,26 @@
-"""Typed settings of the nested config blocks: each field's default and meaning in one place.
+"""The typed config tree's parts: field declarations, type checks, and the nested blocks.
 
-A nested block of the config (``advantages:``, ``eval:``) is read into a small frozen
-dataclass by :func:`settings_from_config`, which rejects unknown keys with the closest known
-key suggested (``advantages.scael`` -> ``advantages.scale``) and checks the values in the
-dataclass's ``__post_init__``. :func:`torchtune_grpo.config.validation.validate_config` runs
-the same function on the raw config before anything is built, so a typo in a nested block costs
-seconds; adding a key to a block means adding one field here.
+Every key a recipe reads is a field of a dataclass: the top-level keys are the fields of the
+trees in :mod:`torchtune_grpo.config.schema`, and a nested block of the config
+(``advantages:``, ``run_health:``, ...) is a field whose type is one of the frozen settings
+dataclasses here (or :class:`~torchtune_grpo.evaluation.settings.EvalSettings`). A top-level
+field is declared with :func:`key` (its default, meaning and value check in the field's
+metadata); :func:`keys_of` reads a tree into :class:`Key` s, from which the defaults, the
+validation, ``tune-grpo validate`` and the docs' config table are derived.
+
+:func:`settings_from_config` reads a nested block into its dataclass, rejecting unknown keys
+with the closest known key suggested (``advantages.scael`` -> ``advantages.scale``) and checking
+the values in the dataclass's ``__post_init__``.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import difflib
+import types
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
@@ -23,10 +33,115 @@ from torchtune_grpo.algorithm.advantages import (
     DEFAULT_ESTIMATOR,
 )
 
-__all__ = ["AdvantageSettings", "DynamicSamplingSettings", "HealthSettings", "hint_name",
-           "settings_from_config", "value_fits"]
+__all__ = ["REQUIRED", "AdvantageSettings", "Component", "DynamicSamplingSettings",
+           "HealthSettings", "Key", "hint_name", "key", "keys_of", "settings_from_config",
+           "type_name", "value_fits"]
 
 S = TypeVar("S")
+
+#: The default of a key that every config must set.
+REQUIRED: Any = object()
+
+
+class Component(dict):
+    """The type of a config node that names a callable: a mapping whose ``_component_`` is the
+    callable's dotted import path and whose other keys are its arguments (built by torchtune's
+    ``config.instantiate``). Used as an annotation in the config tree."""
+
+
+def key(default: Any, doc: str, check: Callable[[Any], str | None] | None = None) -> Any:
+    """Declare a field of a config tree.
+
+    Args:
+        default: the value a config that omits the key gets, or :data:`REQUIRED`. A list or
+            dict default is deep-copied for every use.
+        doc: what the key means (the docs' config table and the missing-key error show it).
+        check: returns what is wrong with a non-null, non-bool value of the right type
+            (``"must be >= 1"``), or None.
+
+    Returns:
+        A :func:`dataclasses.field` carrying ``doc`` and ``check`` in its metadata.
+    """
+    metadata = {"doc": doc, "check": check}
+    if default is REQUIRED:
+        return dataclasses.field(metadata=metadata)
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: copy.deepcopy(default),
+                                 metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class Key:
+    """One top-level key of a config tree, read from its dataclass field by :func:`keys_of`.
+
+    Attributes:
+        name: the key.
+        hint: the field's type annotation (``int | None``, :class:`Component`, a settings
+            dataclass for a nested block, ...).
+        default: the value a config that omits the key gets, or :data:`REQUIRED`.
+        doc: what the key means.
+        check: returns what is wrong with a non-null value of the right type, or None.
+    """
+
+    name: str
+    hint: Any
+    default: Any
+    doc: str
+    check: Callable[[Any], str | None] | None = None
+
+    @property
+    def type(self) -> str:
+        """The accepted types as the config reference and error messages write them
+        (:func:`type_name`: ``int|null``, ``component``, ``dict|null``)."""
+        return type_name(self.hint)
+
+    @property
+    def settings(self) -> type | None:
+        """The settings dataclass of a nested block (its fields are the block's keys), or
+        None for a key that is not a nested block."""
+        hints = typing.get_args(self.hint) or (self.hint,)
+        return next((h for h in hints if dataclasses.is_dataclass(h)), None)
+
+
+def keys_of(tree: type) -> dict[str, Key]:
+    """The keys of a config tree (a dataclass whose fields are declared with :func:`key`), in
+    field order.
+
+    Raises:
+        TypeError: ``tree`` is not a dataclass.
+    """
+    hints = typing.get_type_hints(tree)
+    out = {}
+    for f in fields(tree):
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = REQUIRED
+        out[f.name] = Key(f.name, hints[f.name], default, f.metadata.get("doc", ""),
+                          f.metadata.get("check"))
+    return out
+
+
+def type_name(hint: Any) -> str:
+    """A type annotation in the config's words: ``int | None`` -> ``int|null``,
+    :class:`Component` -> ``component``, a list -> ``list``, a mapping or settings dataclass ->
+    ``dict``."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return "|".join(type_name(a) for a in args)
+    if hint is type(None):
+        return "null"
+    if hint is Component:
+        return "component"
+    container = origin or hint
+    if dataclasses.is_dataclass(hint) or container is dict:
+        return "dict"
+    if container in (list, tuple):
+        return "list"
+    return hint.__name__ if isinstance(hint, type) else str(hint)
 
 
 @dataclass(frozen=True)
@@ -142,11 +257,11 @@ def value_fits(hint: Any, value: Any) -> bool:
     Conservative: False only for a certain mismatch (a list where a ``str`` is declared, a
     string where an ``int`` is, a mapping where a ``bool`` is, ...); an annotation it does not
     understand, a string annotation, and a value still holding an interpolation (``${...}``)
-    all fit. A list fits a declared ``tuple`` or ``Sequence``; an ``int`` fits a ``float``.
+    all fit. A list fits a declared ``tuple`` or ``Sequence``; an ``int`` fits a ``float``; a
+    mapping fits a settings dataclass; :class:`Component` takes a mapping with
+    ``_component_``. OmegaConf nodes count as the lists and mappings they hold.
     """
     import collections.abc
-    import types
-    import typing
     from pathlib import PurePath
 
     if isinstance(value, str) and "${" in value:
@@ -168,31 +283,35 @@ def value_fits(hint: Any, value: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if hint is str or (isinstance(hint, type) and issubclass(hint, PurePath)):
         return isinstance(value, str)
+    is_list = isinstance(value, (list, tuple, ListConfig))
+    is_mapping = isinstance(value, (dict, DictConfig))
+    if hint is Component:
+        return is_mapping and "_component_" in value
+    if dataclasses.is_dataclass(hint):
+        return is_mapping
     container = origin or hint
     if container in (list, tuple, set, frozenset, collections.abc.MutableSequence):
-        return isinstance(value, (list, tuple))
+        return is_list
     if container is collections.abc.Sequence:
-        return isinstance(value, (list, tuple, str))
+        return is_list or isinstance(value, str)
     if container in (dict, collections.abc.Mapping, collections.abc.MutableMapping):
-        return isinstance(value, dict)
+        return is_mapping
     return True
 
 
 def _field_type_errors(cls: type, values: dict[str, Any], where: str) -> list[str]:
-    import typing
-
     try:
         hints = typing.get_type_hints(cls)
     except Exception:  # noqa: BLE001 (an annotation that cannot be resolved is not checked)
         return []
-    return [f"config key '{where}.{key}' must be {hint_name(hints[key])}, got {value!r}"
+    return [f"config key '{where}.{key}' must be {type_name(hints[key])}, got {value!r}"
             for key, value in values.items()
             if key in hints and value is not None and not value_fits(hints[key], value)]
 
 
 def hint_name(hint: Any) -> str:
-    """A type annotation as an error message names it: ``int``, ``list[str]``,
-    ``Optional[str]``."""
+    """A type annotation as an error message about a component's argument names it: ``int``,
+    ``list[str]``, ``Optional[str]``."""
     return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
 
 
@@ -208,7 +327,7 @@ def settings_from_config(cls: type[S], node: Any, where: str, *,
         fallbacks: values for keys the block leaves unset or null (e.g. the training
             ``max_generated_tokens`` for ``eval.max_generated_tokens``).
         fixed: values set by the recipe, not by the block (e.g. ``seed``); the block may not
-            name them.
+            name them, nor any field whose metadata has ``set_by_recipe``.
 
     Returns:
         The settings.
@@ -219,7 +338,8 @@ def settings_from_config(cls: type[S], node: Any, where: str, *,
     """
     fixed = fixed or {}
     values = _plain(node)
-    allowed = [f.name for f in fields(cls) if f.init and f.name not in fixed]
+    allowed = [f.name for f in fields(cls)
+               if f.init and f.name not in fixed and not f.metadata.get("set_by_recipe")]
     for key in values:
         if key not in allowed:
             close = difflib.get_close_matches(str(key), allowed, n=1)

@@ -1,6 +1,6 @@
 """Validation of a whole GRPO config before any model is loaded.
 
-:func:`validate_config` checks a merged config against its schema
+:func:`validate_config` checks a merged config against its config tree
 (:mod:`torchtune_grpo.config.schema`): unknown keys (with the closest known key suggested),
 missing keys, types, impossible values, every ``_component_`` node
 (:mod:`torchtune_grpo.config.components`), the batch arithmetic and the combinations of
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ from torchtune_grpo.config.schema import (
     per_rank_batch_size,
     with_defaults,
 )
-from torchtune_grpo.config.settings import settings_from_config
+from torchtune_grpo.config.settings import settings_from_config, value_fits
 from torchtune_grpo.errors import UserError
 from torchtune_grpo.evaluation.settings import sampling_problems
 
@@ -38,40 +37,36 @@ class ConfigError(UserError, ValueError):
     """A config that cannot run; the message lists every problem found."""
 
 
-_TYPES: dict[str, Callable[[Any], bool]] = {
-    "str": lambda v: isinstance(v, str),
-    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-    and math.isfinite(v),
-    "bool": lambda v: isinstance(v, bool),
-    "list": lambda v: isinstance(v, (list, ListConfig)),
-    "dict": lambda v: isinstance(v, (dict, DictConfig)),
-    "null": lambda v: v is None,
-    "component": lambda v: isinstance(v, (dict, DictConfig)) and "_component_" in v,
-}
-
-
-def _type_ok(type_spec: str, value: Any) -> bool:
-    return any(_TYPES[t](value) for t in type_spec.split("|"))
+def _type_ok(hint: Any, value: Any) -> bool:
+    """Whether a top-level value fits its field's annotation; a float must also be finite."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    return value_fits(hint, value)
 
 
 def validate_config(cfg: DictConfig, *, world_size: int = 1,
                     extra_keys: dict[str, Key] | None = None,
                     schema: dict[str, Key] | None = None) -> None:
-    """Check ``cfg`` against :data:`~torchtune_grpo.config.schema.RECIPE_KEYS` without building
-    anything expensive.
+    """Check ``cfg`` against the keys of a config tree without building anything expensive.
+
+    Each key's annotation gives its type check, its field's ``check`` its range check, and a
+    nested block is read into its settings dataclass; a key outside the tree is an error with
+    the closest key (or component argument) suggested. The recipe's keys add the batch
+    arithmetic and feature combinations; ``grpo_eval``'s add its sampling checks.
 
     Args:
         cfg: the merged config.
         world_size: number of ranks the run will use (for batch divisibility).
-        extra_keys: recipe-specific keys beyond the schema.
+        extra_keys: recipe-specific keys beyond the schema
+            (:data:`~torchtune_grpo.config.schema.ASYNC_KEYS`).
         schema: the recipe's keys (default :data:`~torchtune_grpo.config.schema.RECIPE_KEYS`;
             ``grpo_eval``: :data:`~torchtune_grpo.config.schema.EVAL_KEYS`).
 
     Raises:
         ConfigError: listing every problem, each naming its key.
     """
-    known = {**(schema if schema is not None else RECIPE_KEYS), **(extra_keys or {})}
+    schema = RECIPE_KEYS if schema is None else schema
+    known = {**schema, **(extra_keys or {})}
     errors: list[str] = []
     raw = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else cfg
     component_params: dict[str, set[str]] = {}
@@ -94,7 +89,7 @@ def validate_config(cfg: DictConfig, *, world_size: int = 1,
                 errors.append(f"missing required config key {key!r}: {spec.doc}")
             continue
         value = OmegaConf.select(cfg, key) if isinstance(cfg, DictConfig) else cfg[key]
-        if not _type_ok(spec.type, value):
+        if not _type_ok(spec.hint, value):
             errors.append(f"config key {key!r} must be {spec.type}, got {value!r}")
             continue
         if key == "tools":
@@ -105,7 +100,7 @@ def validate_config(cfg: DictConfig, *, world_size: int = 1,
                 errors.append(f"config key {key!r} {problem} (got {value!r})")
         if spec.settings is not None and value is not None:
             try:
-                settings_from_config(spec.settings, value, key, fixed=_FIXED.get(key))
+                settings_from_config(spec.settings, value, key)
             except ValueError as e:
                 errors.append(str(e))
     errors.extend(component_errors)
@@ -119,16 +114,12 @@ def validate_config(cfg: DictConfig, *, world_size: int = 1,
             errors.append(f"config key rewards[{i}] must be a mapping with `_component_` (the "
                           "dotted path of a reward component, e.g. "
                           f"torchtune_grpo.rewards.components.NumericCorrectness), got {entry!r}")
-    if not errors and schema is None:
+    if not errors and schema is RECIPE_KEYS:
         errors.extend(_batch_errors(cfg, world_size) or _build_errors(cfg, "loss"))
     if not errors and schema is EVAL_KEYS:
         errors.extend(_eval_errors(cfg))
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
-
-
-#: Fields of a nested block's settings that the recipe sets, not the block.
-_FIXED: dict[str, dict[str, Any]] = {"eval": {"seed": 0}}
 
 
 def _optimizer_range_errors(node: Any) -> list[str]:

@@ -41,8 +41,8 @@ class EvalSettings:
             ``eval:`` block, unset or null means the training ``max_generated_tokens``.
         forward_batch_size: sequences per generation micro-batch. In a training config's
             ``eval:`` block, unset or null means the training ``forward_batch_size``.
-        seed: base seed of the per-sample random numbers (the run's ``seed``; not a key of
-            the ``eval:`` block).
+        seed: base seed of the per-sample random numbers: the run's ``seed``, set by the
+            recipe (its ``set_by_recipe`` metadata keeps it out of the ``eval:`` block's keys).
     """
 
     num_samples: int = 1
@@ -51,7 +51,7 @@ class EvalSettings:
     k: list[int] = field(default_factory=lambda: [1])
     max_generated_tokens: int = 256
     forward_batch_size: int = 64
-    seed: int = 0
+    seed: int = field(default=0, metadata={"set_by_recipe": True})
 
     def __post_init__(self) -> None:
         problems = sampling_problems(self.num_samples, self.temperature, self.k)
