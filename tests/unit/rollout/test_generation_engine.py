@@ -21,7 +21,7 @@ from torchtune_grpo.policy.positions import attention_mask, position_ids
 from torchtune_grpo.quickstart.tiny import tiny_llama
 from torchtune_grpo.rollout import native as gen
 from torchtune_grpo.rollout.native import (
-    compile_decode_step,
+    NativeGenerator,
     generate_micro_batch,
     generate_trajectory,
 )
@@ -225,16 +225,22 @@ def test_existing_torchtune_caches_are_replaced(tokenizer, setup):
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="torch.compile on CPU needs a C++ compiler")
 def test_compiled_decode_matches_eager(tokenizer, setup):
+    """The engine's compiled step (built with the engine) decodes the eager tokens, twice (the
+    second rollout reuses the compiled graph), and writes nothing onto the policy module."""
     model, bias, stops = setup
     tokens, mask = _left_pad(_prompts(tokenizer, 2), tokenizer.pad_id)
-    kw = _kwargs(tokenizer, bias, stops, temperature=1.0, max_generated_tokens=8)
-    eager = generate_trajectory(model, GenerationRequest(tokens, mask, group_size=2,
-        forward_batch_size=4, prompt_seeds=torch.arange(2), **kw))
-    compiled = generate_trajectory(model, GenerationRequest(tokens, mask, group_size=2,
-        forward_batch_size=4, prompt_seeds=torch.arange(2), **kw),
-        compiled_step=compile_decode_step())
-    assert torch.equal(eager.tokens, compiled.tokens)
-    torch.testing.assert_close(eager.logprobs, compiled.logprobs, atol=1e-5, rtol=0)
+    request = GenerationRequest(tokens, mask, group_size=2, forward_batch_size=4,
+                                prompt_seeds=torch.arange(2),
+                                **_kwargs(tokenizer, bias, stops, temperature=1.0,
+                                          max_generated_tokens=8))
+    eager = generate_trajectory(model, request)
+    engine = NativeGenerator(compile_decode=True)
+    attributes = set(vars(model))
+    for _ in range(2):
+        compiled = engine.generate(model, request)
+        assert torch.equal(eager.tokens, compiled.tokens)
+        torch.testing.assert_close(eager.logprobs, compiled.logprobs, atol=1e-5, rtol=0)
+    assert set(vars(model)) == attributes
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (4, 1), (4, 4)])
