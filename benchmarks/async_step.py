@@ -242,6 +242,7 @@ def _own_completions(model, tokenizer, ordinary, max_tokens: int, seed: int,
     import torch
 
     from torchtune_grpo.rollout.native import generate_trajectory
+    from torchtune_grpo.rollout.protocol import GenerationRequest
     from torchtune_grpo.token_rules import logit_bias_from_mask
 
     allowed, stops = _stop_ids(tokenizer, int(model.tok_embeddings.weight.shape[0]))
@@ -249,12 +250,10 @@ def _own_completions(model, tokenizer, ordinary, max_tokens: int, seed: int,
     allowed[stops] = False
     gen = torch.Generator().manual_seed(seed + 2)
     ids = ordinary[torch.randint(0, len(ordinary), (prompts, prompt_tokens), generator=gen)]
-    traj = generate_trajectory(model, ids, torch.ones_like(ids, dtype=torch.bool), group_size=8,
-                               forward_batch_size=8 * prompts,
-                               prompt_seeds=torch.arange(prompts) + seed,
-                               max_generated_tokens=max_tokens, temperature=1.0, top_k=None,
-                               stop_tokens=stops, pad_id=0,
-                               logit_bias=logit_bias_from_mask(allowed))
+    traj = generate_trajectory(model, GenerationRequest(ids, torch.ones_like(ids, dtype=torch.bool),
+        group_size=8, forward_batch_size=8 * prompts, prompt_seeds=torch.arange(prompts) + seed,
+        max_generated_tokens=max_tokens, temperature=1.0, top_k=None, stop_tokens=stops, pad_id=0,
+        logit_bias=logit_bias_from_mask(allowed)))
     return traj.tokens[:, : prompt_tokens + max_tokens]
 
 
@@ -375,6 +374,7 @@ def measure_decode(model, tokenizer, prompt_tokens: int, max_tokens: int, thread
     import torch
 
     from torchtune_grpo.rollout.native import generate_trajectory
+    from torchtune_grpo.rollout.protocol import GenerationRequest
     from torchtune_grpo.token_rules import logit_bias_from_mask
 
     torch.set_num_threads(threads)
@@ -389,10 +389,10 @@ def measure_decode(model, tokenizer, prompt_tokens: int, max_tokens: int, thread
         best = float("inf")
         for r in range(repeats + 1):  # the first is a warm-up
             t0 = time.perf_counter()
-            generate_trajectory(model, ids, mask, group_size=8, forward_batch_size=8 * prompts,
-                                prompt_seeds=torch.arange(prompts) + r,
-                                max_generated_tokens=tokens, temperature=1.0, top_k=None,
-                                stop_tokens=stops, pad_id=0, logit_bias=bias)
+            generate_trajectory(model, GenerationRequest(ids, mask, group_size=8,
+                forward_batch_size=8 * prompts, prompt_seeds=torch.arange(prompts) + r,
+                max_generated_tokens=tokens, temperature=1.0, top_k=None, stop_tokens=stops,
+                pad_id=0, logit_bias=bias))
             if r:
                 best = min(best, time.perf_counter() - t0)
         return best

@@ -38,6 +38,7 @@ if not __package__:  # run as a file: python benchmarks/finished_rows.py
 from benchmarks import harness  # noqa: E402
 from torchtune_grpo.quickstart.tiny import tiny_llama  # noqa: E402
 from torchtune_grpo.rollout.native import generate_trajectory  # noqa: E402
+from torchtune_grpo.rollout.protocol import GenerationRequest
 
 DIMS = {"vocab_size": 32000, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4,
         "embed_dim": 256, "max_seq_len": 1024, "tie_word_embeddings": False}
@@ -75,8 +76,9 @@ def run(args: argparse.Namespace) -> dict:
 
     def generate(shrink: bool):
         t0 = time.perf_counter()
-        traj = generate_trajectory(model, prompts, mask, prompt_seeds=seeds,
-                                   shrink_finished=shrink, **kwargs)
+        traj = generate_trajectory(model, GenerationRequest(prompts, mask, prompt_seeds=seeds,
+            **kwargs),
+            shrink_finished=shrink)
         return traj, time.perf_counter() - t0
 
     generate(True)  # warm-up (allocator, kernels)

@@ -56,6 +56,7 @@ if not __package__:  # run as a file: python benchmarks/generation.py
 from benchmarks import harness  # noqa: E402
 from torchtune_grpo.quickstart.tiny import tiny_llama, write_hf_checkpoint  # noqa: E402
 from torchtune_grpo.rollout.native import generate_trajectory  # noqa: E402
+from torchtune_grpo.rollout.protocol import GenerationRequest
 
 #: Model shapes: ``32m`` is the anchor shape (8 layers, dim 512, vocab 2048).
 SHAPES = {
@@ -97,11 +98,10 @@ def run_native(model, prompts: torch.Tensor, w: Workload, group_size: int = 1) -
     mask = torch.ones_like(rows, dtype=torch.bool)
 
     def go(new_tokens: int):
-        traj = generate_trajectory(
-            model, rows, mask, group_size=group_size, forward_batch_size=w.batch,
-            prompt_seeds=torch.arange(rows.shape[0]), max_generated_tokens=new_tokens,
-            temperature=1.0, top_k=None, stop_tokens=torch.tensor([NO_STOP]), pad_id=0,
-        )
+        traj = generate_trajectory(model, GenerationRequest(rows, mask, group_size=group_size,
+            forward_batch_size=w.batch, prompt_seeds=torch.arange(rows.shape[0]),
+            max_generated_tokens=new_tokens, temperature=1.0, top_k=None,
+            stop_tokens=torch.tensor([NO_STOP]), pad_id=0))
         assert traj.response_mask.sum() == w.batch * new_tokens
 
     go(4)

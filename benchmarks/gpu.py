@@ -358,6 +358,7 @@ def bench_native_generation(model, dims: dict, w: Workload, device: str) -> dict
     import torch
 
     from torchtune_grpo.rollout.native import generate_trajectory
+    from torchtune_grpo.rollout.protocol import GenerationRequest
 
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, dims["vocab_size"], (w.prompts, w.prompt_len), generator=gen)
@@ -372,11 +373,10 @@ def bench_native_generation(model, dims: dict, w: Workload, device: str) -> dict
         """Seconds to generate ``new_tokens`` per row (checks that every row got them)."""
         _sync(device)
         t0 = time.perf_counter()
-        traj = generate_trajectory(
-            model, prompts, mask, group_size=w.group, forward_batch_size=rows,
-            prompt_seeds=torch.arange(w.prompts), max_generated_tokens=new_tokens,
-            temperature=1.0, top_k=None, stop_tokens=stop, pad_id=0,
-            cache_dtype=next(model.parameters()).dtype)
+        traj = generate_trajectory(model, GenerationRequest(prompts, mask, group_size=w.group,
+            forward_batch_size=rows, prompt_seeds=torch.arange(w.prompts),
+            max_generated_tokens=new_tokens, temperature=1.0, top_k=None, stop_tokens=stop,
+            pad_id=0, cache_dtype=next(model.parameters()).dtype))
         _sync(device)
         seconds = time.perf_counter() - t0
         assert int(traj.response_mask.sum()) == rows * new_tokens

@@ -160,10 +160,13 @@ def install_baseline() -> None:
     OutputHead.__call__ = full_logits_head
 
     @torch.no_grad()
-    def torchtune_cache_micro_batch(model, prompt_tokens, prompt_mask, *, max_generated_tokens,
-                                    temperature, top_k, stop_tokens, pad_id, logit_bias=None,
-                                    seeds=None, all_done=gen._always_local, cache_dtype=None,
-                                    **_unused):
+    def torchtune_cache_micro_batch(model, request, *, seeds=None, **_unused):
+        prompt_tokens, prompt_mask = request.prompt_tokens, request.prompt_mask
+        max_generated_tokens, temperature, top_k = (request.max_generated_tokens,
+                                                    request.temperature, request.top_k)
+        stop_tokens, pad_id, logit_bias = request.stop_tokens, request.pad_id, request.logit_bias
+        all_done = request.all_done or gen._always_local
+        cache_dtype = request.cache_dtype
         n, p = prompt_tokens.shape
         total = p + max_generated_tokens
         model.setup_caches(batch_size=n, dtype=cache_dtype or torch.float32,

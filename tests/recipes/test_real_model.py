@@ -79,6 +79,7 @@ def _greedy_native(step_dir, prompts: list[list[int]], new_tokens: int) -> list[
     from torchtune_grpo.models import hf_checkpointer, hf_model, hf_tokenizer
     from torchtune_grpo.policy.model import token_rules
     from torchtune_grpo.rollout.native import generate_trajectory
+    from torchtune_grpo.rollout.protocol import GenerationRequest
 
     model = hf_model(str(step_dir), max_seq_len=512)
     model.load_state_dict(hf_checkpointer(str(step_dir)).load_checkpoint()[training.MODEL_KEY])
@@ -90,10 +91,10 @@ def _greedy_native(step_dir, prompts: list[list[int]], new_tokens: int) -> list[
         tokens[i, width - len(p):] = torch.tensor(p)
     starts = torch.tensor([width - len(p) for p in prompts])
     prompt_mask = torch.arange(width)[None] >= starts[:, None]
-    traj = generate_trajectory(
-        model, tokens, prompt_mask, group_size=1, forward_batch_size=len(prompts),
-        max_generated_tokens=new_tokens, temperature=0.0, top_k=None,
-        stop_tokens=rules.stop_tokens, pad_id=rules.pad_id, logit_bias=rules.logit_bias)
+    traj = generate_trajectory(model, GenerationRequest(tokens, prompt_mask, group_size=1,
+        forward_batch_size=len(prompts), max_generated_tokens=new_tokens, temperature=0.0,
+        top_k=None, stop_tokens=rules.stop_tokens, pad_id=rules.pad_id,
+        logit_bias=rules.logit_bias))
     return [[t for t, m in zip(row, mask) if m]
             for row, mask in zip(traj.response_tokens.tolist(), traj.response_mask.tolist())]
 

@@ -49,9 +49,9 @@ class RecordingGenerator(NativeGenerator):
         self.out_dir = Path(out_dir)
         self.calls = 0
 
-    def generate(self, model, prompt_tokens, prompt_mask, **options):
+    def generate(self, model, request):
         """:meth:`NativeGenerator.generate`, then save ``tokens`` and ``logprobs``."""
-        traj = super().generate(model, prompt_tokens, prompt_mask, **options)
+        traj = super().generate(model, request)
         rank = int(os.environ.get("RANK", "0"))
         self.out_dir.mkdir(parents=True, exist_ok=True)
         torch.save({"tokens": traj.tokens, "logprobs": traj.logprobs,

@@ -188,18 +188,17 @@ def test_tool_tokens_carry_no_logprob_and_no_loss(base_model, tmp_path):
 def test_the_tool_loop_around_the_native_engine_runs_the_policy():
     """The recipe gathers an FSDP2 policy's weights once per rollout for engines that run the
     policy: the native one, alone or inside the tool loop (not, e.g., vLLM)."""
-    from torchtune_grpo.rollout.multiturn import ToolUseGenerator, runs_policy
+    from torchtune_grpo.rollout.multiturn import ToolUseGenerator
     from torchtune_grpo.rollout.native import NativeGenerator
     from torchtune_grpo.rollout.tools.calculator import Calculator
     from torchtune_grpo.rollout.vllm_engine import VLLMGenerator
 
-    assert runs_policy(NativeGenerator())
-    assert runs_policy(ToolUseGenerator([Calculator()]))
-    assert runs_policy(ToolUseGenerator([Calculator()], inner=ToolUseGenerator()))
+    assert NativeGenerator().runs_policy()
+    assert ToolUseGenerator([Calculator()]).runs_policy()
+    assert ToolUseGenerator([Calculator()], inner=ToolUseGenerator()).runs_policy()
     vllm = VLLMGenerator.__new__(VLLMGenerator)  # not set up: no vLLM needed
-    assert not runs_policy(vllm)
-    assert not runs_policy(ToolUseGenerator([Calculator()], inner=vllm))
-    assert not runs_policy(None)
+    assert not vllm.runs_policy()
+    assert not ToolUseGenerator([Calculator()], inner=vllm).runs_policy()
 
 
 def _tool_runs(tool_mask: torch.Tensor) -> list[list[int]]:

@@ -15,7 +15,7 @@ vllm = pytest.importorskip("vllm")
 from torchtune_grpo.policy.forward import response_logprobs  # noqa: E402
 from torchtune_grpo.policy.positions import attention_mask, position_ids  # noqa: E402
 from torchtune_grpo.quickstart.tiny import TINY_MODEL_DIMS, tiny_llama, write_hf_checkpoint  # noqa: E402
-from torchtune_grpo.rollout.protocol import GenerationContext, Generator  # noqa: E402
+from torchtune_grpo.rollout.protocol import GenerationContext, GenerationRequest, Generator  # noqa: E402
 from torchtune_grpo.rollout.vllm_engine import VLLMGenerator  # noqa: E402
 from torchtune_grpo.token_rules import (  # noqa: E402
     allowed_token_mask,
@@ -87,7 +87,7 @@ def engine(tmp_path_factory):
 
 def test_trajectory_shapes_allowed_ids_and_reproducible_seeds(engine):
     model, gen, tokens, mask, kwargs, bias, allowed = engine
-    traj = gen.generate(model, tokens, mask, **kwargs)
+    traj = gen.generate(model, GenerationRequest(tokens, mask, **kwargs))
     n = tokens.shape[0] * kwargs["group_size"]
     assert traj.tokens.shape[0] == n and traj.prompt_len == tokens.shape[1]
     assert traj.response_mask.shape == traj.logprobs.shape == (n, traj.response_len)
@@ -99,7 +99,7 @@ def test_trajectory_shapes_allowed_ids_and_reproducible_seeds(engine):
     # a stopped row ends on a stop id, a truncated one used every position
     lengths = traj.response_mask.sum(1)
     assert bool((lengths[~traj.stopped] == kwargs["max_generated_tokens"]).all())
-    again = gen.generate(model, tokens, mask, **kwargs)
+    again = gen.generate(model, GenerationRequest(tokens, mask, **kwargs))
     assert torch.equal(again.tokens, traj.tokens)  # same seeds, same samples
     assert not torch.equal(traj.response_tokens[0], traj.response_tokens[1])  # per-sample seeds
 
@@ -107,24 +107,26 @@ def test_trajectory_shapes_allowed_ids_and_reproducible_seeds(engine):
 def test_logprobs_match_policy_after_sync_and_skipped_sync_is_detected(engine):
     model, gen, tokens, mask, kwargs, bias, _ = engine
     # the engine starts from the checkpoint the policy was written to
-    assert _max_gap(model, gen.generate(model, tokens, mask, **kwargs), bias) < TOLERANCE
+    request = GenerationRequest(tokens, mask, **kwargs)
+    assert _max_gap(model, gen.generate(model, request), bias) < TOLERANCE
 
     _init(model, 1)  # "an optimizer step": the policy moves
     gen.sync_weights(model)
-    synced = gen.generate(model, tokens, mask, **kwargs)
+    synced = gen.generate(model, GenerationRequest(tokens, mask, **kwargs))
     assert _max_gap(model, synced, bias) < TOLERANCE
 
     _init(model, 2)  # moves again, and this time the sync is skipped
-    stale = gen.generate(model, tokens, mask, **kwargs)
+    stale = gen.generate(model, GenerationRequest(tokens, mask, **kwargs))
     assert _max_gap(model, stale, bias) > 10 * TOLERANCE  # the same check fails
     gen.sync_weights(model)
-    assert _max_gap(model, gen.generate(model, tokens, mask, **kwargs), bias) < TOLERANCE
+    assert _max_gap(model, gen.generate(model, request), bias) < TOLERANCE
     assert gen.weight_version == 2
 
 
 def test_greedy_matches_policy_argmax(engine):
     model, gen, tokens, mask, kwargs, bias, _ = engine
-    traj = gen.generate(model, tokens, mask, **{**kwargs, "temperature": 0.0, "group_size": 1})
+    traj = gen.generate(model, GenerationRequest(tokens, mask,
+        **{**kwargs, "temperature": 0.0, "group_size": 1}))
     # greedy picks the most likely allowed id: its log-prob is the row maximum of the policy's
     padding = traj.padding_mask
     with torch.no_grad():

@@ -42,6 +42,7 @@ from torchtune_grpo.evaluation.results import (
 from torchtune_grpo.evaluation.settings import EvalSettings
 from torchtune_grpo.rewards.scoring import score_rollout
 from torchtune_grpo.rollout.native import generate_trajectory
+from torchtune_grpo.rollout.protocol import GenerationRequest
 from torchtune_grpo.rollout.seeding import mix_seeds
 from torchtune_grpo.token_rules import safe_decode
 
@@ -362,9 +363,8 @@ def _evaluate_chunk(
     items = [dataset[i] for i in chunk]
     batch = collate_prompts(items, pad_id=pad_id)
     tokens = batch["tokens"].to(device)
-    generate = generate_trajectory if tool_generator is None else tool_generator.generate
-    traj = generate(
-        model, tokens, prompt_mask(tokens, batch["prompt_lengths"]), group_size=n,
+    request = GenerationRequest(
+        tokens, prompt_mask(tokens, batch["prompt_lengths"]), group_size=n,
         forward_batch_size=min(settings.forward_batch_size, len(chunk) * n),
         prompt_seeds=mix_seeds(settings.seed, batch["indices"]),
         max_generated_tokens=settings.max_generated_tokens,
@@ -372,6 +372,8 @@ def _evaluate_chunk(
         pad_id=pad_id, logit_bias=logit_bias,
         all_done=lambda done: ranks.all_ranks_true(done, device), cache_dtype=cache_dtype,
     )
+    traj = (generate_trajectory(model, request) if tool_generator is None
+            else tool_generator.generate(model, request))
     completions, scored = score_rollout(
         rewards, tokenizer, traj, batch, group_size=n, allowed_tokens=allowed_tokens,
         max_generated_tokens=settings.max_generated_tokens,

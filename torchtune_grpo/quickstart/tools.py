@@ -57,6 +57,7 @@ def tool_rollout(model, tokenizer, questions: list[str], *, tools: bool = True,
     """
     from torchtune_grpo.rollout.multiturn import ToolUseGenerator
     from torchtune_grpo.rollout.native import NativeGenerator
+    from torchtune_grpo.rollout.protocol import GenerationRequest
     from torchtune_grpo.rollout.tool_trajectory import decode_with_tools
     from torchtune_grpo.rollout.tools.calculator import Calculator
     from torchtune_grpo.rollout.tools.syntax import ToolCallSyntax
@@ -75,9 +76,10 @@ def tool_rollout(model, tokenizer, questions: list[str], *, tools: bool = True,
     stops = torch.tensor(sorted(set(tokenizer.stop_tokens)))
     generator = ToolUseGenerator(tools=[Calculator()] if tools else [], tokenizer=tokenizer,
                                  inner=NativeGenerator())
-    traj = generator.generate(model, tokens, mask, group_size=1, max_generated_tokens=max_new,
-                              stop_tokens=stops, pad_id=pad_id, temperature=0.0, top_k=None,
-                              logit_bias=bias, forward_batch_size=len(prompts))
+    traj = generator.generate(model, GenerationRequest(
+        tokens, mask, group_size=1, max_generated_tokens=max_new, stop_tokens=stops,
+        pad_id=pad_id, temperature=0.0, top_k=None, logit_bias=bias,
+        forward_batch_size=len(prompts)))
     stats = generator.pop_stats()
     model.train(was_training)
     texts = decode_with_tools(tokenizer, traj, stops.tolist())

@@ -66,6 +66,7 @@ the result equals the inner engine's.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -73,7 +74,7 @@ import torch
 from torch import nn
 
 from torchtune_grpo.algorithm.trajectory import Trajectory
-from torchtune_grpo.rollout.protocol import GenerationContext, Generator
+from torchtune_grpo.rollout.protocol import GenerationContext, GenerationRequest, Generator
 from torchtune_grpo.rollout.seeding import mix_seeds
 from torchtune_grpo.rollout.tool_trajectory import ToolRow, ToolStats, rows_to_trajectory
 from torchtune_grpo.rollout.tools.base import Tool, is_error
@@ -85,7 +86,6 @@ from torchtune_grpo.rollout.tools.syntax import ToolCallSyntax
 __all__ = [
     "ToolUseGenerator",
     "global_max",
-    "runs_policy",
 ]
 
 
@@ -211,6 +211,10 @@ class ToolUseGenerator(Generator):
         """The inner engine's answer (its log-probs are the ones the turns return)."""
         return self.inner.needs_policy_logprobs(top_k=top_k)
 
+    def runs_policy(self) -> bool:
+        """The inner engine's answer: every turn is one inner ``generate`` call."""
+        return self.inner.runs_policy()
+
     def before_update(self) -> None:
         """Forwarded to the inner engine."""
         self.inner.before_update()
@@ -244,9 +248,9 @@ class ToolUseGenerator(Generator):
         self._candidates.clear()
 
     def pop_stats(self) -> ToolStats:
-        """The tool-use counts since the last call (then reset)."""
+        """The tool-use counts since the last call (then reset), plus the inner engine's."""
         stats, self.stats = self.stats, ToolStats()
-        return stats
+        return stats + self.inner.pop_stats()
 
     def close_tag_stop_ids(self, vocab_size: int,
                            allowed: torch.Tensor | None = None) -> torch.Tensor:
@@ -321,31 +325,15 @@ class ToolUseGenerator(Generator):
         if row.remaining <= 0:
             row.pending = False
 
-    def generate(
-        self,
-        model: nn.Module,
-        prompt_tokens: torch.Tensor,
-        prompt_mask: torch.Tensor,
-        *,
-        group_size: int,
-        max_generated_tokens: int,
-        stop_tokens: torch.Tensor,
-        pad_id: int,
-        temperature: float,
-        top_k: int | None,
-        logit_bias: torch.Tensor | None = None,
-        prompt_seeds: torch.Tensor | None = None,
-        forward_batch_size: int,
-        all_done: Callable[[bool], bool] | None = None,
-        cache_dtype: torch.dtype | None = None,
-    ) -> Trajectory:
+    def generate(self, model: nn.Module, request: GenerationRequest) -> Trajectory:
         """Sample ``group_size`` completions per prompt, running tools between turns.
 
         Arguments and result as :meth:`torchtune_grpo.rollout.protocol.Generator.generate`,
         with ``[B, P]`` prompts giving ``N = B * G`` rows and responses ``[N, T]``, ``T <=
         max_generated_tokens``, plus the trajectory's ``tool_mask [N, T]``: True on
         tool-result tokens, which ``response_mask`` excludes and whose ``logprobs`` are 0.
-        ``stopped [N]`` is True where the completion ended on a stop token. See the module
+        ``stopped [N]`` is True where the completion ended on a stop token. Each turn is one
+        inner ``generate`` call with a request derived from ``request``. See the module
         docstring for turns, budgets, lockstep and seeds.
 
         Raises:
@@ -355,9 +343,12 @@ class ToolUseGenerator(Generator):
         if self.tokenizer is None:
             raise ValueError("ToolUseGenerator needs the tokenizer: pass tokenizer= or call "
                              "set_tokenizer(tokenizer) before generate")
+        prompt_tokens, prompt_mask = request.prompt_tokens, request.prompt_mask
+        group_size, pad_id = int(request.group_size), request.pad_id
+        stop_tokens, logit_bias, all_done = (request.stop_tokens, request.logit_bias,
+                                             request.all_done)
         device = prompt_tokens.device
-        num_prompts, prompt_len = prompt_tokens.shape
-        n = num_prompts * group_size
+        n = request.num_rows
         sync = all_done or _local
         stops = {int(t) for t in stop_tokens.tolist()}
         allowed = self._allowed
@@ -377,25 +368,16 @@ class ToolUseGenerator(Generator):
         turn_stops = torch.cat([stop_tokens.cpu().long(), candidates]).unique().to(
             stop_tokens.device)
 
-        seeds = None
-        if prompt_seeds is not None:
-            sample = torch.arange(group_size).repeat(num_prompts)
-            seeds = mix_seeds(prompt_seeds.cpu().repeat_interleave(group_size), sample)
+        seeds = request.sample_seeds()
         real_prompts = [row[mask].tolist() for row, mask in
                         zip(prompt_tokens.cpu(), prompt_mask.cpu())]
         rows = [ToolRow(prompt=real_prompts[i // group_size],
                         seed=None if seeds is None else int(seeds[i]),
-                        remaining=max_generated_tokens) for i in range(n)]
-        options = dict(pad_id=pad_id, temperature=temperature, top_k=top_k,
-                       forward_batch_size=forward_batch_size, all_done=all_done,
-                       cache_dtype=cache_dtype)
+                        remaining=int(request.max_generated_tokens)) for i in range(n)]
 
         # turn 0: the single-turn rollout, also stopping where a close tag may end
-        out = self.inner.generate(
-            model, prompt_tokens, prompt_mask, group_size=group_size,
-            max_generated_tokens=max_generated_tokens,
-            stop_tokens=turn_stops if candidate_set else stop_tokens, logit_bias=logit_bias,
-            prompt_seeds=prompt_seeds, **options)
+        out = self.inner.generate(model, dataclasses.replace(
+            request, stop_tokens=turn_stops if candidate_set else stop_tokens))
         self._collect(out, list(range(n)), rows, stops, candidate_set)
 
         max_len = _model_max_len(model)
@@ -426,10 +408,11 @@ class ToolUseGenerator(Generator):
                 bias = torch.full_like(logit_bias, float("-inf"))
                 bias[stop_tokens.to(bias.device)] = 0.0
             exhausted = all(rows[i].calls >= self.max_tool_calls for i in pending)
-            out = self.inner.generate(
-                model, tokens, mask, group_size=1, max_generated_tokens=max(budget, 1),
+            out = self.inner.generate(model, dataclasses.replace(
+                request, prompt_tokens=tokens, prompt_mask=mask, group_size=1,
+                max_generated_tokens=max(budget, 1),
                 stop_tokens=stop_tokens if exhausted or not candidate_set else turn_stops,
-                logit_bias=bias, prompt_seeds=turn_seeds, **options)
+                logit_bias=bias, prompt_seeds=turn_seeds))
             self._collect(out, pending, rows, stops, candidate_set)
 
         self.stats.completions += len(rows)
@@ -447,22 +430,6 @@ class ToolUseGenerator(Generator):
             m = mask[j]
             self._after_turn(rows[i], tokens[j][m].tolist(), logprobs[j][m].tolist(), stops,
                              candidates)
-
-
-def runs_policy(generator: Any) -> bool:
-    """Whether ``generator`` samples with the policy module itself (one forward per decode
-    step): :class:`~torchtune_grpo.rollout.native.NativeGenerator`, or an engine wrapping
-    one (:class:`ToolUseGenerator`'s ``inner``). The recipe then holds an FSDP2 policy's
-    gathered weights for the whole rollout."""
-    from torchtune_grpo.rollout.native import NativeGenerator
-
-    seen = 0
-    while generator is not None and seen < 16:  # a wrapper of a wrapper of ...
-        if isinstance(generator, NativeGenerator):
-            return True
-        generator = getattr(generator, "inner", None)
-        seen += 1
-    return False
 
 
 def _model_max_len(model: Any) -> int | None:

@@ -23,7 +23,9 @@ Guarantees the recipe relies on:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 from torch import nn
@@ -34,9 +36,8 @@ from torchtune_grpo.backends import backend_for
 from torchtune_grpo.policy.forward import last_logits
 from torchtune_grpo.policy.kv_cache import KVCacheStorage, SpanKVCache, attached
 from torchtune_grpo.policy.positions import attention_mask, position_ids
-from torchtune_grpo.rollout.protocol import GenerationContext, Generator
+from torchtune_grpo.rollout.protocol import GenerationContext, GenerationRequest, Generator
 from torchtune_grpo.rollout.sampling import sample_next_token
-from torchtune_grpo.rollout.seeding import mix_seeds
 
 
 def _distinct_rows(prompt_tokens: torch.Tensor, prompt_mask: torch.Tensor
@@ -59,13 +60,20 @@ def _distinct_rows(prompt_tokens: torch.Tensor, prompt_mask: torch.Tensor
     return first[order], rank[inverse]
 
 
-def _compiled(model: nn.Module) -> Callable[..., torch.Tensor]:
-    """``torch.compile`` of ``model``'s forward, built once per model instance."""
-    fn = model.__dict__.get("_grpo_compiled_decode")
-    if fn is None:
-        fn = torch.compile(model, dynamic=False, fullgraph=False)
-        model.__dict__["_grpo_compiled_decode"] = fn
-    return fn
+def _module_forward(model: nn.Module, *args, **kwargs):
+    """``model(*args, **kwargs)``: the function :func:`compile_decode_step` compiles."""
+    return model(*args, **kwargs)
+
+
+def compile_decode_step() -> Callable[..., torch.Tensor]:
+    """A ``torch.compile`` (static shapes) of ``step(model, tokens, **forward_kwargs)`` =
+    ``model(tokens, **forward_kwargs)``.
+
+    Compilation happens at the first call and again for a model (or shapes) its guards have
+    not seen; one such function serves every rollout of an engine
+    (:class:`NativeGenerator` builds it once, with ``compile_decode``).
+    """
+    return torch.compile(_module_forward, dynamic=False, fullgraph=False)
 
 
 # ---------------------------------------------------------------------------- rollout
@@ -122,20 +130,11 @@ def _compact_cache_rows(caches: Sequence[SpanKVCache], keep: torch.Tensor) -> No
 @torch.no_grad()
 def generate_micro_batch(
     model: nn.Module,
-    prompt_tokens: torch.Tensor,
-    prompt_mask: torch.Tensor,
+    request: GenerationRequest,
     *,
-    max_generated_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    stop_tokens: torch.Tensor,
-    pad_id: int,
-    logit_bias: torch.Tensor | None = None,
     seeds: torch.Tensor | None = None,
-    all_done: Callable[[bool], bool] | None = None,
-    cache_dtype: torch.dtype | None = None,
     kv_storage: KVCacheStorage | None = None,
-    compile_decode: bool = False,
+    compiled_step: Callable[..., torch.Tensor] | None = None,
     shrink_finished: bool = True,
 ) -> Trajectory:
     """Generate one completion for each row of a micro-batch, with a KV cache.
@@ -163,40 +162,42 @@ def generate_micro_batch(
     the batch size of the model's matmuls, and CPU GEMM kernels round differently for a few rows
     than for many: tokens, masks and stop flags are equal, log-probs agree to a couple of
     float32 ulps (measured <= 9.6e-7; tested to 1e-6), as between two ``forward_batch_size``
-    values. Off with ``compile_decode`` (static shapes: each batch size would compile a graph).
+    values. Off with ``compiled_step`` (static shapes: each batch size would compile a graph).
 
     Args:
         model: a torchtune decoder (FSDP-sharded or not).
-        prompt_tokens: ``[n, P]`` left-padded prompts.
-        prompt_mask: ``[n, P]`` True on real prompt tokens.
-        max_generated_tokens: the most tokens generated per row.
-        temperature: sampling temperature (0: greedy).
-        top_k: top-k sampling (None: off).
-        stop_tokens: ``[s]`` ids that end a completion.
-        pad_id: id written after a completion ended.
-        logit_bias: ``[V]`` bias forbidding undefined ids (see
-            :func:`~torchtune_grpo.token_rules.allowed_token_mask`).
+        request: the micro-batch: its ``n`` prompt rows are the rows generated (``group_size``
+            1, no ``prompt_seeds``: the rows' seeds are ``seeds``); its sampling settings,
+            token rules, ``all_done`` and ``cache_dtype`` (default: the model's parameter
+            dtype) apply. ``forward_batch_size`` is not read.
         seeds: ``[n]`` int64 per-row sampling seeds (see
             :func:`~torchtune_grpo.rollout.seeding.counter_uniform`).
-        all_done: given whether this rank's rows have all stopped, says whether every rank's
-            have (a collective in distributed runs; None: this rank alone).
-        cache_dtype: dtype of the KV cache (default: the model's parameter dtype).
         kv_storage: preallocated cache storage (see :class:`KVCacheStorage`); allocated here
             when None or too small.
-        compile_decode: run decode steps through ``torch.compile(model)`` with static shapes
-            (attention over the whole cache; single device only; off by default).
+        compiled_step: run decode steps through this :func:`compile_decode_step` function with
+            static shapes (attention over the whole cache; single device only); None: eager.
         shrink_finished: drop stopped rows from the decode batch (see above; ignored with
-            ``compile_decode``). False decodes every row until the last one stops.
+            ``compiled_step``). False decodes every row until the last one stops.
 
     Returns:
         A :class:`Trajectory` with ``T`` = the number of decode steps taken: the same, token
         and log-prob, whether ``shrink_finished`` is on or off.
+
+    Raises:
+        ValueError: a request with ``group_size`` other than 1 or with ``prompt_seeds``.
     """
+    if request.group_size != 1 or request.prompt_seeds is not None:
+        raise ValueError("generate_micro_batch generates the request's rows: group_size must "
+                         "be 1 and the rows' seeds come as seeds=, not prompt_seeds")
+    prompt_tokens, prompt_mask = request.prompt_tokens, request.prompt_mask
+    max_generated_tokens, pad_id = int(request.max_generated_tokens), request.pad_id
+    stop_tokens = request.stop_tokens
+    compile_decode = compiled_step is not None
     n, prompt_len = prompt_tokens.shape
     device = prompt_tokens.device
-    all_done = all_done or _always_local
+    all_done = request.all_done or _always_local
     total_len = prompt_len + max_generated_tokens
-    dtype = cache_dtype or next(model.parameters()).dtype
+    dtype = request.cache_dtype or next(model.parameters()).dtype
     if kv_storage is None or not kv_storage.fits(n, total_len, dtype, device):
         kv_storage = KVCacheStorage(model, rows=n, max_len=total_len, dtype=dtype, device=device)
     if model.caches_are_setup():  # torchtune's own caches would double the memory
@@ -213,7 +214,7 @@ def generate_micro_batch(
     if compile_decode:
         seen = torch.zeros(n, total_len, dtype=torch.bool, device=device)
         seen[:, :prompt_len] = prompt_mask
-    step_fn = _compiled(model) if compile_decode else model
+    step_fn = None if compiled_step is None else partial(compiled_step, model)
 
     with attached(kv_storage, n, write_pos) as caches:
         for cache in caches:
@@ -240,9 +241,9 @@ def generate_micro_batch(
         for t in range(max_generated_tokens):
             token, logprob = sample_next_token(
                 logits[:, -1],
-                temperature=temperature,
-                top_k=top_k,
-                logit_bias=logit_bias,
+                temperature=request.temperature,
+                top_k=request.top_k,
+                logit_bias=request.logit_bias,
                 seeds=batch_seeds,
                 counter=t,
                 inplace=True,  # the model's output, used for nothing else
@@ -286,59 +287,61 @@ def generate_micro_batch(
 
 def generate_trajectory(
     model: nn.Module,
-    prompt_tokens: torch.Tensor,
-    prompt_mask: torch.Tensor,
+    request: GenerationRequest,
     *,
-    group_size: int,
-    forward_batch_size: int,
-    prompt_seeds: torch.Tensor | None = None,
     packed_weights: bool = True,
-    **kwargs,
+    compiled_step: Callable[..., torch.Tensor] | None = None,
+    shrink_finished: bool = True,
+    kv_storage: KVCacheStorage | None = None,
 ) -> Trajectory:
-    """Sample ``group_size`` completions for each prompt, ``forward_batch_size`` rows at a time.
+    """Sample ``request.group_size`` completions for each prompt, ``forward_batch_size`` rows
+    at a time.
 
     The KV cache is allocated once, for ``forward_batch_size`` rows of ``P +
     max_generated_tokens`` positions, and reused by every micro-batch; within a micro-batch each
-    distinct prompt is prefilled once and shared by its group's samples.
+    distinct prompt is prefilled once and shared by its group's samples. Sample ``g`` of prompt
+    ``b`` uses the seed ``mix_seeds(prompt_seeds[b], g)``
+    (:meth:`~torchtune_grpo.rollout.protocol.GenerationRequest.sample_seeds`), so a completion
+    depends only on its prompt's seed and its index in the group.
 
     Args:
         model: a torchtune decoder.
-        prompt_tokens: ``[B, P]`` left-padded prompts.
-        prompt_mask: ``[B, P]`` True on real prompt tokens.
-        group_size: ``G``, completions per prompt.
-        forward_batch_size: rows per generation micro-batch (a divisor of ``B * G``).
-        prompt_seeds: ``[B]`` int64, one seed per prompt; sample ``g`` of prompt ``b`` uses
-            ``mix_seeds(prompt_seeds[b], g)``, so a completion depends only on its prompt's seed
-            and its index in the group (needed when ``temperature > 0``).
+        request: ``[B, P]`` prompts and their sampling settings; ``forward_batch_size`` (None:
+            all rows) is a divisor of ``B * G``.
         packed_weights: on CPU, decode on oneDNN-reordered weights made once for the whole
-            rollout (:func:`packed_linear_weights`; not with ``compile_decode``).
-        **kwargs: passed to :func:`generate_micro_batch`.
+            rollout (:func:`packed_linear_weights`; not with ``compiled_step``).
+        compiled_step: a :func:`compile_decode_step` function for the decode steps (None:
+            eager); see :func:`generate_micro_batch`.
+        shrink_finished: see :func:`generate_micro_batch`.
+        kv_storage: preallocated cache storage (allocated here when None).
 
     Returns:
         A :class:`Trajectory` of ``N = B * G`` rows, row ``b * G + g`` being sample ``g`` of
         prompt ``b``, padded to the longest micro-batch.
     """
-    tokens = prompt_tokens.repeat_interleave(group_size, dim=0)
-    mask = prompt_mask.repeat_interleave(group_size, dim=0)
-    seeds = None
-    if prompt_seeds is not None:
-        sample_index = torch.arange(group_size).repeat(prompt_tokens.shape[0])
-        seeds = mix_seeds(prompt_seeds.cpu().repeat_interleave(group_size), sample_index)
-    if kwargs.get("kv_storage") is None:
-        dtype = kwargs.get("cache_dtype") or next(model.parameters()).dtype
-        kwargs["kv_storage"] = KVCacheStorage(
-            model, rows=min(forward_batch_size, tokens.shape[0]),
-            max_len=tokens.shape[1] + int(kwargs["max_generated_tokens"]), dtype=dtype,
+    group_size, rows = int(request.group_size), request.rows_per_forward
+    tokens = request.prompt_tokens.repeat_interleave(group_size, dim=0)
+    mask = request.prompt_mask.repeat_interleave(group_size, dim=0)
+    seeds = request.sample_seeds()
+    if kv_storage is None:
+        dtype = request.cache_dtype or next(model.parameters()).dtype
+        kv_storage = KVCacheStorage(
+            model, rows=min(rows, tokens.shape[0]),
+            max_len=tokens.shape[1] + int(request.max_generated_tokens), dtype=dtype,
             device=tokens.device,
         )
-    backend = backend_for(prompt_tokens.device)
-    with backend.decode_weights(model, packed_weights and not kwargs.get("compile_decode")):
+    backend = backend_for(tokens.device)
+    with backend.decode_weights(model, packed_weights and compiled_step is None):
         parts = [
             generate_micro_batch(
-                model, tokens[i : i + forward_batch_size], mask[i : i + forward_batch_size],
-                seeds=None if seeds is None else seeds[i : i + forward_batch_size], **kwargs,
+                model, dataclasses.replace(request, prompt_tokens=tokens[i : i + rows],
+                                           prompt_mask=mask[i : i + rows], group_size=1,
+                                           prompt_seeds=None),
+                seeds=None if seeds is None else seeds[i : i + rows],
+                kv_storage=kv_storage, compiled_step=compiled_step,
+                shrink_finished=shrink_finished,
             )
-            for i in range(0, tokens.shape[0], forward_batch_size)
+            for i in range(0, tokens.shape[0], rows)
         ]
     return concat_trajectories(parts)
 
@@ -353,7 +356,9 @@ class NativeGenerator(Generator):
 
     Args:
         compile_decode (bool): run the decode steps through ``torch.compile`` with static
-            shapes (single device; see :func:`generate_micro_batch`).
+            shapes (single device; see :func:`generate_micro_batch`): the compiled function
+            (:func:`compile_decode_step`) is built here, once, and compiles at the first
+            rollout.
         packed_weights (bool): on CPU, run the rollout's small-batch linear layers on weights
             reordered once per rollout for oneDNN (:func:`packed_linear_weights`): faster
             decoding, one more copy of those weights while the rollout runs. No effect on GPU,
@@ -363,6 +368,8 @@ class NativeGenerator(Generator):
     def __init__(self, compile_decode: bool = False, packed_weights: bool = True) -> None:
         self.compile_decode = bool(compile_decode)
         self.packed_weights = bool(packed_weights)
+        #: the compiled decode step (None: eager decoding)
+        self.compiled_step = compile_decode_step() if self.compile_decode else None
 
     def setup(self, context: GenerationContext) -> None:
         """Nothing to prepare: generation runs on the policy module itself.
@@ -374,16 +381,17 @@ class NativeGenerator(Generator):
             raise ValueError("generator.compile_decode is single-device only (got "
                              f"{context.world_size} processes): set it to false")
 
-    def generate(self, model: nn.Module, prompt_tokens: torch.Tensor,
-                 prompt_mask: torch.Tensor, **options) -> Trajectory:
+    def generate(self, model: nn.Module, request: GenerationRequest) -> Trajectory:
         """:func:`generate_trajectory` on ``model``: ``[B, P]`` prompts -> ``N = B * G`` rows.
 
-        Arguments (``options``: the keyword arguments) and result as
-        :meth:`torchtune_grpo.rollout.protocol.Generator.generate`.
+        Arguments and result as :meth:`torchtune_grpo.rollout.protocol.Generator.generate`.
         """
-        return generate_trajectory(model, prompt_tokens, prompt_mask,
-                                   compile_decode=self.compile_decode,
-                                   packed_weights=self.packed_weights, **options)
+        return generate_trajectory(model, request, packed_weights=self.packed_weights,
+                                   compiled_step=self.compiled_step)
+
+    def runs_policy(self) -> bool:
+        """True: every decode step is a forward of the policy module."""
+        return True
 
     def needs_policy_logprobs(self, *, top_k: int | None) -> bool:
         """False: the engine's log-probs are the policy's (tempered, full allowed vocabulary)."""

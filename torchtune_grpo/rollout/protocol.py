@@ -13,7 +13,9 @@ The order of the calls, per process, is::
 
     setup(context); sync_weights(policy)
     for every step:
-        generate(policy, ...)            # once per gradient-accumulation chunk
+        runs_policy()                    # gather an FSDP2 policy's weights for the rollout?
+        generate(policy, request)        # once per gradient-accumulation chunk
+        pop_stats()                      # the engine's counts (tool calls) for the metrics
         before_update()
         needs_policy_logprobs(top_k=...)
         ...reference and policy forwards, optimizer steps...
@@ -31,8 +33,10 @@ import torch
 from torch import nn
 
 from torchtune_grpo.algorithm.trajectory import Trajectory
+from torchtune_grpo.rollout.seeding import mix_seeds
+from torchtune_grpo.rollout.tool_trajectory import ToolStats
 
-__all__ = ["GenerationContext", "Generator"]
+__all__ = ["GenerationContext", "GenerationRequest", "Generator"]
 
 
 @dataclasses.dataclass
@@ -65,13 +69,108 @@ class GenerationContext:
     lora: dict | None = None
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class GenerationRequest:
+    """What one :meth:`Generator.generate` call samples: prompts, sampling settings, token
+    rules, seeds and the lockstep stop decision.
+
+    Built by the caller for every call (cheap: it holds references, no copies) and never
+    changed; an engine that generates in parts (the multi-turn engine's turns, the native
+    engine's micro-batches) derives new requests with :func:`dataclasses.replace`.
+
+    Attributes:
+        prompt_tokens: ``[B, P]`` long, left-padded prompts.
+        prompt_mask: ``[B, P]`` bool, True on real prompt tokens.
+        max_generated_tokens: the most tokens generated per completion (``>= 1``).
+        temperature: sampling temperature; 0 is greedy.
+        stop_tokens: ``[s]`` long ids that end a completion.
+        pad_id: id written after a completion ended.
+        group_size: ``G``, completions per prompt (``>= 1``).
+        top_k: sample among the ``top_k`` most likely ids (None: all).
+        logit_bias: ``[V]`` float32, 0 on allowed ids and ``-inf`` elsewhere (None: every id
+            allowed).
+        prompt_seeds: ``[B]`` int64, one seed per prompt (needed when ``temperature > 0``;
+            the recipe passes ``mix_seeds(seed, step, index)``); the rows' own seeds are
+            :meth:`sample_seeds`.
+        forward_batch_size: rows per forward pass of an engine that batches on the policy
+            (the native engine; None: all ``B * G`` rows at once); others batch on their own.
+        all_done: given whether this rank's rows have all stopped, says whether every rank's
+            have (a collective in distributed runs); None: this rank alone.
+        cache_dtype: dtype of a KV cache the engine allocates (None: the policy's).
+
+    Raises:
+        ValueError: ``prompt_tokens`` not ``[B, P]``, a ``prompt_mask`` of another shape,
+            ``prompt_seeds`` not ``[B]``, or ``group_size``, ``max_generated_tokens`` or
+            ``forward_batch_size`` below 1.
+    """
+
+    prompt_tokens: torch.Tensor
+    prompt_mask: torch.Tensor
+    _: dataclasses.KW_ONLY
+    max_generated_tokens: int
+    temperature: float
+    stop_tokens: torch.Tensor
+    pad_id: int
+    group_size: int = 1
+    top_k: int | None = None
+    logit_bias: torch.Tensor | None = None
+    prompt_seeds: torch.Tensor | None = None
+    forward_batch_size: int | None = None
+    all_done: Callable[[bool], bool] | None = None
+    cache_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens.dim() != 2:
+            raise ValueError("GenerationRequest.prompt_tokens must be [B, P], got shape "
+                             f"{tuple(self.prompt_tokens.shape)}")
+        if self.prompt_mask.shape != self.prompt_tokens.shape:
+            raise ValueError(f"GenerationRequest.prompt_mask has shape "
+                             f"{tuple(self.prompt_mask.shape)}, prompt_tokens "
+                             f"{tuple(self.prompt_tokens.shape)}")
+        if self.prompt_seeds is not None and tuple(self.prompt_seeds.shape) != (
+                self.num_prompts,):
+            raise ValueError(f"GenerationRequest.prompt_seeds must be [{self.num_prompts}], got "
+                             f"shape {tuple(self.prompt_seeds.shape)}")
+        for name in ("group_size", "max_generated_tokens", "forward_batch_size"):
+            value = getattr(self, name)
+            if value is not None and int(value) < 1:
+                raise ValueError(f"GenerationRequest.{name} must be >= 1, got {value!r}")
+
+    @property
+    def num_prompts(self) -> int:
+        """``B``, the number of prompts."""
+        return int(self.prompt_tokens.shape[0])
+
+    @property
+    def num_rows(self) -> int:
+        """``N = B * G``, the number of completions."""
+        return self.num_prompts * int(self.group_size)
+
+    @property
+    def rows_per_forward(self) -> int:
+        """``forward_batch_size``, or ``N`` when it is None."""
+        return int(self.forward_batch_size or self.num_rows)
+
+    def sample_seeds(self) -> torch.Tensor | None:
+        """``[N]`` int64 on the CPU: row ``b * G + g``'s seed ``mix_seeds(prompt_seeds[b],
+        g)``; None without ``prompt_seeds``."""
+        if self.prompt_seeds is None:
+            return None
+        group = int(self.group_size)
+        sample_index = torch.arange(group).repeat(self.num_prompts)
+        return mix_seeds(self.prompt_seeds.cpu().repeat_interleave(group), sample_index)
+
+
 @runtime_checkable
 class Generator(Protocol):
     """A rollout engine: samples completions for the recipe and follows the policy's weights.
 
     Every method is called on every rank, in the order of the module docstring. An
-    implementation may subclass this protocol (as both built-in engines do) or merely have the
-    same methods; ``isinstance(obj, Generator)`` checks that the methods exist, the tests in
+    implementation subclasses this protocol (as the built-in engines do), which gives it the
+    answers of an engine with weights of its own and no counts for :meth:`needs_policy_logprobs`,
+    :meth:`runs_policy` and :meth:`pop_stats`; an engine that wraps another
+    (:class:`~torchtune_grpo.rollout.multiturn.ToolUseGenerator`) forwards them.
+    ``isinstance(obj, Generator)`` checks that the methods exist, the tests in
     ``tests/unit/rollout/test_generator_protocol.py`` that the recipe calls no others.
     """
 
@@ -90,29 +189,8 @@ class Generator(Protocol):
         """
         ...
 
-    def generate(
-        self,
-        model: nn.Module,
-        prompt_tokens: torch.Tensor,
-        prompt_mask: torch.Tensor,
-        *,
-        # what to produce: G samples per prompt, at most this many new tokens each, ending
-        # at a stop token and padded with pad_id
-        group_size: int,
-        max_generated_tokens: int,
-        stop_tokens: torch.Tensor,
-        pad_id: int,
-        # the sampling distribution and its random numbers
-        temperature: float,
-        top_k: int | None,
-        logit_bias: torch.Tensor | None = None,
-        prompt_seeds: torch.Tensor | None = None,
-        # how: rows per forward, lockstep across ranks, KV-cache dtype
-        forward_batch_size: int,
-        all_done: Callable[[bool], bool] | None = None,
-        cache_dtype: torch.dtype | None = None,
-    ) -> Trajectory:
-        """Sample ``group_size`` completions for each prompt.
+    def generate(self, model: nn.Module, request: GenerationRequest) -> Trajectory:
+        """Sample ``request.group_size`` completions for each prompt of ``request``.
 
         The contract:
 
@@ -132,10 +210,11 @@ class Generator(Protocol):
           computes), 0 where ``response_mask`` is False. An engine that cannot deliver exactly
           that for some setting must say so through :meth:`needs_policy_logprobs`.
         * **Determinism.** Sample ``g`` of prompt ``b`` is a function of the weights, the
-          prompt, ``prompt_seeds[b]`` and ``g`` only (via ``mix_seeds(prompt_seeds[b], g)``),
-          not of the other rows, ``forward_batch_size`` or the number of ranks, so a run
-          and its resumption sample the same completions (up to the floating-point effects
-          of batching). ``temperature == 0`` is greedy.
+          prompt, ``prompt_seeds[b]`` and ``g`` only (via ``mix_seeds(prompt_seeds[b], g)``:
+          :meth:`GenerationRequest.sample_seeds`), not of the other rows,
+          ``forward_batch_size`` or the number of ranks, so a run and its resumption sample the
+          same completions (up to the floating-point effects of batching). ``temperature ==
+          0`` is greedy.
         * **Lockstep.** An engine whose generation runs collectives (the native engine's
           forwards through an FSDP-sharded policy) must decode until ``all_done(local_done)``
           is True, so that every rank takes the same number of steps; an engine that never
@@ -144,25 +223,11 @@ class Generator(Protocol):
         Args:
             model: the policy (FSDP-sharded or not), in eval mode; engines with weights of
                 their own may ignore it.
-            prompt_tokens: ``[B, P]`` left-padded prompts.
-            prompt_mask: ``[B, P]`` bool, True on real prompt tokens.
-            group_size: ``G``, completions per prompt.
-            forward_batch_size: rows per micro-batch (native engine; others may batch on their
-                own).
-            max_generated_tokens: the most tokens generated per completion.
-            temperature: sampling temperature; 0 is greedy.
-            top_k: sample among the ``top_k`` most likely ids (None: all).
-            stop_tokens: ``[s]`` long ids that end a completion.
-            pad_id: id written after a completion ended.
-            logit_bias: ``[V]`` float32, 0 on allowed ids and ``-inf`` elsewhere.
-            prompt_seeds: ``[B]`` int64, one seed per prompt (required when
-                ``temperature > 0``; the recipe passes ``mix_seeds(seed, step, index)``).
-            all_done: given whether this rank's rows have all stopped, says whether every
-                rank's have (a collective in distributed runs); None: this rank alone.
-            cache_dtype: dtype of a KV cache the engine allocates (default: the policy's).
+            request: the prompts and how to sample them (:class:`GenerationRequest`).
 
         Returns:
-            The rollout as a :class:`~torchtune_grpo.algorithm.trajectory.Trajectory` of ``N`` rows.
+            The rollout as a :class:`~torchtune_grpo.algorithm.trajectory.Trajectory` of ``N``
+            rows.
         """
         ...
 
@@ -178,9 +243,21 @@ class Generator(Protocol):
             top_k: the run's ``top_k``.
 
         Returns:
-            bool.
+            bool; this base answers False (the contract of :meth:`generate` holds).
         """
-        ...
+        return False
+
+    def runs_policy(self) -> bool:
+        """Whether :meth:`generate` runs the ``model`` it is given (one forward per decode
+        step), so that the caller holds an FSDP2 policy's gathered weights for the whole
+        rollout. This base answers False (an engine with weights of its own); a wrapper
+        answers for the engine it wraps."""
+        return False
+
+    def pop_stats(self) -> ToolStats:
+        """The engine's counts since the last call (then reset), summed over ranks by the
+        recipe into the ``tools/...`` metrics. This base has none: all zero."""
+        return ToolStats()
 
     def before_update(self) -> None:
         """The rollouts of this step are done; the reference forward and the update follow.

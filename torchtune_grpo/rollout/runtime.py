@@ -20,8 +20,7 @@ from torch import nn
 from torchtune_grpo import distributed as D
 from torchtune_grpo.algorithm.trajectory import Trajectory, prompt_mask
 from torchtune_grpo.policy.model import TokenRules
-from torchtune_grpo.rollout.multiturn import runs_policy
-from torchtune_grpo.rollout.protocol import GenerationContext, Generator
+from torchtune_grpo.rollout.protocol import GenerationContext, GenerationRequest, Generator
 from torchtune_grpo.rollout.seeding import rollout_seeds
 
 __all__ = ["RolloutRuntime", "check_context_length", "generation_context"]
@@ -81,20 +80,20 @@ class RolloutRuntime:
         tokens = batch["tokens"].to(self.device)
         rules = self.rules
         model.eval()
-        # the native engine (alone or under the tool loop) runs the policy once per decode
-        # step: gather its shards once
-        gathered = model if runs_policy(self.generator) else None
+        request = GenerationRequest(
+            tokens, prompt_mask(tokens, batch["prompt_lengths"]),
+            group_size=self.group_size, forward_batch_size=self.forward_batch_size,
+            max_generated_tokens=self.max_generated_tokens, temperature=self.temperature,
+            top_k=self.top_k, stop_tokens=rules.stop_tokens, pad_id=rules.pad_id,
+            logit_bias=rules.logit_bias,
+            prompt_seeds=rollout_seeds(self.seed, step, batch["indices"], draw),
+            all_done=partial(self.ranks.all_ranks_true, device=self.device),
+            cache_dtype=self.cache_dtype,
+        )
+        # an engine that runs the policy once per decode step: gather its shards once
+        gathered = model if self.generator.runs_policy() else None
         with D.gathered_for_inference(gathered, enabled=self.gather_weights):
-            traj = self.generator.generate(
-                model, tokens, prompt_mask(tokens, batch["prompt_lengths"]),
-                group_size=self.group_size, forward_batch_size=self.forward_batch_size,
-                max_generated_tokens=self.max_generated_tokens, temperature=self.temperature,
-                top_k=self.top_k, stop_tokens=rules.stop_tokens, pad_id=rules.pad_id,
-                logit_bias=rules.logit_bias,
-                prompt_seeds=rollout_seeds(self.seed, step, batch["indices"], draw),
-                all_done=partial(self.ranks.all_ranks_true, device=self.device),
-                cache_dtype=self.cache_dtype,
-            )
+            traj = self.generator.generate(model, request)
         model.train()
         return traj
 

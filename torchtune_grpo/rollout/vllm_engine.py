@@ -33,6 +33,7 @@ only on CUDA, where vLLM supports it.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from collections.abc import Iterator
@@ -42,8 +43,7 @@ import torch
 from torch import nn
 
 from torchtune_grpo.algorithm.trajectory import Trajectory
-from torchtune_grpo.rollout.protocol import GenerationContext, Generator
-from torchtune_grpo.rollout.seeding import mix_seeds
+from torchtune_grpo.rollout.protocol import GenerationContext, GenerationRequest, Generator
 
 __all__ = ["VLLMGenerator", "hf_weight_items", "torchtune_to_hf_converter"]
 
@@ -259,38 +259,36 @@ class VLLMGenerator(Generator):
         self.weight_version += 1
 
     # ------------------------------------------------------------------ rollout
-    def generate(self, model: nn.Module, prompt_tokens: torch.Tensor, prompt_mask: torch.Tensor,
-                 *, group_size: int, max_generated_tokens: int, temperature: float,
-                 top_k: int | None, stop_tokens: torch.Tensor, pad_id: int,
-                 prompt_seeds: torch.Tensor | None = None, **_unused) -> Trajectory:
+    def generate(self, model: nn.Module, request: GenerationRequest) -> Trajectory:
         """Sample ``group_size`` completions per prompt with vLLM: ``[B, P]`` -> ``N = B * G``.
 
         Args and return value as :meth:`torchtune_grpo.rollout.protocol.Generator.generate`.
-        ``forward_batch_size``, ``logit_bias``, ``all_done`` and ``cache_dtype`` are the native
-        engine's and ignored: vLLM batches and masks on its own, from the allowed ids given
-        at :meth:`setup`, and runs no collective while generating. Row ``b * G + g`` is sample
-        ``g`` of prompt ``b``; ``prompt_seeds=None`` seeds every prompt with 0.
+        The request's ``forward_batch_size``, ``logit_bias``, ``all_done`` and ``cache_dtype``
+        are the native engine's and not read: vLLM batches and masks on its own, from the
+        allowed ids given at :meth:`setup`, and runs no collective while generating. Row ``b *
+        G + g`` is sample ``g`` of prompt ``b``; without ``prompt_seeds`` every prompt's seed
+        is 0.
         """
         from vllm import SamplingParams
 
         if self.sleeping:  # a rollout before any sync since the last update
             self.llm.wake_up()
             self.sleeping = False
+        prompt_tokens, prompt_mask = request.prompt_tokens, request.prompt_mask
+        group_size, b = int(request.group_size), request.num_prompts
         device = prompt_tokens.device
-        b = prompt_tokens.shape[0]
-        if prompt_seeds is None:
-            prompt_seeds = torch.zeros(b, dtype=torch.long)
-        seeds = mix_seeds(prompt_seeds.cpu().repeat_interleave(group_size),
-                          torch.arange(group_size).repeat(b))
-        stops = sorted({int(t) for t in stop_tokens.tolist()})
+        if request.prompt_seeds is None:
+            request = dataclasses.replace(request, prompt_seeds=torch.zeros(b, dtype=torch.long))
+        seeds = request.sample_seeds()
+        stops = sorted({int(t) for t in request.stop_tokens.tolist()})
         prompts, params = [], []
         for row in range(b):
             ids = prompt_tokens[row][prompt_mask[row]].tolist()
             for g in range(group_size):
                 prompts.append({"prompt_token_ids": ids})
                 params.append(SamplingParams(
-                    n=1, max_tokens=int(max_generated_tokens),
-                    temperature=float(temperature), top_k=int(top_k or 0),
+                    n=1, max_tokens=int(request.max_generated_tokens),
+                    temperature=float(request.temperature), top_k=int(request.top_k or 0),
                     seed=int(seeds[row * group_size + g]), logprobs=0,
                     allowed_token_ids=self._allowed, stop_token_ids=stops, ignore_eos=True,
                     detokenize=False, skip_special_tokens=False,
@@ -298,7 +296,7 @@ class VLLMGenerator(Generator):
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         return _trajectory(prompt_tokens.repeat_interleave(group_size, dim=0),
                            prompt_mask.repeat_interleave(group_size, dim=0),
-                           [o.outputs[0] for o in outputs], set(stops), pad_id, device)
+                           [o.outputs[0] for o in outputs], set(stops), request.pad_id, device)
 
 
 def _trajectory(prompt_tokens: torch.Tensor, prompt_mask: torch.Tensor, completions: list,

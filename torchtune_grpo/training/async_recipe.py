@@ -48,7 +48,7 @@ from torchtune_grpo.config.validation import (
 from torchtune_grpo.datasets import collate_prompts
 from torchtune_grpo.policy.model import DTYPES, build_model, token_rules
 from torchtune_grpo.rollout.native import NativeGenerator
-from torchtune_grpo.rollout.protocol import GenerationContext, Generator
+from torchtune_grpo.rollout.protocol import GenerationContext, GenerationRequest, Generator
 from torchtune_grpo.rollout.runtime import (
     RolloutRuntime,
     check_context_length,
@@ -132,10 +132,10 @@ class RemoteRollouts(Generator):
         """The rollouts received and the weights sent next belong to ``step``."""
         self.step = step
 
-    def generate(self, model: nn.Module, prompt_tokens: torch.Tensor,
-                 prompt_mask: torch.Tensor, **kwargs: Any) -> Trajectory:
-        """Receive the rollout of ``prompt_tokens`` ``[B, P]`` made by this shard's rollout
-        rank; raise if it is not the step, chunk, version and prompts expected."""
+    def generate(self, model: nn.Module, request: GenerationRequest) -> Trajectory:
+        """Receive the rollout of ``request.prompt_tokens`` ``[B, P]`` made by this shard's
+        rollout rank; raise if it is not the step, chunk, version and prompts expected."""
+        prompt_tokens = request.prompt_tokens
         start = time.perf_counter()
         message = self.channel.recv(self.source)
         self.wait_s += time.perf_counter() - start
@@ -147,7 +147,7 @@ class RemoteRollouts(Generator):
                                f"version) {expected} from rank {self.source}, got {got}")
         traj = Trajectory(**{k: v.to(prompt_tokens.device) if isinstance(v, torch.Tensor)
                              else v for k, v in message["trajectory"].items()})
-        group = kwargs["group_size"]
+        group = int(request.group_size)
         sent_prompts = traj.tokens[::group, : traj.prompt_len]
         if not (sent_prompts.shape == prompt_tokens.shape
                 and torch.equal(sent_prompts, prompt_tokens)):

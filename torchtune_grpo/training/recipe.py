@@ -241,7 +241,7 @@ class GRPORecipe(RecipeSetup, RecipeUpdate, RecipeCheckpoints, RecipeEvaluation)
         alone); with tools, the step's tool counts are summed for :meth:`step_metrics`."""
         traj = self.rollouts.rollout(self.model, batch, step=self.step, draw=draw)
         if self.tools_on:
-            self._tool_stats = self._tool_stats + self.tool_generator.pop_stats()
+            self._tool_stats = self._tool_stats + self.generator.pop_stats()
         return traj
 
     def _gathered(self, model: nn.Module | None) -> contextlib.AbstractContextManager:

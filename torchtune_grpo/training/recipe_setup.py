@@ -92,7 +92,7 @@ class RecipeSetup:
         self.generator: Generator = self.build_generator()
         self.tools_on = bool(cfg.tools)
         # multi-turn: the engine samples each turn, tools run in between; the recipe reads the
-        # tool counts from it (pop_stats) outside the Generator protocol
+        # tool counts from it (pop_stats, part of the Generator protocol)
         self.tool_generator: ToolUseGenerator | None = None
         if self.tools_on:
             self.tool_generator = self.generator = ToolUseGenerator(

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from torchtune_grpo.algorithm.trajectory import Trajectory
-from torchtune_grpo.rollout.protocol import Generator
+from torchtune_grpo.rollout.protocol import GenerationRequest, Generator
 
 
 class WordCount:
@@ -93,10 +93,14 @@ class ScriptedGenerator(Generator):
         start = len(written)
         return tokens, [-(start + c + 1) / 100 for c in range(len(tokens))]
 
-    def generate(self, model, prompt_tokens, prompt_mask, *, group_size, max_generated_tokens,
-                 stop_tokens, pad_id, temperature, top_k, logit_bias=None, prompt_seeds=None,
-                 forward_batch_size, all_done=None, cache_dtype=None) -> Trajectory:
-        all_done = all_done or (lambda local: local)
+    def generate(self, model, request: GenerationRequest) -> Trajectory:
+        prompt_tokens, prompt_mask, group_size = (request.prompt_tokens, request.prompt_mask,
+                                                  request.group_size)
+        max_generated_tokens, stop_tokens, pad_id = (request.max_generated_tokens,
+                                                     request.stop_tokens, request.pad_id)
+        prompt_seeds, logit_bias = request.prompt_seeds, request.logit_bias
+        forward_batch_size = request.rows_per_forward
+        all_done = request.all_done or (lambda local: local)
         stops = set(stop_tokens.tolist())
         tokens = prompt_tokens.repeat_interleave(group_size, 0)
         mask = prompt_mask.repeat_interleave(group_size, 0)

@@ -28,7 +28,7 @@ from torchtune_grpo.datasets._prompt import PromptTemplate, tokenize_prompt
 from torchtune_grpo.models.tokenizer import HFTokenizer
 from torchtune_grpo.policy.forward import micro_batch_logprobs
 from torchtune_grpo.rollout.multiturn import ToolUseGenerator
-from torchtune_grpo.rollout.protocol import Generator
+from torchtune_grpo.rollout.protocol import GenerationRequest, Generator
 from torchtune_grpo.rollout.tool_trajectory import decode_with_tools, tool_segments
 from torchtune_grpo.rollout.tools.base import is_error
 from torchtune_grpo.rollout.tools.build import make_tool_syntax
@@ -192,10 +192,11 @@ class ScriptedChatModel(Generator):
         rest = parts[turn][len(written):]
         return self.tokenizer.encode(rest, add_bos=False, add_eos=False) + [self.tokenizer.eos_id]
 
-    def generate(self, model, prompt_tokens, prompt_mask, *, group_size, max_generated_tokens,
-                 stop_tokens, pad_id, temperature, top_k, logit_bias=None, prompt_seeds=None,
-                 forward_batch_size, all_done=None, cache_dtype=None) -> Trajectory:
-        stops = set(stop_tokens.tolist())
+    def generate(self, model, request: GenerationRequest) -> Trajectory:
+        prompt_tokens, prompt_mask, group_size = (request.prompt_tokens, request.prompt_mask,
+                                                  request.group_size)
+        max_generated_tokens, pad_id = request.max_generated_tokens, request.pad_id
+        stops = set(request.stop_tokens.tolist())
         tokens = prompt_tokens.repeat_interleave(group_size, 0)
         mask = prompt_mask.repeat_interleave(group_size, 0)
         outs = []
@@ -233,10 +234,10 @@ def _rollout(tokenizer, keys, *, tools=None, max_tool_calls=2, max_generated_tok
     gen = ToolUseGenerator(tools or [Calculator()], tokenizer=tokenizer, inner=inner,
                            syntax={"format": "chat_template"}, max_tool_calls=max_tool_calls)
     tokens, mask = _prompts(tokenizer, keys)  # after the generator: rendered with the tools
-    traj = gen.generate(
-        None, tokens, mask, group_size=group_size, max_generated_tokens=max_generated_tokens,
+    traj = gen.generate(None, GenerationRequest(tokens, mask, group_size=group_size,
+        max_generated_tokens=max_generated_tokens,
         stop_tokens=torch.tensor(stop_token_ids(tokenizer)), pad_id=tokenizer.pad_id,
-        temperature=1.0, top_k=None, logit_bias=None, forward_batch_size=4)
+        temperature=1.0, top_k=None, logit_bias=None, forward_batch_size=4))
     return traj, gen, inner
 
 

@@ -10,6 +10,7 @@ from torchtune_grpo.policy.forward import response_logprobs
 from torchtune_grpo.policy.positions import attention_mask, position_ids
 from torchtune_grpo.quickstart.tiny import TINY_TOKENIZER_VOCAB, tiny_llama
 from torchtune_grpo.rollout.native import generate_micro_batch, generate_trajectory
+from torchtune_grpo.rollout.protocol import GenerationRequest
 from torchtune_grpo.rollout.sampling import decode_completions, sample_next_token
 from torchtune_grpo.token_rules import (
     allowed_token_mask,
@@ -65,14 +66,14 @@ def test_generation_with_different_prompt_and_stop_lengths_has_uniform_shapes(to
     kwargs = dict(max_generated_tokens=24, temperature=1.0, top_k=None, stop_tokens=stops,
                   pad_id=tokenizer.pad_id, logit_bias=bias)
     parts = [
-        generate_micro_batch(model, tokens[i : i + 4].repeat_interleave(2, 0),
-                             mask[i : i + 4].repeat_interleave(2, 0),
-                             seeds=torch.arange(8) + 100 * s, **kwargs)
+        generate_micro_batch(model, GenerationRequest(tokens[i : i + 4].repeat_interleave(2, 0),
+            mask[i : i + 4].repeat_interleave(2, 0), **kwargs),
+            seeds=torch.arange(8) + 100 * s)
         for i, s in ((0, 1), (4, 2))
     ]
     lengths = [p.response_len for p in parts]
-    traj = generate_trajectory(model, tokens, mask, group_size=2, forward_batch_size=4,
-                               prompt_seeds=torch.arange(8), **kwargs)
+    traj = generate_trajectory(model, GenerationRequest(tokens, mask, group_size=2,
+        forward_batch_size=4, prompt_seeds=torch.arange(8), **kwargs))
     assert traj.tokens.shape == (16, tokens.shape[1] + traj.response_len)
     assert traj.response_mask.shape == traj.logprobs.shape == (16, traj.response_len)
     # each row: mask is a prefix; stopped rows end on a stop token; padding after it
@@ -114,12 +115,10 @@ def test_sampling_never_emits_undefined_ids(tokenizer):
     assert (unmasked >= TINY_TOKENIZER_VOCAB).all()
 
     tokens, mask = _left_pad(_varied_prompts(tokenizer, 4), tokenizer.pad_id)
-    traj = generate_trajectory(
-        model, tokens, mask, group_size=4, forward_batch_size=8, max_generated_tokens=12,
-        temperature=1.5, top_k=None, stop_tokens=torch.tensor(stop_token_ids(tokenizer)),
-        pad_id=tokenizer.pad_id, logit_bias=logit_bias_from_mask(allowed),
-        prompt_seeds=torch.arange(4),
-    )
+    traj = generate_trajectory(model, GenerationRequest(tokens, mask, group_size=4,
+        forward_batch_size=8, max_generated_tokens=12, temperature=1.5, top_k=None,
+        stop_tokens=torch.tensor(stop_token_ids(tokenizer)), pad_id=tokenizer.pad_id,
+        logit_bias=logit_bias_from_mask(allowed), prompt_seeds=torch.arange(4)))
     generated = traj.response_tokens[traj.response_mask]
     assert generated.numel() > 0
     assert allowed[generated].all()
@@ -143,11 +142,10 @@ def test_generation_logprobs_equal_training_forward(tokenizer):
     tokens, mask = _left_pad(_varied_prompts(tokenizer, 4), tokenizer.pad_id)
     allowed = allowed_token_mask(tokenizer, 320)
     bias = logit_bias_from_mask(allowed)
-    traj = generate_trajectory(
-        model, tokens, mask, group_size=2, forward_batch_size=4, max_generated_tokens=10,
-        temperature=0.7, top_k=None, stop_tokens=torch.tensor(stop_token_ids(tokenizer)),
-        pad_id=tokenizer.pad_id, logit_bias=bias, prompt_seeds=torch.arange(4),
-    )
+    traj = generate_trajectory(model, GenerationRequest(tokens, mask, group_size=2,
+        forward_batch_size=4, max_generated_tokens=10, temperature=0.7, top_k=None,
+        stop_tokens=torch.tensor(stop_token_ids(tokenizer)), pad_id=tokenizer.pad_id,
+        logit_bias=bias, prompt_seeds=torch.arange(4)))
     padding = traj.padding_mask
     logprobs, entropy = response_logprobs(
         model, traj.tokens, prompt_len=traj.prompt_len, mask=attention_mask(padding),
@@ -169,9 +167,8 @@ def test_greedy_matches_stepwise_argmax_and_ignores_left_padding(tokenizer):
     prompts = _varied_prompts(tokenizer, 3)
     tokens, mask = _left_pad(prompts, tokenizer.pad_id)
     stops = torch.tensor(stop_token_ids(tokenizer))
-    traj = generate_micro_batch(model, tokens, mask, max_generated_tokens=8, temperature=0.0,
-                                top_k=None, stop_tokens=stops, pad_id=tokenizer.pad_id,
-                                logit_bias=bias)
+    traj = generate_micro_batch(model, GenerationRequest(tokens, mask, max_generated_tokens=8,
+        temperature=0.0, top_k=None, stop_tokens=stops, pad_id=tokenizer.pad_id, logit_bias=bias))
     for row, prompt in enumerate(prompts):
         ids = list(prompt)
         expected = []

@@ -20,7 +20,12 @@ from torchtune_grpo.policy.kv_cache import attention_modules
 from torchtune_grpo.policy.positions import attention_mask, position_ids
 from torchtune_grpo.quickstart.tiny import tiny_llama
 from torchtune_grpo.rollout import native as gen
-from torchtune_grpo.rollout.native import generate_micro_batch, generate_trajectory
+from torchtune_grpo.rollout.native import (
+    NativeGenerator,
+    generate_micro_batch,
+    generate_trajectory,
+)
+from torchtune_grpo.rollout.protocol import GenerationRequest
 from torchtune_grpo.token_rules import allowed_token_mask, logit_bias_from_mask, stop_token_ids
 
 PROMPTS = ["1+2=", "13+27=", "5+5=", "99+1=", "40+2=", "7+70=", "3+33=", "11+1="]
@@ -61,9 +66,8 @@ def test_greedy_equals_stepwise_argmax_with_padding_and_shared_prompts(
     model, bias, stops = setup
     prompts = _prompts(tokenizer, 3)  # lengths differ: left padding of different widths
     tokens, mask = _left_pad(prompts, tokenizer.pad_id)
-    traj = generate_trajectory(model, tokens, mask, group_size=3,
-                               forward_batch_size=forward_batch_size,
-                               **_kwargs(tokenizer, bias, stops))
+    traj = generate_trajectory(model, GenerationRequest(tokens, mask, group_size=3,
+        forward_batch_size=forward_batch_size, **_kwargs(tokenizer, bias, stops)))
     for row in range(9):
         ids = list(prompts[row // 3])
         expected = []
@@ -83,10 +87,9 @@ def test_greedy_equals_stepwise_argmax_with_padding_and_shared_prompts(
 def test_generation_logprobs_equal_training_forward(tokenizer, setup, top_k):
     model, bias, stops = setup
     tokens, mask = _left_pad(_prompts(tokenizer, 4), tokenizer.pad_id)
-    traj = generate_trajectory(
-        model, tokens, mask, group_size=4, forward_batch_size=8, prompt_seeds=torch.arange(4),
-        **_kwargs(tokenizer, bias, stops, temperature=0.7, top_k=top_k, max_generated_tokens=16),
-    )
+    traj = generate_trajectory(model, GenerationRequest(tokens, mask, group_size=4,
+        forward_batch_size=8, prompt_seeds=torch.arange(4),
+        **_kwargs(tokenizer, bias, stops, temperature=0.7, top_k=top_k, max_generated_tokens=16)))
     padding = traj.padding_mask
     logprobs, _ = response_logprobs(
         model, traj.tokens, prompt_len=traj.prompt_len, mask=attention_mask(padding),
@@ -105,8 +108,8 @@ def test_same_seeds_same_outputs_for_any_forward_batch_size(tokenizer, setup):
     tokens, mask = _left_pad(_prompts(tokenizer, 4), tokenizer.pad_id)
     kw = _kwargs(tokenizer, bias, stops, temperature=1.0, max_generated_tokens=8)
     runs = [
-        generate_trajectory(model, tokens, mask, group_size=4, forward_batch_size=fbs,
-                            prompt_seeds=torch.tensor([11, 22, 33, 44]), **kw)
+        generate_trajectory(model, GenerationRequest(tokens, mask, group_size=4,
+            forward_batch_size=fbs, prompt_seeds=torch.tensor([11, 22, 33, 44]), **kw))
         for fbs in (16, 4, 1)
     ]
     for other in runs[1:]:
@@ -131,8 +134,8 @@ def test_cache_allocated_once_per_rollout_and_removed_after(tokenizer, setup, mo
 
     monkeypatch.setattr(gen.KVCacheStorage, "__init__", counting)
     tokens, mask = _left_pad(_prompts(tokenizer, 4), tokenizer.pad_id)
-    generate_trajectory(model, tokens, mask, group_size=2, forward_batch_size=2,
-                        **_kwargs(tokenizer, bias, stops))
+    generate_trajectory(model, GenerationRequest(tokens, mask, group_size=2, forward_batch_size=2,
+        **_kwargs(tokenizer, bias, stops)))
     assert allocations == [2]  # four micro-batches, one allocation
     assert not model.caches_are_setup()
     assert all(a.kv_cache is None and not a.cache_enabled for a in attention_modules(model))
@@ -151,8 +154,8 @@ def test_group_prefilled_once_and_decode_attends_over_filled_span(tokenizer, set
     attn = attention_modules(model)[0]
     h2 = attn.register_forward_hook(lambda m, _i, _o: spans.append(m.kv_cache.size))
     try:
-        traj = generate_trajectory(model, tokens, mask, group_size=4, forward_batch_size=8,
-                                   **_kwargs(tokenizer, bias, stops, max_generated_tokens=6))
+        traj = generate_trajectory(model, GenerationRequest(tokens, mask, group_size=4,
+            forward_batch_size=8, **_kwargs(tokenizer, bias, stops, max_generated_tokens=6)))
     finally:
         h1.remove()
         h2.remove()
@@ -171,9 +174,10 @@ def test_early_exit_when_every_row_stopped(tokenizer, setup):
     hook = model.tok_embeddings.register_forward_hook(lambda *_: calls.append(1))
     tokens, mask = _left_pad(_prompts(tokenizer, 2), tokenizer.pad_id)
     try:
-        traj = generate_micro_batch(model, tokens, mask, max_generated_tokens=20, temperature=1.0,
-                                    top_k=None, stop_tokens=stops, pad_id=tokenizer.pad_id,
-                                    logit_bias=only_stop, seeds=torch.arange(2))
+        traj = generate_micro_batch(model, GenerationRequest(tokens, mask, max_generated_tokens=20,
+            temperature=1.0, top_k=None, stop_tokens=stops, pad_id=tokenizer.pad_id,
+            logit_bias=only_stop),
+            seeds=torch.arange(2))
     finally:
         hook.remove()
     assert traj.response_len == 1 and traj.stopped.all()
@@ -199,9 +203,9 @@ def test_lockstep_keeps_decoding_until_all_ranks_done(tokenizer, setup):
     only_stop, all_done, votes = _stop_at_once_other_rank_at_step_5(tokenizer)
 
     tokens, mask = _left_pad(_prompts(tokenizer, 2), tokenizer.pad_id)
-    traj = generate_micro_batch(model, tokens, mask, max_generated_tokens=20, temperature=0.0,
-                                top_k=None, stop_tokens=stops, pad_id=tokenizer.pad_id,
-                                logit_bias=only_stop, all_done=all_done)
+    traj = generate_micro_batch(model, GenerationRequest(tokens, mask, max_generated_tokens=20,
+        temperature=0.0, top_k=None, stop_tokens=stops, pad_id=tokenizer.pad_id,
+        logit_bias=only_stop, all_done=all_done))
     assert traj.response_len == 5
     assert traj.response_mask[:, 0].all() and not traj.response_mask[:, 1:].any()
     assert (traj.response_tokens[:, 1:] == tokenizer.pad_id).all()
@@ -211,8 +215,8 @@ def test_existing_torchtune_caches_are_replaced(tokenizer, setup):
     model, bias, stops = setup
     model.setup_caches(batch_size=1, dtype=torch.float32, decoder_max_seq_len=64)
     tokens, mask = _left_pad(_prompts(tokenizer, 2), tokenizer.pad_id)
-    traj = generate_trajectory(model, tokens, mask, group_size=2, forward_batch_size=4,
-                               **_kwargs(tokenizer, bias, stops))
+    traj = generate_trajectory(model, GenerationRequest(tokens, mask, group_size=2,
+        forward_batch_size=4, **_kwargs(tokenizer, bias, stops)))
     assert traj.num_sequences == 4
     assert not model.caches_are_setup()
 
@@ -221,15 +225,22 @@ def test_existing_torchtune_caches_are_replaced(tokenizer, setup):
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="torch.compile on CPU needs a C++ compiler")
 def test_compiled_decode_matches_eager(tokenizer, setup):
+    """The engine's compiled step (built with the engine) decodes the eager tokens, twice (the
+    second rollout reuses the compiled graph), and writes nothing onto the policy module."""
     model, bias, stops = setup
     tokens, mask = _left_pad(_prompts(tokenizer, 2), tokenizer.pad_id)
-    kw = _kwargs(tokenizer, bias, stops, temperature=1.0, max_generated_tokens=8)
-    eager = generate_trajectory(model, tokens, mask, group_size=2, forward_batch_size=4,
-                                prompt_seeds=torch.arange(2), **kw)
-    compiled = generate_trajectory(model, tokens, mask, group_size=2, forward_batch_size=4,
-                                   prompt_seeds=torch.arange(2), compile_decode=True, **kw)
-    assert torch.equal(eager.tokens, compiled.tokens)
-    torch.testing.assert_close(eager.logprobs, compiled.logprobs, atol=1e-5, rtol=0)
+    request = GenerationRequest(tokens, mask, group_size=2, forward_batch_size=4,
+                                prompt_seeds=torch.arange(2),
+                                **_kwargs(tokenizer, bias, stops, temperature=1.0,
+                                          max_generated_tokens=8))
+    eager = generate_trajectory(model, request)
+    engine = NativeGenerator(compile_decode=True)
+    attributes = set(vars(model))
+    for _ in range(2):
+        compiled = engine.generate(model, request)
+        assert torch.equal(eager.tokens, compiled.tokens)
+        torch.testing.assert_close(eager.logprobs, compiled.logprobs, atol=1e-5, rtol=0)
+    assert set(vars(model)) == attributes
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (4, 1), (4, 4)])
@@ -292,9 +303,10 @@ def test_dropping_finished_rows_gives_the_same_outputs(tokenizer, setup, forward
     for shrink in (False, True):
         shapes, hook = _decode_batch_sizes(model)
         try:
-            runs[shrink] = generate_trajectory(
-                model, tokens, mask, group_size=8, forward_batch_size=forward_batch_size,
-                prompt_seeds=torch.tensor([7, 8, 9, 10]), shrink_finished=shrink, **kw)
+            runs[shrink] = generate_trajectory(model, GenerationRequest(tokens, mask, group_size=8,
+                forward_batch_size=forward_batch_size, prompt_seeds=torch.tensor([7, 8, 9, 10]),
+                **kw),
+                shrink_finished=shrink)
         finally:
             hook.remove()
         runs[shrink, "rows"] = sum(b for b, s in shapes if s == 1)
@@ -328,8 +340,8 @@ def test_model_called_on_fewer_rows_after_rows_finish(tokenizer, setup):
     for shrink in (False, True):
         shapes, hook = _decode_batch_sizes(model)
         try:
-            traj = generate_micro_batch(model, tokens, mask, seeds=torch.arange(8) + 5,
-                                        shrink_finished=shrink, **kw)
+            traj = generate_micro_batch(model, GenerationRequest(tokens, mask, **kw),
+                seeds=torch.arange(8) + 5, shrink_finished=shrink)
         finally:
             hook.remove()
         assert shapes[0] == (8, tokens.shape[1])  # the prefill: every row
@@ -351,10 +363,9 @@ def test_rank_with_every_row_stopped_keeps_calling_the_model_on_one_row(tokenize
     tokens, mask = _left_pad(_prompts(tokenizer, 4), tokenizer.pad_id)
     shapes, hook = _decode_batch_sizes(model)
     try:
-        traj = generate_micro_batch(model, tokens, mask, max_generated_tokens=20,
-                                    temperature=0.0, top_k=None, stop_tokens=stops,
-                                    pad_id=tokenizer.pad_id, logit_bias=only_stop,
-                                    all_done=all_done)
+        traj = generate_micro_batch(model, GenerationRequest(tokens, mask, max_generated_tokens=20,
+            temperature=0.0, top_k=None, stop_tokens=stops, pad_id=tokenizer.pad_id,
+            logit_bias=only_stop, all_done=all_done))
     finally:
         hook.remove()
     assert [b for b, _ in shapes] == [4, 1, 1, 1, 1]  # prefill, then 4 steps on one row
@@ -402,9 +413,9 @@ def test_packed_weights_same_samples_as_plain_linears(tokenizer, setup, tied, mo
                                ("fused", True, True)]:
         monkeypatch.setattr(pd, "_fusable", fusable if fuse else lambda *a: False)
         calls.clear()
-        runs[name] = generate_trajectory(model, tokens, mask, group_size=4, forward_batch_size=8,
-                                         prompt_seeds=torch.tensor([5, 6, 7, 8]),
-                                         packed_weights=packed, **kw)
+        runs[name] = generate_trajectory(model, GenerationRequest(tokens, mask, group_size=4,
+            forward_batch_size=8, prompt_seeds=torch.tensor([5, 6, 7, 8]), **kw),
+            packed_weights=packed)
         products[name] = len(calls)
     decode_steps = runs["plain"].response_len - 1
     assert products["plain"] == 0

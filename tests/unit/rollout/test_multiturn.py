@@ -22,6 +22,7 @@ from torchtune_grpo.policy.positions import trim_to_extent
 from torchtune_grpo.quickstart.tiny import tiny_llama
 from torchtune_grpo.rollout.multiturn import ToolUseGenerator, global_max
 from torchtune_grpo.rollout.native import NativeGenerator
+from torchtune_grpo.rollout.protocol import GenerationRequest
 from torchtune_grpo.rollout.seeding import mix_seeds
 from torchtune_grpo.rollout.tool_trajectory import ToolStats, decode_with_tools, tool_segments
 from torchtune_grpo.rollout.tools.calculator import Calculator
@@ -59,11 +60,11 @@ def _scripted(tokenizer, keys=KEYS, *, group_size=2, max_generated_tokens=200,
     gen = ToolUseGenerator([Calculator()], tokenizer=tokenizer, inner=inner,
                            max_tool_calls=max_tool_calls)
     tokens, mask = _prompts(tokenizer, keys)
-    traj = gen.generate(
-        model, tokens, mask, group_size=group_size, max_generated_tokens=max_generated_tokens,
+    traj = gen.generate(model, GenerationRequest(tokens, mask, group_size=group_size,
+        max_generated_tokens=max_generated_tokens,
         stop_tokens=torch.tensor(stop_token_ids(tokenizer)), pad_id=tokenizer.pad_id,
         temperature=1.0, top_k=None, logit_bias=logit_bias, forward_batch_size=forward_batch_size,
-        prompt_seeds=prompt_seeds, all_done=all_done)
+        prompt_seeds=prompt_seeds, all_done=all_done))
     return traj, gen, inner
 
 
@@ -243,11 +244,10 @@ def test_native_rollout_with_a_tight_context_never_indexes_past_it(tokenizer):
     bias = logit_bias_from_mask(allowed_token_mask(tokenizer, 320))
     bias[tokenizer.encode(">", add_bos=False, add_eos=False)[0]] = 3.0  # many turns
     gen = ToolUseGenerator([Calculator()], tokenizer=tokenizer)
-    traj = gen.generate(model, tokens, mask, group_size=4, max_generated_tokens=24,
-                        temperature=1.0, top_k=None,
-                        stop_tokens=torch.tensor(stop_token_ids(tokenizer)),
-                        pad_id=tokenizer.pad_id, logit_bias=bias,
-                        prompt_seeds=torch.tensor([3, 4]), forward_batch_size=8)
+    traj = gen.generate(model, GenerationRequest(tokens, mask, group_size=4,
+        max_generated_tokens=24, temperature=1.0, top_k=None,
+        stop_tokens=torch.tensor(stop_token_ids(tokenizer)), pad_id=tokenizer.pad_id,
+        logit_bias=bias, prompt_seeds=torch.tensor([3, 4]), forward_batch_size=8))
     assert ((traj.response_mask | traj.tool_mask).sum(1) <= 24).all()
     assert traj.response_len <= 24
 
@@ -262,10 +262,9 @@ def test_a_huge_result_is_cut_to_the_room_left(tokenizer):
     inner = ScriptedGenerator(tokenizer, SCRIPTS, tokenizer.eot_id)
     gen = ToolUseGenerator([Flood()], tokenizer=tokenizer, inner=inner)
     tokens, mask = _prompts(tokenizer, ["A:"])
-    traj = gen.generate(None, tokens, mask, group_size=1, max_generated_tokens=40,
-                        stop_tokens=torch.tensor(stop_token_ids(tokenizer)),
-                        pad_id=tokenizer.pad_id, temperature=0.0, top_k=None,
-                        forward_batch_size=1)
+    traj = gen.generate(None, GenerationRequest(tokens, mask, group_size=1, max_generated_tokens=40,
+        stop_tokens=torch.tensor(stop_token_ids(tokenizer)), pad_id=tokenizer.pad_id,
+        temperature=0.0, top_k=None, forward_batch_size=1))
     assert int(traj.tool_mask.sum()) == 40 - 29 and not traj.stopped.any()
     assert decode_with_tools(tokenizer, traj)[0].endswith("<result>999")
 
@@ -296,10 +295,9 @@ def test_a_result_cannot_smuggle_a_stop_token(tokenizer):
     inner = ScriptedGenerator(tokenizer, SCRIPTS, tokenizer.eot_id)
     gen = ToolUseGenerator([Sneaky()], tokenizer=ParsesSpecials(tokenizer), inner=inner)
     tokens, mask = _prompts(tokenizer, ["A:"])
-    traj = gen.generate(None, tokens, mask, group_size=1, max_generated_tokens=80,
-                        stop_tokens=torch.tensor(stop_token_ids(tokenizer)),
-                        pad_id=tokenizer.pad_id, temperature=0.0, top_k=None,
-                        forward_batch_size=1)
+    traj = gen.generate(None, GenerationRequest(tokens, mask, group_size=1, max_generated_tokens=80,
+        stop_tokens=torch.tensor(stop_token_ids(tokenizer)), pad_id=tokenizer.pad_id,
+        temperature=0.0, top_k=None, forward_batch_size=1))
     assert not torch.isin(traj.response_tokens[traj.tool_mask],
                           torch.tensor(stop_token_ids(tokenizer))).any()
     assert decode_with_tools(tokenizer, traj)[0] == _expected("A:")
@@ -342,10 +340,10 @@ def test_generator_builds_from_a_config_node(tokenizer):
     with pytest.raises(ValueError, match="max_tool_calls"):
         ToolUseGenerator([Calculator()], max_tool_calls=-1)
     with pytest.raises(ValueError, match="tokenizer"):
-        ToolUseGenerator([Calculator()], inner=NativeGenerator()).generate(
-            None, torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.bool),
-            group_size=1, max_generated_tokens=2, stop_tokens=torch.tensor([0]), pad_id=0,
-            temperature=0.0, top_k=None, forward_batch_size=1)
+        ToolUseGenerator([Calculator()], inner=NativeGenerator()).generate(None, GenerationRequest(
+            torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.bool), group_size=1,
+            max_generated_tokens=2, stop_tokens=torch.tensor([0]), pad_id=0, temperature=0.0,
+            top_k=None, forward_batch_size=1))
 
 
 def test_close_tags_ending_in_a_multibyte_character_stop_on_every_partial_byte(tokenizer):
@@ -453,9 +451,10 @@ def _native_setup(tokenizer, *, boost_gt: float | None):
 
 def test_native_rollout_without_calls_equals_the_inner_engine(tokenizer):
     model, tokens, mask, kwargs = _native_setup(tokenizer, boost_gt=None)
-    plain = NativeGenerator().generate(model, tokens, mask, forward_batch_size=4, **kwargs)
+    plain = NativeGenerator().generate(model, GenerationRequest(tokens, mask, forward_batch_size=4,
+        **kwargs))
     gen = ToolUseGenerator([Calculator()], tokenizer=tokenizer)
-    tools = gen.generate(model, tokens, mask, forward_batch_size=4, **kwargs)
+    tools = gen.generate(model, GenerationRequest(tokens, mask, forward_batch_size=4, **kwargs))
     for name in ("tokens", "prompt_mask", "response_mask", "logprobs", "stopped"):
         assert torch.equal(getattr(plain, name), getattr(tools, name)), name
     assert not tools.tool_mask.any()
@@ -465,15 +464,15 @@ def test_native_rollout_is_a_function_of_the_seeds(tokenizer):
     # '>' is likely: rows stop on it (false alarms) and continue in later turns
     model, tokens, mask, kwargs = _native_setup(tokenizer, boost_gt=3.0)
     gen = ToolUseGenerator([Calculator()], tokenizer=tokenizer)
-    a = gen.generate(model, tokens, mask, forward_batch_size=4, **kwargs)
+    a = gen.generate(model, GenerationRequest(tokens, mask, forward_batch_size=4, **kwargs))
     gt = tokenizer.encode(">", add_bos=False, add_eos=False)[0]
     assert (a.response_tokens == gt).any(dim=1).sum() >= 3  # the multi-turn path was taken
-    b = gen.generate(model, tokens, mask, forward_batch_size=1, **kwargs)
+    b = gen.generate(model, GenerationRequest(tokens, mask, forward_batch_size=1, **kwargs))
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.response_mask, b.response_mask)
     torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
     # the last prompt alone, with its own seed: the same two completions
-    alone = gen.generate(model, tokens[2:], mask[2:], forward_batch_size=4,
-                         **{**kwargs, "prompt_seeds": torch.tensor([7])})
+    alone = gen.generate(model, GenerationRequest(tokens[2:], mask[2:], forward_batch_size=4,
+        **{**kwargs, "prompt_seeds": torch.tensor([7])}))
     k = alone.response_len
     assert torch.equal(alone.response_tokens, a.response_tokens[4:, :k])
     assert not a.response_mask[4:, k:].any()
@@ -516,7 +515,8 @@ def _calling_rollout(model, tokenizer, keys=tuple(TRANSCRIPTS), inner=None, **ov
     kwargs = dict(group_size=1, max_generated_tokens=60, temperature=0.0, top_k=None,
                   stop_tokens=torch.tensor(stop_token_ids(tokenizer)), pad_id=tokenizer.pad_id,
                   logit_bias=bias, forward_batch_size=2)
-    return gen.generate(model, tokens, mask, **{**kwargs, **overrides}), gen, bias
+    request = GenerationRequest(tokens, mask, **{**kwargs, **overrides})
+    return gen.generate(model, request), gen, bias
 
 
 def test_native_rollout_runs_the_tool_and_logprobs_match_the_training_forward(calling_model):

@@ -286,6 +286,7 @@ class GenerativeJudge:
         """The judge's greedy replies to ``N`` non-empty prompt id lists (stop and special
         tokens left out), ``batch_size`` at a time."""
         from torchtune_grpo.rollout.native import generate_trajectory
+        from torchtune_grpo.rollout.protocol import GenerationRequest
         from torchtune_grpo.rollout.sampling import decode_completions
 
         replies: list[str] = []
@@ -293,12 +294,12 @@ class GenerativeJudge:
         for start in range(0, len(prompts), self.batch_size):
             tokens, mask = pad_left(prompts[start : start + self.batch_size], rules.pad_id)
             with torch.no_grad():  # not inference_mode: the engine memoises by version counter
-                traj = generate_trajectory(
-                    self.model, tokens.to(self.device), mask.to(self.device), group_size=1,
+                traj = generate_trajectory(self.model, GenerationRequest(
+                    tokens.to(self.device), mask.to(self.device), group_size=1,
                     forward_batch_size=tokens.shape[0],
                     max_generated_tokens=self.max_generated_tokens, temperature=0.0, top_k=None,
                     stop_tokens=rules.stop_tokens, pad_id=rules.pad_id,
-                    logit_bias=rules.logit_bias, cache_dtype=self.dtype)
+                    logit_bias=rules.logit_bias, cache_dtype=self.dtype))
             replies.extend(decode_completions(self.tokenizer, traj, rules.allowed))
             del traj
         return replies

@@ -29,6 +29,7 @@ from torchtune_grpo.models import (  # noqa: E402
 )
 from torchtune_grpo.policy.positions import attention_mask, position_ids  # noqa: E402
 from torchtune_grpo.rollout.native import generate_trajectory  # noqa: E402
+from torchtune_grpo.rollout.protocol import GenerationRequest  # noqa: E402
 
 V = SMALL["vocab_size"]
 FAST = [case for case in CASES if case.fast]
@@ -107,9 +108,9 @@ def test_greedy_generation_matches_transformers(folder, tmp_path, packed):
     model, _ = ours(path, tmp_path)
     tokens, mask = left_padded([0, 3, 9], 12, seed=2)
     eos, new = V - 1, 64
-    traj = generate_trajectory(
-        model, tokens, mask, group_size=1, forward_batch_size=3, max_generated_tokens=new,
-        temperature=0.0, top_k=None, stop_tokens=torch.tensor([eos]), pad_id=0,
+    traj = generate_trajectory(model, GenerationRequest(tokens, mask, group_size=1,
+        forward_batch_size=3, max_generated_tokens=new, temperature=0.0, top_k=None,
+        stop_tokens=torch.tensor([eos]), pad_id=0),
         packed_weights=packed)
     with torch.no_grad():
         out = ref.generate(tokens, attention_mask=mask.long(), max_new_tokens=new,

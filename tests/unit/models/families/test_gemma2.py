@@ -195,16 +195,17 @@ def test_cpu_decode_falls_back_to_plain_layers(folder, tmp_path):
 def test_compiled_static_decode_matches_transformers(folder, tmp_path):
     """The compiled static decode (mask over the whole buffer, ``torch.compile``) runs the
     capped kernel inside the graph: tokens still equal ``transformers.generate``."""
-    from torchtune_grpo.rollout.native import generate_trajectory
+    from torchtune_grpo.rollout.native import compile_decode_step, generate_trajectory
+    from torchtune_grpo.rollout.protocol import GenerationRequest
 
     path, ref, _ = folder
     model, _ = built(path, tmp_path)
     tokens, mask = left_padded([0, 3, 9], 12, seed=2)
     eos, new = SMALL["vocab_size"] - 1, 24
-    traj = generate_trajectory(
-        model, tokens, mask, group_size=1, forward_batch_size=3, max_generated_tokens=new,
-        temperature=0.0, top_k=None, stop_tokens=torch.tensor([eos]), pad_id=0,
-        compile_decode=True, packed_weights=False)
+    traj = generate_trajectory(model, GenerationRequest(tokens, mask, group_size=1,
+        forward_batch_size=3, max_generated_tokens=new, temperature=0.0, top_k=None,
+        stop_tokens=torch.tensor([eos]), pad_id=0),
+        compiled_step=compile_decode_step(), packed_weights=False)
     with torch.no_grad():
         out = ref.generate(tokens, attention_mask=mask.long(), max_new_tokens=new,
                            do_sample=False, eos_token_id=eos, pad_token_id=0)

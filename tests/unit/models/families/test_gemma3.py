@@ -22,7 +22,8 @@ from tests.unit.models.families._family_zoo import CASES, SMALL, write_model  # 
 from tests.unit.models.families.test_family_parity import left_padded, logit_diff  # noqa: E402
 from tests.unit.models.families.test_family_parity import ours as built  # noqa: E402
 from torchtune_grpo.models import hf_architecture, hf_model, hf_model_type  # noqa: E402
-from torchtune_grpo.rollout.native import generate_trajectory  # noqa: E402
+from torchtune_grpo.rollout.native import compile_decode_step, generate_trajectory  # noqa: E402
+from torchtune_grpo.rollout.protocol import GenerationRequest  # noqa: E402
 
 V = SMALL["vocab_size"]
 
@@ -81,10 +82,10 @@ def test_compiled_static_decode_matches_transformers(folder, tmp_path):
     model, _ = built(path, tmp_path)
     tokens, mask = left_padded([0, 3, 9], 12, seed=2)
     eos, new = V - 1, 24
-    traj = generate_trajectory(
-        model, tokens, mask, group_size=1, forward_batch_size=3, max_generated_tokens=new,
-        temperature=0.0, top_k=None, stop_tokens=torch.tensor([eos]), pad_id=0,
-        compile_decode=True, packed_weights=False)
+    traj = generate_trajectory(model, GenerationRequest(tokens, mask, group_size=1,
+        forward_batch_size=3, max_generated_tokens=new, temperature=0.0, top_k=None,
+        stop_tokens=torch.tensor([eos]), pad_id=0),
+        compiled_step=compile_decode_step(), packed_weights=False)
     with torch.no_grad():
         out = ref.generate(tokens, attention_mask=mask.long(), max_new_tokens=new,
                            do_sample=False, eos_token_id=eos, pad_token_id=0)

@@ -90,6 +90,7 @@ def test_smollm3_sliding_layers_match_transformers(tmp_path):
     layers without RoPE; logits (40-token rows) and 32 greedy tokens equal ``transformers``',
     and a layer without its window is caught."""
     from torchtune_grpo.rollout.native import generate_trajectory
+    from torchtune_grpo.rollout.protocol import GenerationRequest
 
     path = tmp_path / "sliding"
     ref = write_model(path, BY_NAME["smollm3-untied-sliding_8"])
@@ -101,10 +102,9 @@ def test_smollm3_sliding_layers_match_transformers(tmp_path):
     print(f"smollm3-untied-sliding_8: max |logit diff| vs transformers = {diff:.3g}")
     assert diff <= 1e-4
     prompt, prompt_mask = left_padded([0, 3, 9], 12, seed=2)
-    traj = generate_trajectory(
-        model, prompt, prompt_mask, group_size=1, forward_batch_size=3,
-        max_generated_tokens=32, temperature=0.0, top_k=None,
-        stop_tokens=torch.tensor([V - 1]), pad_id=0)
+    traj = generate_trajectory(model, GenerationRequest(prompt, prompt_mask, group_size=1,
+        forward_batch_size=3, max_generated_tokens=32, temperature=0.0, top_k=None,
+        stop_tokens=torch.tensor([V - 1]), pad_id=0))
     with torch.no_grad():
         out = ref.generate(prompt, attention_mask=prompt_mask.long(), max_new_tokens=32,
                            do_sample=False, eos_token_id=V - 1, pad_token_id=0)

@@ -177,6 +177,7 @@ def test_longrope_case_matches_and_decodes_fused(folders, tmp_path):
     the CPU decode backend's fused layers (partial rotary and LongRoPE inside them) equal
     transformers'."""
     from torchtune_grpo.rollout.native import generate_trajectory
+    from torchtune_grpo.rollout.protocol import GenerationRequest
 
     path, ref = folders(LONGROPE)
     model, _ = built(path, tmp_path)
@@ -185,9 +186,9 @@ def test_longrope_case_matches_and_decodes_fused(folders, tmp_path):
     assert all(_fusable(layer, set()) for layer in model.layers)
     tokens, mask = left_padded([0, 3, 9], 12, seed=2)
     eos = V - 1
-    traj = generate_trajectory(
-        model, tokens, mask, group_size=1, forward_batch_size=3, max_generated_tokens=48,
-        temperature=0.0, top_k=None, stop_tokens=torch.tensor([eos]), pad_id=0,
+    traj = generate_trajectory(model, GenerationRequest(tokens, mask, group_size=1,
+        forward_batch_size=3, max_generated_tokens=48, temperature=0.0, top_k=None,
+        stop_tokens=torch.tensor([eos]), pad_id=0),
         packed_weights=True)
     with torch.no_grad():
         out = ref.generate(tokens, attention_mask=mask.long(), max_new_tokens=48,
