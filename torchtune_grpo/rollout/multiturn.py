@@ -1,67 +1,13 @@
 """Multi-turn rollouts with tools: a row pauses on a tool call, gets the result, continues.
 
-:class:`ToolUseGenerator` implements the :class:`~torchtune_grpo.rollout.protocol.Generator`
-protocol by wrapping another generator (the *inner* one, by default
-:class:`~torchtune_grpo.rollout.native.NativeGenerator`) and calling its ``generate`` once per
-**turn**:
-
-1. Turn 0 samples the ``group_size`` completions of every prompt, as a single-turn rollout
-   does, except that the stop tokens also include every id that **may finish a call's close
-   tag** (every allowed token whose text holds the tag's last character, e.g. ``>``).
-2. After each turn, the rows that ended on such a token are checked on their *decoded text*:
-   a close tag (``</calculator>``) that the last token completed is a tool call. The tool runs
-   (:func:`~torchtune_grpo.rollout.tools.dispatch.answer_call`: never raises), its result is
-   formatted (``<result>84</result>``), encoded without BOS/EOS (and without any stop token a
-   tokenizer may parse out of the result's text) and appended to the row as **tool tokens**
-   (``tool_mask``, :mod:`~torchtune_grpo.rollout.tool_trajectory`). A token that may finish a
-   tag but did not (a ``>`` in other text) is a false alarm: the row just continues.
-3. Every row that has neither stopped (a real stop token) nor used up its budget continues in
-   the next turn: one more inner ``generate`` call whose prompt is the row's prompt plus
-   everything so far (model and tool tokens), left-padded. The rows of a turn may be at
-   different turns of their own conversations; each turn re-prefills its rows (no KV cache
-   survives between turns), which costs one prefill per tool call.
-
-Why stop tokens rather than a text check at every decode step: a close tag spans several
-tokens with byte-level tokenizers, so no single id marks it, and the inner engines decode
-without per-step callbacks (vLLM cannot take one at all). Stopping on every id that *could*
-finish a tag, then checking the text, is exact (no call is missed, none is invented) and
-costs one extra turn per false alarm; with the default tags that is a ``>`` written outside a
-tag, which arithmetic text rarely has.
-
-**Positions.** A turn's prompt is a row's whole sequence so far, so a row with little budget
-left can decode, until the turn ends, past ``P + max_generated_tokens``; the turn's budget is
-therefore also capped so that no row of any rank decodes past the model's ``max_seq_len``
-(found with one more :func:`global_max`). When that cap binds (a model whose ``max_seq_len``
-is about the longest prompt plus ``max_generated_tokens``), a row cut by it continues in the
-next turn with the next turn's seed: the rollout stays deterministic, but such a row then
-depends on how long the others in its turn are.
-
-**Budgets.** A completion holds at most ``max_generated_tokens`` response tokens, model and
-tool tokens together, and at most ``max_tool_calls`` tool results; a result longer than the
-room left is cut to it and the row ends (truncated, ``stopped`` False); a call completed by
-the budget's last token is not run (no room for a result). Once a row has made
-``max_tool_calls`` calls, further close tags it writes are ordinary text. A turn is generated
-with the largest budget left among the pending rows of all ranks; a row's tokens past its own
-budget are dropped (a token never depends on the tokens after it, so this is what a per-row
-limit would have sampled).
-
-**Lockstep across ranks.** Every inner ``generate`` call runs collectives (FSDP forwards and
-the ``all_done`` decisions), so every rank must make the same calls with the same number of
-micro-batches and the same ``max_generated_tokens``. The loop keeps that with ``all_done``
-itself (a logical AND over ranks): each turn first asks whether every rank is done; the
-turn's token budget and row count are the maxima over ranks, found by a search of
-``all_done(value <= k)`` questions (:func:`global_max`, about ``2 log2(value)`` calls of a
-one-element all-reduce). A rank with fewer pending rows pads its turn with copies of one of
-them (same prompt and seed: they decode exactly alongside it and are discarded); a rank with
-none runs copies of a finished row's prompt under a bias that allows only the stop tokens, so
-its rows stop at once and it just follows the others' decode steps through ``all_done``.
-
-**Determinism.** Sample ``g`` of prompt ``b`` draws, in its turn ``k``, from the seed
-``mix_seeds(mix_seeds(prompt_seeds[b], g), k)`` (turn 0: ``mix_seeds(prompt_seeds[b], g)``,
-exactly the single-turn seed), so a completion is a function of the weights, its prompt, its
-seed and ``g`` only, not of the other rows, ranks or ``forward_batch_size`` (up to the float
-effects of batching that the inner engine documents). With no tool call and no false alarm
-the result equals the inner engine's.
+:class:`ToolUseGenerator` wraps an inner generator and calls its ``generate`` once per turn.
+A turn also stops on every allowed id that may finish a call's close tag; a row whose
+decoded text then ends a close tag gets the tool's result appended as tool tokens
+(``tool_mask``) and continues in the next turn, re-prefilled with its whole sequence.
+Budgets: at most ``max_generated_tokens`` response tokens (model and tool tokens together)
+and ``max_tool_calls`` results per completion. Ranks stay in lockstep through ``all_done``
+(:func:`global_max`); turn ``k`` of a row draws from ``mix_seeds(row_seed, k)``. The
+guarantees are spelled out in ``docs/howto_tools.md``.
 """
 
 from __future__ import annotations
@@ -98,11 +44,8 @@ def _local(local_done: bool) -> bool:
 
 
 def global_max(value: int, all_done: Callable[[bool], bool] | None) -> int:
-    """The maximum of a non-negative int over ranks, from ``all_done`` questions alone.
-
-    ``all_done(x)`` is True when ``x`` is True on every rank. An exponential then a binary
-    search over ``k`` asks ``all_done(value <= k)``; every rank asks the same questions in the
-    same order (each depends only on earlier collective answers), so the collectives match.
+    """The maximum of a non-negative int over ranks, from ``all_done(value <= k)`` questions
+    (an exponential then a binary search, the same questions on every rank).
 
     Args:
         value: this rank's value, ``>= 0``.
@@ -110,6 +53,9 @@ def global_max(value: int, all_done: Callable[[bool], bool] | None) -> int:
 
     Returns:
         The largest ``value`` over ranks.
+
+    Raises:
+        ValueError: a negative ``value``.
     """
     if value < 0:
         raise ValueError(f"global_max needs a non-negative value, got {value}")
@@ -133,29 +79,22 @@ class ToolUseGenerator(Generator):
 
     Args:
         tools (Sequence): :class:`~torchtune_grpo.rollout.tools.base.Tool` objects, or the
-            config's list of ``{_component_: ...}`` entries (built with
-            :func:`~torchtune_grpo.rollout.tools.build.build_tools`).
+            config's list of ``{_component_: ...}`` entries.
         tokenizer: the run's tokenizer (``encode(text, add_bos=False, add_eos=False)`` and
             ``decode(ids)``); may be given later with :meth:`set_tokenizer`.
         inner (Generator | Mapping | None): the engine that samples each turn, or its config
-            node ``{_component_: ...}`` (default:
-            :class:`~torchtune_grpo.rollout.native.NativeGenerator`).
+            node (default: :class:`~torchtune_grpo.rollout.native.NativeGenerator`).
         syntax (ToolCallSyntax | ChatTemplateToolSyntax | Mapping | None): the call and
             result tags (default ``<name>...</name>`` and ``<result>...</result>``), or the
-            config's ``tool_syntax`` mapping; ``{format: chat_template}`` selects the chat
-            template's own format
-            (:class:`~torchtune_grpo.rollout.tools.chat_template.ChatTemplateToolSyntax`: JSON
-            calls in ``<tool_call>...</tool_call>``, results rendered as tool messages by the
-            tokenizer's chat template, which also gets the tools' JSON schemas for the
-            prompts).
-        max_tool_calls (int): most tool results per completion (0: tools never run, the
-            rollout equals the inner engine's up to false-alarm turns).
+            config's ``tool_syntax`` mapping (``{format: chat_template}``: the chat template's
+            own format).
+        max_tool_calls (int): most tool results per completion (0: tools never run).
 
     Raises:
-        ValueError: a negative ``max_tool_calls``, a bad tool entry, an inner engine that
-            is not a :class:`~torchtune_grpo.rollout.protocol.Generator`, a bad ``syntax``, or
-            (chat-template format) a tokenizer whose chat template cannot render tool calls and
-            tool messages (the error names ``tool_syntax.format``).
+        ValueError: a negative ``max_tool_calls``, a bad or duplicate tool entry, an inner engine
+            that is not a :class:`~torchtune_grpo.rollout.protocol.Generator`, a bad ``syntax``,
+            or (chat-template format) a chat template that cannot render tool calls and tool
+            messages.
     """
 
     def __init__(self, tools: Sequence[Any] = (), tokenizer: Any = None,
@@ -203,16 +142,16 @@ class ToolUseGenerator(Generator):
 
     # -- protocol: delegated
     def setup(self, context: GenerationContext) -> None:
-        """Set up the inner engine; remember the allowed ids (for the close-tag stop ids)."""
+        """Set up the inner engine; keep the allowed ids (for the close-tag stop ids)."""
         self._allowed = context.allowed_tokens.detach().cpu().bool()
         self.inner.setup(context)
 
     def needs_policy_logprobs(self, *, top_k: int | None) -> bool:
-        """The inner engine's answer (its log-probs are the ones the turns return)."""
+        """The inner engine's answer."""
         return self.inner.needs_policy_logprobs(top_k=top_k)
 
     def runs_policy(self) -> bool:
-        """The inner engine's answer: every turn is one inner ``generate`` call."""
+        """The inner engine's answer."""
         return self.inner.runs_policy()
 
     def before_update(self) -> None:
@@ -231,14 +170,11 @@ class ToolUseGenerator(Generator):
     def set_tokenizer(self, tokenizer: Any) -> None:
         """Give the tokenizer (the recipe builds it after the generator).
 
-        In the chat-template format the tokenizer's template is checked (it must render a tool
-        call and a tool message) and, when it has ``set_tools``
-        (:class:`~torchtune_grpo.models.tokenizer.HFTokenizer`), it is given the tools' JSON
-        schemas, so prompts tokenized *after* this call are rendered with ``tools=[...]``.
+        In the chat-template format the template is checked and, when the tokenizer has
+        ``set_tools``, given the tools' JSON schemas for the prompts tokenized after this call.
 
         Raises:
-            ValueError: (chat-template format) the check failed; it names
-                ``tool_syntax.format``.
+            ValueError: (chat-template format) the check failed; it names ``tool_syntax.format``.
         """
         if self.chat_format and self.tools:
             self.syntax.check_tokenizer(tokenizer, self.tool_schemas)
@@ -254,12 +190,8 @@ class ToolUseGenerator(Generator):
 
     def close_tag_stop_ids(self, vocab_size: int,
                            allowed: torch.Tensor | None = None) -> torch.Tensor:
-        """``[c]`` long: the allowed ids whose text holds the last character of a close tag.
-
-        A close tag can only be completed by such a token, so a turn that stops on them (and
-        then checks the text) misses no call
-        (:func:`~torchtune_grpo.rollout.tools.dispatch.close_tag_token_ids`; narrower in the
-        chat-template format). Computed once per vocabulary size.
+        """``[c]`` long: the allowed ids whose text holds the last character of a close tag (cached
+        per vocabulary size).
 
         Args:
             vocab_size: ``V``.
@@ -328,13 +260,9 @@ class ToolUseGenerator(Generator):
     def generate(self, model: nn.Module, request: GenerationRequest) -> Trajectory:
         """Sample ``group_size`` completions per prompt, running tools between turns.
 
-        Arguments and result as :meth:`torchtune_grpo.rollout.protocol.Generator.generate`,
-        with ``[B, P]`` prompts giving ``N = B * G`` rows and responses ``[N, T]``, ``T <=
-        max_generated_tokens``, plus the trajectory's ``tool_mask [N, T]``: True on
+        As :meth:`torchtune_grpo.rollout.protocol.Generator.generate` (``[B, P]`` prompts ->
+        ``N = B * G`` rows, ``T <= max_generated_tokens``), plus ``tool_mask [N, T]``: True on
         tool-result tokens, which ``response_mask`` excludes and whose ``logprobs`` are 0.
-        ``stopped [N]`` is True where the completion ended on a stop token. Each turn is one
-        inner ``generate`` call with a request derived from ``request``. See the module
-        docstring for turns, budgets, lockstep and seeds.
 
         Raises:
             ValueError: no tokenizer was given, or no vocabulary size is known (no

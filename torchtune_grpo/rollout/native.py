@@ -1,24 +1,10 @@
-"""Rollout generation: sample ``group_size`` completions per prompt with a KV cache.
+"""The native rollout engine: ``group_size`` completions per prompt with a KV cache, run on the
+policy module.
 
-Guarantees the recipe relies on:
-
-* **Uniform shapes.** Every micro-batch of ``forward_batch_size`` sequences is generated
-  separately (it may stop early), then all are padded to one ``P`` and one ``T``
-  (:func:`~torchtune_grpo.algorithm.trajectory.concat_trajectories`).
-* **No undefined ids.** Sampling only ever picks ids of the tokenizer's ordinary vocabulary
-  or its stop tokens (:func:`~torchtune_grpo.token_rules.allowed_token_mask`); a model
-  whose embedding table is larger than the tokenizer (Llama 3 reserves ids it never defines)
-  cannot emit the rest. The same ``-inf`` bias is applied to the training log-probs, so both
-  see one distribution.
-* **Lockstep.** With FSDP every forward is a collective, so all ranks run the same number of
-  decode steps: a rank keeps decoding (padding) until every rank's sequences have stopped.
-* **Log-probs for free.** The tempered log-prob of each sampled token is returned, so
-  ``ppo_epochs: 1`` needs no extra forward for the "old" policy.
-
-:class:`NativeGenerator` wraps :func:`generate_trajectory` as the default implementation of the
-:class:`~torchtune_grpo.rollout.protocol.Generator` protocol. Tokens are drawn by
-:func:`~torchtune_grpo.rollout.sampling.sample_next_token`; random numbers come from
-:mod:`torchtune_grpo.rollout.seeding`.
+Micro-batches of ``forward_batch_size`` rows are generated separately and padded to one
+``P`` and ``T``; only allowed ids are sampled; with FSDP all ranks run the same number of
+decode steps; each sampled token's tempered log-prob is returned. Tokens are drawn by
+:func:`~torchtune_grpo.rollout.sampling.sample_next_token`.
 """
 
 from __future__ import annotations
@@ -66,12 +52,8 @@ def _module_forward(model: nn.Module, *args, **kwargs):
 
 
 def compile_decode_step() -> Callable[..., torch.Tensor]:
-    """A ``torch.compile`` (static shapes) of ``step(model, tokens, **forward_kwargs)`` =
-    ``model(tokens, **forward_kwargs)``.
-
-    Compilation happens at the first call and again for a model (or shapes) its guards have
-    not seen; one such function serves every rollout of an engine
-    (:class:`NativeGenerator` builds it once, with ``compile_decode``).
+    """A static-shape ``torch.compile`` of ``step(model, tokens, **kw) = model(tokens, **kw)``;
+    it compiles at its first call and again for a model or shapes its guards have not seen.
     """
     return torch.compile(_module_forward, dynamic=False, fullgraph=False)
 
@@ -106,14 +88,11 @@ def _rows_to_keep(stopped: torch.Tensor) -> torch.Tensor | None:
 
 
 def _compact_cache_rows(caches: Sequence[SpanKVCache], keep: torch.Tensor) -> None:
-    """Move cache rows ``keep`` of every layer to the front: row ``i`` <- row ``keep[i]``.
-
-    Only the filled span ``[:length]`` is copied, and only the rows that move (a row whose
-    index does not change stays where it is). The moving rows are gathered (a copy) before
-    any row is overwritten.
+    """Move cache rows ``keep`` of every layer to the front (row ``i`` <- row ``keep[i]``),
+    copying only the filled span of the rows that move.
 
     Args:
-        caches: the span caches of every attention layer (span decode, not static).
+        caches: the span caches of every attention layer.
         keep: ``[m']`` long, ascending row indices of the current decode batch.
     """
     dest = torch.arange(keep.numel(), device=keep.device)
@@ -139,49 +118,28 @@ def generate_micro_batch(
 ) -> Trajectory:
     """Generate one completion for each row of a micro-batch, with a KV cache.
 
-    The model is always called through its own ``forward`` (so FSDP2's hooks gather and free
-    each layer's weights); only the attention's key/value cache is replaced
-    (:class:`SpanKVCache`): distinct prompts are prefilled once and copied into the rows that
-    share them, and each decode step attends over the filled positions only.
-
-    **Finished rows stop decoding** (``shrink_finished``). The decode batch starts as the ``n``
-    rows; ``live [m]`` maps its rows to the micro-batch's. After a step's tokens are sampled,
-    once at least ``SHRINK_FRACTION`` (a quarter) of the decode batch's ``m`` rows has stopped
-    since the last shrink, the batch shrinks to the ``m'`` rows still running: their tokens,
-    positions, masks, seeds and KV cache rows (the filled span, in every layer; rows whose index
-    does not change are not copied) move to the front, and the next steps run the model on
-    ``m'`` rows. The copy costs about as much as one step's attention reading those rows'
-    cache, while each later step saves the ``m - m'`` rows' whole forward (linear layers,
-    attention, output projection, sampling), so waiting for a quarter keeps the number of
-    copies small (at most about ``log(n) / log(4/3)``) while never decoding more than a third
-    more rows than are running. Stopped rows left in the batch until then are decoded and
-    masked, as without shrinking. A rank whose rows have all stopped keeps one (stopped) row and
-    calls the model on it until ``all_done`` says every rank is done, so every rank still runs
-    the same number of forwards. Sampling draws per-row counter-based numbers (``seeds[row]``,
-    step), so a row's samples do not depend on which rows share its batch. What does change is
-    the batch size of the model's matmuls, and CPU GEMM kernels round differently for a few rows
-    than for many: tokens, masks and stop flags are equal, log-probs agree to a couple of
-    float32 ulps (measured <= 9.6e-7; tested to 1e-6), as between two ``forward_batch_size``
-    values. Off with ``compiled_step`` (static shapes: each batch size would compile a graph).
+    The model runs through its own ``forward`` (FSDP2's hooks apply); its attention caches are
+    :class:`SpanKVCache` views of ``kv_storage``. Distinct prompts are prefilled once and shared
+    by the rows that repeat them. With ``shrink_finished``, once ``SHRINK_FRACTION`` of the
+    decode batch has stopped since the last shrink, the batch and its cache rows shrink to the
+    rows still running (a rank with none keeps one row, to stay in lockstep). Per-row
+    counter-based seeds make a row's samples independent of its batch; log-probs may differ by
+    float32 rounding of the batch size (within 1e-6 on CPU).
 
     Args:
         model: a torchtune decoder (FSDP-sharded or not).
-        request: the micro-batch: its ``n`` prompt rows are the rows generated (``group_size``
-            1, no ``prompt_seeds``: the rows' seeds are ``seeds``); its sampling settings,
-            token rules, ``all_done`` and ``cache_dtype`` (default: the model's parameter
-            dtype) apply. ``forward_batch_size`` is not read.
-        seeds: ``[n]`` int64 per-row sampling seeds (see
-            :func:`~torchtune_grpo.rollout.seeding.counter_uniform`).
-        kv_storage: preallocated cache storage (see :class:`KVCacheStorage`); allocated here
-            when None or too small.
-        compiled_step: run decode steps through this :func:`compile_decode_step` function with
-            static shapes (attention over the whole cache; single device only); None: eager.
-        shrink_finished: drop stopped rows from the decode batch (see above; ignored with
-            ``compiled_step``). False decodes every row until the last one stops.
+        request: the ``n`` rows to generate (``group_size`` 1, no ``prompt_seeds``), their
+            sampling settings, token rules, ``all_done`` and ``cache_dtype`` (default: the
+            model's parameter dtype); ``forward_batch_size`` is not read.
+        seeds: ``[n]`` int64 per-row sampling seeds.
+        kv_storage: preallocated cache storage; allocated here when None or too small.
+        compiled_step: a :func:`compile_decode_step` function run with static shapes
+            (single device only); None: eager.
+        shrink_finished: drop stopped rows from the decode batch (ignored with
+            ``compiled_step``).
 
     Returns:
-        A :class:`Trajectory` with ``T`` = the number of decode steps taken: the same, token
-        and log-prob, whether ``shrink_finished`` is on or off.
+        A :class:`Trajectory` whose ``T`` is the number of decode steps taken.
 
     Raises:
         ValueError: a request with ``group_size`` other than 1 or with ``prompt_seeds``.
@@ -294,24 +252,18 @@ def generate_trajectory(
     shrink_finished: bool = True,
     kv_storage: KVCacheStorage | None = None,
 ) -> Trajectory:
-    """Sample ``request.group_size`` completions for each prompt, ``forward_batch_size`` rows
-    at a time.
+    """Sample ``request.group_size`` completions per prompt, ``forward_batch_size`` rows at a time.
 
-    The KV cache is allocated once, for ``forward_batch_size`` rows of ``P +
-    max_generated_tokens`` positions, and reused by every micro-batch; within a micro-batch each
-    distinct prompt is prefilled once and shared by its group's samples. Sample ``g`` of prompt
-    ``b`` uses the seed ``mix_seeds(prompt_seeds[b], g)``
-    (:meth:`~torchtune_grpo.rollout.protocol.GenerationRequest.sample_seeds`), so a completion
-    depends only on its prompt's seed and its index in the group.
+    One KV cache serves every micro-batch; sample ``g`` of prompt ``b`` is seeded by
+    :meth:`~torchtune_grpo.rollout.protocol.GenerationRequest.sample_seeds`.
 
     Args:
         model: a torchtune decoder.
         request: ``[B, P]`` prompts and their sampling settings; ``forward_batch_size`` (None:
-            all rows) is a divisor of ``B * G``.
-        packed_weights: on CPU, decode on oneDNN-reordered weights made once for the whole
-            rollout (:func:`packed_linear_weights`; not with ``compiled_step``).
-        compiled_step: a :func:`compile_decode_step` function for the decode steps (None:
-            eager); see :func:`generate_micro_batch`.
+            all rows) divides ``B * G``.
+        packed_weights: on CPU, decode on oneDNN-reordered weights made once per rollout
+            (not with ``compiled_step``).
+        compiled_step: see :func:`generate_micro_batch`.
         shrink_finished: see :func:`generate_micro_batch`.
         kv_storage: preallocated cache storage (allocated here when None).
 
@@ -348,21 +300,15 @@ def generate_trajectory(
 
 # ---------------------------------------------------------------------------- generator
 class NativeGenerator(Generator):
-    """The default rollout engine (``generator._component_`` in a config): this module's KV-cache
-    sampler, run on the policy itself, so there are no weights to synchronise.
-
-    Implements :class:`~torchtune_grpo.rollout.protocol.Generator` (see there for the contract);
-    :class:`~torchtune_grpo.rollout.vllm_engine.VLLMGenerator` is the other implementation.
+    """The default rollout engine: :func:`generate_trajectory` on the policy itself (no weights to
+    synchronise).
 
     Args:
-        compile_decode (bool): run the decode steps through ``torch.compile`` with static
-            shapes (single device; see :func:`generate_micro_batch`): the compiled function
-            (:func:`compile_decode_step`) is built here, once, and compiles at the first
-            rollout.
-        packed_weights (bool): on CPU, run the rollout's small-batch linear layers on weights
-            reordered once per rollout for oneDNN (:func:`packed_linear_weights`): faster
-            decoding, one more copy of those weights while the rollout runs. No effect on GPU,
-            with FSDP2 (several ranks) or with ``compile_decode``.
+        compile_decode (bool): run decode steps through :func:`compile_decode_step` (static
+            shapes, single device), built once here.
+        packed_weights (bool): on CPU, run the rollout's linear layers on weights reordered
+            once per rollout for oneDNN (faster, one more copy of those weights); no effect on
+            GPU, with several ranks or with ``compile_decode``.
     """
 
     def __init__(self, compile_decode: bool = False, packed_weights: bool = True) -> None:
@@ -382,10 +328,7 @@ class NativeGenerator(Generator):
                              f"{context.world_size} processes): set it to false")
 
     def generate(self, model: nn.Module, request: GenerationRequest) -> Trajectory:
-        """:func:`generate_trajectory` on ``model``: ``[B, P]`` prompts -> ``N = B * G`` rows.
-
-        Arguments and result as :meth:`torchtune_grpo.rollout.protocol.Generator.generate`.
-        """
+        """:func:`generate_trajectory` on ``model``: ``[B, P]`` prompts -> ``N = B * G`` rows."""
         return generate_trajectory(model, request, packed_weights=self.packed_weights,
                                    compiled_step=self.compiled_step)
 

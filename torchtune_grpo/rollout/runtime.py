@@ -1,11 +1,7 @@
 """Step 2 of every recipe: a group of completions per prompt, with reproducible seeds.
 
-:class:`RolloutRuntime` is what the synchronous recipe, the asynchronous trainer ranks (through
-the recipe) and the asynchronous rollout ranks share: an engine (a
-:class:`~torchtune_grpo.rollout.protocol.Generator`: native, vLLM, or either under the
-multi-turn tool loop), the token rules it samples under and the sampling settings of the
-config. The step and the extra draw of dynamic sampling are arguments of each call: nothing
-here reads a recipe's state.
+:class:`RolloutRuntime` holds an engine, its token rules and the config's sampling settings;
+the step and draw are arguments of each call.
 """
 
 from __future__ import annotations
@@ -29,18 +25,17 @@ __all__ = ["RolloutRuntime", "check_context_length", "generation_context"]
 class RolloutRuntime:
     """Sample ``group_size`` completions per prompt with one engine.
 
-    Each completion's random numbers derive from ``(seed, step, prompt index, sample index)``
-    alone (and the extra ``draw`` of dynamic sampling, :func:`rollout_seeds`), so the same
-    global batch yields the same rollouts on any number of ranks and with any
-    ``forward_batch_size``, and a resumed run repeats them exactly.
+    A completion's random numbers derive from ``(seed, step, prompt index, sample index)`` and
+    the dynamic-sampling ``draw`` alone (:func:`rollout_seeds`), so rollouts do not depend on
+    the number of ranks or ``forward_batch_size``, and a resumed run repeats them.
 
     Args:
         generator: the engine.
         cfg: the recipe's config after ``with_defaults`` (``max_generated_tokens``,
             ``temperature``, ``top_k``, ``rollout_gather_weights``).
         rules: the token rules of the tokenizer for the policy's vocabulary.
-        ranks: the ranks that roll out together (every rank must call :meth:`rollout` as
-            often as the others: the engine stops when all ranks' rows are done).
+        ranks: the ranks that roll out together (each calls :meth:`rollout` as often as the
+            others).
         seed: the run's seed.
         group_size: completions per prompt.
         forward_batch_size: rollouts per forward pass.
@@ -122,10 +117,10 @@ def generation_context(cfg: DictConfig, checkpointer: Any, dataset: Any, *,
                        max_seq_len: int | None, device: torch.device, dtype: torch.dtype,
                        world_size: int, rank: int, allowed_tokens: torch.Tensor,
                        lora: dict[str, float] | None) -> GenerationContext:
-    """What an engine may need to set itself up (:class:`GenerationContext`): the model's
-    files and type, the longest sequence a rollout can make (the longest prompt plus
-    ``max_generated_tokens``; the model's limit when the dataset cannot say), the device and
-    the ranks."""
+    """The :class:`GenerationContext` of a run: model files and type, the longest sequence a
+    rollout can make (longest prompt plus ``max_generated_tokens``, else the model's limit),
+    device and ranks.
+    """
     lengths = getattr(dataset, "prompt_lengths", None)
     max_len = (max(lengths) + cfg.max_generated_tokens if lengths
                else int(max_seq_len or 4096))

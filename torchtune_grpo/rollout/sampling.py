@@ -1,14 +1,6 @@
-"""Sampling primitives of the rollout.
-
-* **Which ids a completion may hold**: :mod:`torchtune_grpo.token_rules`.
-* **One token per row.** :func:`sample_next_token` samples by inverse CDF
-  (:func:`inverse_cdf_sample`) with counter-based random numbers
-  (:func:`~torchtune_grpo.rollout.seeding.counter_uniform`) and returns the tempered log-prob
-  of each sampled token.
-* **Text.** :func:`decode_completions` decodes without ever raising on ids the tokenizer does
-  not define.
-
-The KV-cache engine that calls these is :mod:`torchtune_grpo.rollout.native`.
+"""Sampling primitives of the rollout: :func:`sample_next_token` (inverse-CDF sampling with
+counter-based random numbers, returning tempered log-probs) and :func:`decode_completions`
+(text that never raises on undefined ids).
 """
 
 from __future__ import annotations
@@ -49,16 +41,17 @@ def sample_next_token(
         logits: ``[n, V]`` raw logits.
         temperature: ``> 0`` samples from ``softmax(logits / temperature)``; ``0`` is greedy.
         top_k: keep only the ``top_k`` most likely ids when sampling (None: all).
-        logit_bias: ``[V]`` additive bias (``-inf`` forbids an id; such ids are never drawn).
+        logit_bias: ``[V]`` additive bias (``-inf`` forbids an id).
         seeds: ``[n]`` int64 per-row seeds (required when sampling).
         counter: decode step, so that each step draws fresh numbers.
-        inplace: ``logits`` (float32) may be overwritten with the tempered, biased scores (the
-            engine passes its own model output: saves a fresh ``[n, V]`` block per step).
+        inplace: ``logits`` (float32) may be overwritten with the tempered, biased scores.
 
     Returns:
-        ``(tokens [n] long, logprobs [n] float32)``: the log-prob is that of the tempered
-        distribution over the whole (allowed) vocabulary, the same quantity the training
-        forward computes, whether or not ``top_k`` truncated the sampling.
+        ``(tokens [n] long, logprobs [n] float32)``: log-probs of the tempered distribution over
+        the whole allowed vocabulary, whether or not ``top_k`` truncated the sampling.
+
+    Raises:
+        ValueError: ``temperature > 0`` without ``seeds``.
     """
     own = inplace and logits.dtype == torch.float32
     scores = logits.float()
@@ -91,18 +84,15 @@ CDF_BLOCK = 256
 
 
 def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The id where ``u`` falls in each row's cumulative distribution, in two levels.
+    """The id where ``u`` falls in each row's cumulative distribution, searched in two levels.
 
-    Row ``i`` gets the smallest id ``j`` with ``sum(probs[i, :j + 1]) >= u[i] * sum(probs[i])``,
-    so an id of probability 0 is never returned for ``u`` in ``(0, 1)``. Instead of a float64
-    cumulative sum over the whole vocabulary, the rows are cut into blocks of
-    :data:`CDF_BLOCK` ids: one float32 pass sums the blocks (no float64 copy of the row), a
-    float64 search over the ``V / CDF_BLOCK`` block totals picks the block, and only that block
-    is accumulated (in float64) and searched. The result differs from one float64 cumulative
-    sum only where ``u`` falls within float32 rounding (~1e-7 of a block's mass) of a boundary.
+    Row ``i`` gets the smallest ``j`` with ``sum(probs[i, :j + 1]) >= u[i] * sum(probs[i])``
+    (never an id of probability 0). Block totals of :data:`CDF_BLOCK` ids are summed in float32
+    and searched in float64, then only the chosen block is accumulated in float64; this differs
+    from a full float64 cumulative sum only within float32 rounding of a boundary.
 
     Args:
-        probs: ``[n, V]`` non-negative weights (float32), each row with a positive sum.
+        probs: ``[n, V]`` non-negative float32 weights, each row with a positive sum.
         u: ``[n]`` uniform numbers in ``(0, 1)``.
 
     Returns:

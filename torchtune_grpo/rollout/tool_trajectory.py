@@ -1,12 +1,6 @@
-"""Completions made of model and tool tokens: the bookkeeping of a multi-turn rollout.
-
-:class:`~torchtune_grpo.rollout.multiturn.ToolUseGenerator` builds each completion as a
-:class:`ToolRow` (host-side lists of ids, which of them the policy sampled, their log-probs),
-turns the finished rows into a padded
-:class:`~torchtune_grpo.algorithm.trajectory.Trajectory` whose ``tool_mask`` marks the
-tool-result tokens (:func:`rows_to_trajectory`), and counts tool use in :class:`ToolStats`.
-:func:`tool_segments` and :func:`decode_with_tools` read a trajectory back by its masks, as
-alternating model / tool text.
+"""Completions made of model and tool tokens: :class:`ToolRow` (one completion being built),
+:func:`rows_to_trajectory` (finished rows -> a padded trajectory with ``tool_mask``),
+:class:`ToolStats` (tool-use counts), and readers of such trajectories as text.
 """
 
 from __future__ import annotations
@@ -56,14 +50,8 @@ class ToolStats:
 
     @staticmethod
     def metrics(sums: torch.Tensor | "ToolStats") -> dict[str, float]:
-        """The logged metrics from (all-reduced) sums.
-
-        Args:
-            sums: a :class:`ToolStats` or its :meth:`as_tensor` (summed over ranks).
-
-        Returns:
-            ``tools/calls_per_completion``, ``tools/errors`` (per completion) and
-            ``tools/result_tokens`` (per completion).
+        """``tools/calls_per_completion``, ``tools/errors`` and ``tools/result_tokens`` (each per
+        completion) from a :class:`ToolStats` or its :meth:`as_tensor` summed over ranks.
         """
         if isinstance(sums, ToolStats):
             sums = sums.as_tensor()
@@ -117,9 +105,9 @@ def rows_to_trajectory(rows: Sequence[ToolRow], prompt_tokens: torch.Tensor,
         pad_id: the padding id.
 
     Returns:
-        A trajectory on the prompts' device with responses ``[N, T]`` (``T`` the longest row,
-        at least 1): ``response_mask`` True on policy ids, ``tool_mask`` True on tool ids,
-        ``logprobs`` 0 on tool ids and padding, ``stopped`` from the rows.
+        A trajectory on the prompts' device, responses ``[N, T]`` (``T`` the longest row, at
+        least 1): ``response_mask`` True on policy ids, ``tool_mask`` on tool ids, ``logprobs``
+        0 on tool ids and padding.
     """
     device = prompt_tokens.device
     n = len(rows)
@@ -184,10 +172,8 @@ def tool_segments(tokenizer: Any, traj: Trajectory,
 
 def decode_with_tools(tokenizer: Any, traj: Trajectory,
                       stop_tokens: Sequence[int] = ()) -> list[str]:
-    """Each completion's whole text, model and tool tokens in order (stop tokens left out).
-
-    The text a reward should read in a tool run: the final answer usually follows the last
-    ``<result>...</result>``, and the tags show where the tool spoke.
+    """Each completion's whole text, model and tool tokens in order (stop tokens left out): the
+    text a reward reads in a tool run.
 
     Args:
         tokenizer: the run's tokenizer.

@@ -1,34 +1,16 @@
 """Rollouts with a colocated vLLM engine (optional: ``pip install "torchtune-grpo[vllm]"``).
 
-:class:`VLLMGenerator` is the second implementation of the
-:class:`~torchtune_grpo.rollout.protocol.Generator` protocol, next to
-:class:`~torchtune_grpo.rollout.native.NativeGenerator`: the recipe selects it with::
+:class:`VLLMGenerator` is built once from the base model's HF folder in the training
+process; after every update the policy's weights (gathered from FSDP shards, LoRA merged,
+converted to HF names) are reloaded into it in place and its prefix cache is reset. It
+samples only allowed ids, one seed per sample from the same counters as the native engine
+(vLLM's own random stream), and returns the tempered, restricted log-probs. With several
+processes every rank runs its own engine (tensor parallel 1, ``external_launcher``).
+Select it with::
 
     generator:
       _component_: torchtune_grpo.rollout.vllm_engine.VLLMGenerator
       gpu_memory_utilization: 0.3
-
-The engine lives in the training process, next to the policy. It is built once from the base
-model's HF folder (the checkpointer's ``checkpoint_dir``), then after every update the policy's
-weights are copied into it (:meth:`VLLMGenerator.sync_weights`): each parameter is gathered from
-its FSDP shards, LoRA adapters are merged, names and layouts are converted to HF's with
-torchtune's own converters, and vLLM's in-place ``reload_weights`` takes them one at a time.
-The prefix cache is reset after each copy, so no key/value computed with old weights is
-reused.
-
-Sampling follows the native engine's rules: only the tokenizer's allowed ids
-(``allowed_token_ids``), the configured stop ids, one seed per sample derived from the same
-``(seed, step, prompt index, sample index)`` counters (vLLM's own random stream, so samples
-differ from the native engine's but are reproducible run to run), and log-probs of the tempered,
-restricted distribution (``logprobs_mode="processed_logprobs"``), which is the quantity the
-training forward computes. With ``top_k`` vLLM reports log-probs of the truncated distribution,
-so the recipe then recomputes them with the policy (:attr:`VLLMGenerator.recompute_logprobs`).
-
-With several processes (``tune run --nproc_per_node N``) every rank runs its own engine with
-tensor parallelism 1 (vLLM's ``external_launcher`` backend, inside torchrun's process group) and
-samples its own prompts; every rank takes part in each sync, since gathering a sharded
-parameter is a collective. vLLM's sleep mode (freeing the KV cache during the update) is used
-only on CUDA, where vLLM supports it.
 """
 
 from __future__ import annotations
@@ -54,17 +36,14 @@ def torchtune_to_hf_converter(model_type: str, hf_config: dict):
     """A function mapping a torchtune state dict (or part of one) to HF names and layouts.
 
     Args:
-        model_type (str): the checkpointer's ``model_type``; ``LLAMA3``, ``LLAMA3_2``,
-            ``QWEN2`` and this package's families (``QWEN3``, ``GEMMA3``, ``OLMO2``, ``PHI3``,
-            ``MISTRAL_HF``, ``SMOLLM3``: :data:`~torchtune_grpo.models.families.MODEL_TYPES`)
-            are supported.
+        model_type (str): the checkpointer's ``model_type``: ``LLAMA3``, ``LLAMA3_2``, ``QWEN2``
+            or one of :data:`~torchtune_grpo.models.families.MODEL_TYPES`.
         hf_config (dict): the model's ``config.json``.
 
     Returns:
-        Callable[[dict[str, Tensor]], dict[str, Tensor]]: torchtune's own converter with this
-        model's head counts bound (it permutes the q/k projections back to HF's rotary layout);
-        for this package's families their names' ``tune_to_hf``, which holds the parts of a
-        fused HF tensor back until all have been converted.
+        Callable[[dict[str, Tensor]], dict[str, Tensor]]: torchtune's converter with the
+        model's head counts bound, or a family's ``tune_to_hf`` (which holds back the parts of a
+        fused HF tensor until all have arrived).
 
     Raises:
         ValueError: for any other ``model_type``.
@@ -102,10 +81,8 @@ def hf_weight_items(model: nn.Module, convert, lora: dict | None = None
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """The policy's full weights, one HF-named tensor at a time.
 
-    Sharded (FSDP2 ``DTensor``) parameters are gathered with ``full_tensor()`` one at a time, so
-    at most one full parameter exists beyond the shards (every rank must iterate in step: the
-    gathers are collectives). A LoRA policy's adapters are merged into its base weights first
-    (torchtune's ``get_merged_lora_ckpt``), which needs the whole state dict at once.
+    FSDP2 shards are gathered one parameter at a time (a collective: every rank iterates in
+    step); a LoRA policy's adapters are merged first, on the whole state dict.
 
     Args:
         model (nn.Module): the policy.
@@ -131,11 +108,8 @@ def hf_weight_items(model: nn.Module, convert, lora: dict | None = None
 
 
 def _refresh_tied_head(vllm_model: nn.Module) -> None:
-    """Re-run the output layer's post-load processing when it shares the embedding's weight.
-
-    A tied ``lm_head`` receives no tensor of its own during a reload, so backends that derive a
-    kernel-format copy from the weight after loading (vLLM's CPU backend packs it for oneDNN)
-    would keep computing logits with the old embedding.
+    """Re-run a tied ``lm_head``'s post-load processing (it gets no tensor of its own in a reload,
+    so a backend's packed copy of it would keep the old embedding).
     """
     head, embed = getattr(vllm_model, "lm_head", None), None
     inner = getattr(vllm_model, "model", None)
@@ -151,20 +125,20 @@ def _refresh_tied_head(vllm_model: nn.Module) -> None:
 class VLLMGenerator(Generator):
     """Generate rollouts with a colocated vLLM engine that follows the policy's weights.
 
-    Implements :class:`~torchtune_grpo.rollout.protocol.Generator` (see there for the contract).
-
     Args:
         gpu_memory_utilization (float): fraction of the device vLLM may take (weights + KV
-            cache); the policy, its gradients and optimizer state need the rest. vLLM's CPU
-            backend also reads it.
+            cache), in ``(0, 1]``; vLLM's CPU backend also reads it.
         enforce_eager (bool): no CUDA graphs (less memory and start-up time).
-        sleep_during_update (bool | None): free vLLM's KV cache and move its weights to host
-            memory while the policy updates (``LLM.sleep(level=1)``), re-filled by the next
-            :meth:`sync_weights`. None: on CUDA only (vLLM's CPU backend has no sleep mode).
+        sleep_during_update (bool | None): free vLLM's KV cache and offload its weights while
+            the policy updates (``LLM.sleep(level=1)``). None: on CUDA only.
         max_num_seqs (int | None): most sequences vLLM decodes at once (None: vLLM's default).
-        recompute_logprobs (bool): recompute the rollout's log-probs with the policy instead of
-            using vLLM's (one more no-grad forward pass; forced on when ``top_k`` is set).
+        recompute_logprobs (bool): recompute the rollout's log-probs with the policy (one more
+            no-grad forward; forced on when ``top_k`` is set).
         engine_args (dict | None): more keyword arguments for ``vllm.LLM``.
+
+    Raises:
+        ImportError: vLLM is not installed.
+        ValueError: ``gpu_memory_utilization`` outside ``(0, 1]``.
     """
 
     def __init__(self, gpu_memory_utilization: float = 0.3, enforce_eager: bool = True,
@@ -231,8 +205,9 @@ class VLLMGenerator(Generator):
         self.llm = None
 
     def needs_policy_logprobs(self, *, top_k: int | None) -> bool:
-        """True with ``recompute_logprobs`` or ``top_k``: vLLM's processed log-probs then
-        describe the truncated distribution, not the one the training forward computes."""
+        """True with ``recompute_logprobs`` or ``top_k`` (vLLM then reports the truncated
+        distribution's log-probs).
+        """
         return self.recompute_logprobs or top_k is not None
 
     # ------------------------------------------------------------------ weights
@@ -260,14 +235,11 @@ class VLLMGenerator(Generator):
 
     # ------------------------------------------------------------------ rollout
     def generate(self, model: nn.Module, request: GenerationRequest) -> Trajectory:
-        """Sample ``group_size`` completions per prompt with vLLM: ``[B, P]`` -> ``N = B * G``.
+        """Sample ``group_size`` completions per prompt with vLLM: ``[B, P]`` -> ``N = B * G`` rows.
 
-        Args and return value as :meth:`torchtune_grpo.rollout.protocol.Generator.generate`.
-        The request's ``forward_batch_size``, ``logit_bias``, ``all_done`` and ``cache_dtype``
-        are the native engine's and not read: vLLM batches and masks on its own, from the
-        allowed ids given at :meth:`setup`, and runs no collective while generating. Row ``b *
-        G + g`` is sample ``g`` of prompt ``b``; without ``prompt_seeds`` every prompt's seed
-        is 0.
+        As :meth:`torchtune_grpo.rollout.protocol.Generator.generate`; ``forward_batch_size``,
+        ``logit_bias``, ``all_done`` and ``cache_dtype`` are not read (vLLM batches and masks on its
+        own). Without ``prompt_seeds`` every prompt's seed is 0.
         """
         from vllm import SamplingParams
 

@@ -1,15 +1,7 @@
-"""The tool interface: what a tool is, and calling one without ever raising.
+"""The tool interface: any object with a ``name`` and ``__call__(arguments: str) -> str``.
 
-A **tool** is any object with a ``name`` (str) and ``__call__(arguments: str) -> str``: it
-receives the text the model wrote between the call tags and returns the text appended to the
-sequence as the tool's result. Tools are built from the config's ``tools:`` list
-(:func:`~torchtune_grpo.rollout.tools.build.build_tools`), so a user's own tool plugs in by its
-``_component_`` path with no code change.
-
-**Failures are text, never exceptions.** Whatever the model writes, a tool returns a string;
-the rollout loop (:mod:`torchtune_grpo.rollout.multiturn`) also catches anything a user tool
-raises and turns it into ``error: ...`` (:func:`run_tool`). A result that starts with
-``error:`` is counted as a tool error (the ``tools/errors`` metric).
+Failures are text, never exceptions: :func:`run_tool` turns anything a tool raises into
+``error: ...``, and a result starting with ``error:`` counts in ``tools/errors``.
 """
 
 from __future__ import annotations
@@ -26,12 +18,10 @@ ERROR_PREFIX = "error:"
 class Tool(Protocol):
     """What a tool must have: a ``name`` and a call from argument text to result text.
 
+    A tool returns ``"error: ..."`` for input it cannot handle and bounds its own running time.
+
     Attributes:
         name (str): the tool's name; the default call syntax is ``<name>...</name>``.
-
-    A tool should never raise: it returns ``"error: ..."`` for input it cannot handle (the
-    rollout loop catches exceptions anyway, see :func:`run_tool`), and it should bound its own
-    running time, since the whole rollout waits for it.
     """
 
     name: str

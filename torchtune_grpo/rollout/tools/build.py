@@ -1,7 +1,5 @@
-"""Tools and the call syntax from a config: the ``tools:`` list and ``tool_syntax``.
-
-Tools are built with torchtune's ``config.instantiate``, so a user's own tool plugs in by its
-``_component_`` path with no code change::
+"""Tools and the call syntax from a config's ``tools:`` list and ``tool_syntax``; a user's own
+tool plugs in by its ``_component_`` path::
 
     tools:
       - _component_: torchtune_grpo.rollout.tools.calculator.Calculator
@@ -70,17 +68,16 @@ def build_tools(cfg_list: Sequence[Mapping[str, Any]] | None) -> list[Tool]:
     """Instantiate the config's ``tools:`` list with torchtune's ``config.instantiate``.
 
     Args:
-        cfg_list: None, or a list of mappings (dicts or OmegaConf ``DictConfig``), each with a
-            ``_component_`` (dotted path of a class or factory) and its keyword arguments.
+        cfg_list: None, or a list of mappings, each with a ``_component_`` and its keyword
+            arguments.
 
     Returns:
         The tools, in config order.
 
     Raises:
-        ValueError: naming the entry (``tools[i]``) and the key at fault: not a list, an
-            entry that is not a mapping or lacks ``_component_``, a component that cannot be
-            imported or built, an object without a string ``name`` or not callable, or two
-            tools with the same name.
+        ValueError: naming the entry (``tools[i]``) and the key at fault: not a list, an entry
+            that is not a mapping or lacks ``_component_``, a component that cannot be built, an
+            object without a string ``name`` or not callable, or a duplicate name.
     """
     from omegaconf import DictConfig, ListConfig, OmegaConf
     from torchtune import config as tt_config

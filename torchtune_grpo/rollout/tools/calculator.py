@@ -1,11 +1,4 @@
-"""The shipped tool: a safe calculator for arithmetic expressions.
-
-In a config::
-
-    tools:
-      - _component_: torchtune_grpo.rollout.tools.calculator.Calculator
-        max_digits: 30
-"""
+"""The shipped tool: a safe calculator for arithmetic expressions."""
 
 from __future__ import annotations
 
@@ -41,36 +34,21 @@ _UNARY: dict[type, Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: op
 class Calculator:
     """Arithmetic on numbers, safely: an ``ast`` allow-list, bounded sizes, a time limit.
 
-    Accepted: int and float literals, ``+ - * / // % **``, unary ``+``/``-`` and parentheses.
-    Everything else (names, calls, attributes, subscripts, comparisons, strings, ...) is an
-    error; nothing is ever passed to ``eval``. Limits, checked *before* each operation runs so
-    that no single operation can be slow:
-
-    * the input has at most ``max_input_chars`` characters (which also bounds the nesting);
-    * every literal and every intermediate result has at most ``max_digits`` digits (ints) or
-      magnitude below ``10 ** max_digits`` (floats, which must be finite);
-    * an exponent has absolute value at most ``max_exponent``, and ``a ** b`` is refused when
-      its result would exceed ``max_digits`` digits (``9**9**9`` is an error, not a hang);
-    * the evaluation stops with an error once ``time_limit_s`` has passed (checked at every
-      node; each operation is bounded by the size limits, so the overshoot is microseconds).
-
-    Results are ints as written (``84``) and floats with 12 significant digits (``0.3``,
-    ``2.5``; ``168/2`` gives ``84``).
+    Accepted: int and float literals, ``+ - * / // % **``, unary ``+``/``-`` and parentheses;
+    anything else is an error (nothing reaches ``eval``). Sizes are checked before each
+    operation runs. Results: ints as written, floats with 12 significant digits. In the
+    chat-template format the expression is the JSON argument ``expression``.
 
     Args:
         max_input_chars (int): longest accepted argument text.
-        max_digits (int): most digits of any number, literal or intermediate.
+        max_digits (int): most digits of any number, literal or intermediate (floats: magnitude
+            below ``10 ** max_digits``).
         max_exponent (int): largest ``|b|`` in ``a ** b``.
         time_limit_s (float): per-call time limit in seconds.
-        name (str): the tool's name (``calculator``: called as ``<calculator>...</calculator>``).
-
-    In the chat-template format
-    (:class:`~torchtune_grpo.rollout.tools.chat_template.ChatTemplateToolSyntax`) the expression is
-    the JSON argument ``expression``:
-    ``{"name": "calculator", "arguments": {"expression": "12*7"}}``.
+        name (str): the tool's name.
 
     Raises:
-        ValueError: for a non-positive limit.
+        ValueError: a non-positive limit or an empty name.
     """
 
     #: The JSON argument that holds the expression (chat-template tool format).

@@ -1,12 +1,5 @@
-"""The chat template's own tool-call format, and the tools' JSON schemas.
-
-With ``tool_syntax: {format: chat_template}`` (:class:`ChatTemplateToolSyntax`) the model calls
-a tool the way tool-calling chat models do (Hermes / Qwen 2.5 style), ``<tool_call>{"name":
-"calculator", "arguments": {"expression": "12*7"}}</tool_call>``, and the result is appended as
-the tokenizer's own chat template renders a ``{"role": "tool"}`` message (end of the assistant
-turn, the tool message, a new assistant header). A tool takes its text from one JSON argument,
-its ``argument`` attribute (``"input"`` when it has none; the calculator's is
-``"expression"``); :func:`tool_schema` is the JSON schema the prompt's template is given.
+"""The chat template's own tool-call format (``tool_syntax: {format: chat_template}``,
+:class:`ChatTemplateToolSyntax`) and the tools' JSON schemas (:func:`tool_schema`).
 """
 
 from __future__ import annotations
@@ -35,10 +28,7 @@ _PROBE_RESULT = "tool-result-probe-7321"
 
 
 def tool_argument(tool: Tool) -> str:
-    """The JSON argument whose value a tool receives as its text (chat-template format).
-
-    Its ``argument`` attribute (the calculator's is ``"expression"``), or ``"input"``.
-    """
+    """The JSON argument a tool reads: its ``argument`` attribute, else ``"input"``."""
     value = getattr(tool, "argument", None)
     return value if isinstance(value, str) and value else "input"
 
@@ -47,8 +37,7 @@ def tool_schema(tool: Tool) -> dict[str, Any]:
     """The JSON schema of a tool, as chat templates take it in ``tools=[...]``.
 
     ``{"type": "function", "function": {"name", "description", "parameters"}}`` with one
-    required string parameter, :func:`tool_argument` (described by the tool's
-    ``argument_description`` attribute when it has one); the description is the tool's
+    required string parameter, :func:`tool_argument`; the description is the tool's
     ``description`` attribute, or the first line of its class docstring.
     """
     description = getattr(tool, "description", None)
@@ -75,13 +64,12 @@ def tool_schema(tool: Tool) -> dict[str, Any]:
 
 
 def call_tool_json(tool: Tool, arguments: Any) -> str:
-    """Run ``tool`` on a JSON call's ``arguments`` object; never raises.
-
-    The tool gets the value of its :func:`tool_argument` as text (a number is written out).
+    """Run ``tool`` on a JSON call's ``arguments`` object (its :func:`tool_argument` value, a
+    number written out); never raises.
 
     Returns:
-        The tool's result (:func:`run_tool`), or ``"error: <why>"`` for arguments that are not
-        an object, miss the argument, have others, or whose value is not a string or number.
+        The tool's result, or ``"error: <why>"`` for arguments that are not an object, miss the
+        argument, have others, or whose value is not a string or number.
     """
     argument = tool_argument(tool)
     usage = f'call {tool.name} with {{"{argument}": "..."}}'
@@ -117,17 +105,12 @@ class JsonToolCall:
 
 @dataclass(frozen=True)
 class ChatTemplateToolSyntax:
-    """Tool calls in the chat template's own format (``tool_syntax: {format: chat_template}``).
-
-    The model writes a call as tool-calling chat models do (Hermes / Qwen 2.5 style)::
+    """Tool calls in the chat template's own format (Hermes / Qwen 2.5 style)::
 
         <tool_call>{"name": "calculator", "arguments": {"expression": "12*7"}}</tool_call>
 
-    The close tag ends the turn. The JSON is parsed (:meth:`last_call`); a call that is not a
-    JSON object with a string ``name``, or names no tool, gets an ``error: ...`` result (never
-    an exception). The result is appended as the text the tokenizer's chat template renders
-    after the call (:meth:`result_text`): the end of the assistant turn, a ``{"role": "tool"}``
-    message, and the header of a new assistant turn.
+    A call that is not such a JSON object, or names no tool, gets an ``error: ...`` result. The
+    result is appended as the chat template renders it after the call (:meth:`result_text`).
 
     Args:
         format (str): ``"chat_template"`` (what selects this class in a config).
@@ -171,13 +154,10 @@ class ChatTemplateToolSyntax:
         return {self.call_close[-1]}
 
     def may_complete(self, token_text: str) -> bool:
-        """Whether a token with this text can be the one that completes the close tag.
+        """Whether a token with this text can complete the close tag.
 
-        The tag then ends inside the token: the token holds the whole tag, or starts with one
-        of its proper suffixes (``>``, ``l>``, ..., ``/tool_call>``). A token that merely holds
-        a ``>`` elsewhere (the open tag ``<tool_call>``) cannot, so, unlike the tag format, the
-        open tag costs no extra turn. With a non-ASCII close tag, any token holding U+FFFD (a
-        byte of a multi-byte character) may too.
+        It holds the whole tag or starts with a proper suffix of it (with a non-ASCII tag, also any
+        token holding U+FFFD).
         """
         close = self.call_close
         if close in token_text:
@@ -196,10 +176,9 @@ class ChatTemplateToolSyntax:
     def last_call(self, text: str, names: Sequence[str]) -> JsonToolCall | None:
         """The call whose close tag ends last in ``text`` (None: no close tag).
 
-        Its body is the text between that close tag and the nearest open tag after the
-        previous close tag. The body must be a JSON object ``{"name": <one of names>,
-        "arguments": {...}}`` (``arguments`` may also be a JSON string holding an object, and
-        may be left out: ``{}``); otherwise the call's ``error`` says why.
+        The body (after the previous close tag's nearest open tag) must be a JSON object
+        ``{"name": <one of names>, "arguments": {...}}`` (``arguments`` may be a JSON string or left
+        out); otherwise the call's ``error`` says why.
 
         Args:
             text: decoded completion text (model and tool tokens).
@@ -273,24 +252,21 @@ class ChatTemplateToolSyntax:
                     tools: list[dict[str, Any]] | None = None) -> str:
         """The text appended after a call: what the chat template renders after it.
 
-        The conversation ``[user, assistant(tool_calls=[the call])]`` is rendered, then again
-        with ``{"role": "tool", "name": name, "content": result}`` added and
-        ``add_generation_prompt=True``; the text is the second rendering from just past the
-        call's close tag in the first: the end of the assistant turn, the tool message and the
-        new assistant header. A call that could not be read (``name`` None) or a template that
-        rejects it is rendered as a call of the first tool with ``{}`` arguments.
+        The difference between rendering ``[user, assistant(tool_calls=[call])]`` and the same plus
+        the tool message with ``add_generation_prompt=True``, from the call's close tag on. An
+        unreadable call (``name`` None) or one the template rejects is rendered as a call of the
+        first tool with ``{}`` arguments.
 
         Args:
             tokenizer: a tokenizer with ``apply_chat_template(messages, add_generation_prompt,
-                tools)`` (:class:`~torchtune_grpo.models.tokenizer.HFTokenizer`).
+                tools)``.
             name: the called tool's name (None: unreadable call).
             arguments: the call's arguments.
             result: the tool's result text.
             tools: the tools' JSON schemas (as the prompt was rendered with).
 
         Raises:
-            ValueError: only when even the fallback rendering fails (the check of
-                :meth:`check_tokenizer` passed on the same template, so not in practice).
+            ValueError: the fallback rendering fails too.
         """
         fallback = tools[0]["function"]["name"] if tools else "tool"
         if name is not None and isinstance(arguments, Mapping):
@@ -302,10 +278,8 @@ class ChatTemplateToolSyntax:
 
     def check_tokenizer(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None,
                         key: str = "tool_syntax.format") -> None:
-        """Fail clearly when ``tokenizer``'s chat template cannot render the tool format.
-
-        Checks that the tokenizer has a chat template, renders an assistant tool call written
-        with :attr:`call_close`, and renders a tool message's content after it.
+        """Check that ``tokenizer``'s chat template renders an assistant tool call ending with
+        :attr:`call_close` and a tool message after it.
 
         Raises:
             ValueError: naming ``key`` and what is missing.

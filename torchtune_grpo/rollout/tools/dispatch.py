@@ -1,10 +1,5 @@
-"""From a completion's text to the tool's answer: the ids that may end a call, and running it.
-
-The rollout loop (:class:`~torchtune_grpo.rollout.multiturn.ToolUseGenerator`) stops a turn on
-every token that may complete a call's close tag (:func:`close_tag_token_ids`); when the decoded
-text then holds a new close tag, the call is answered (:func:`answer_call`): the tool runs (it
-never raises) and the text appended after the call is its result in the syntax's tags, or, in
-the chat-template format, what the tokenizer's chat template renders after the call.
+"""From a completion's text to the tool's answer: :func:`close_tag_token_ids` (the ids that may
+end a call) and :func:`answer_call` (running the call and the text appended after it).
 """
 
 from __future__ import annotations
@@ -24,13 +19,8 @@ __all__ = ["answer_call", "close_tag_token_ids"]
 def close_tag_token_ids(syntax: ToolCallSyntax | ChatTemplateToolSyntax, names: Sequence[str],
                         tokenizer: Any, vocab_size: int,
                         allowed: torch.Tensor | None = None) -> torch.Tensor:
-    """``[c]`` long: the allowed ids whose text holds the last character of a close tag.
-
-    A close tag can only be completed by such a token, so a turn that stops on them (and then
-    checks the text) misses no call. In the chat-template format the set is narrower: the ids
-    whose text can end the close tag
-    (:meth:`~torchtune_grpo.rollout.tools.chat_template.ChatTemplateToolSyntax.may_complete`),
-    so the open tag's ``>`` is no false alarm.
+    """``[c]`` long, ascending: the allowed ids whose text holds the last character of a close tag
+    (chat-template format: those that may complete it, ``may_complete``).
 
     Args:
         syntax: the call syntax.
@@ -39,9 +29,6 @@ def close_tag_token_ids(syntax: ToolCallSyntax | ChatTemplateToolSyntax, names: 
         vocab_size: ``V``.
         allowed: ``[V]`` bool, the ids sampling may emit (None: every id the tokenizer
             decodes).
-
-    Returns:
-        The ids, ascending.
     """
     finals = syntax.final_characters(list(names))
     if any(not c.isascii() for c in finals):
@@ -69,16 +56,15 @@ def answer_call(syntax: ToolCallSyntax | ChatTemplateToolSyntax, tools: Mapping[
     Args:
         syntax: the call syntax.
         tools: the tools by name.
-        tokenizer: the run's tokenizer (chat-template format: its ``apply_chat_template`` and
+        tokenizer: the run's tokenizer (chat-template format: ``apply_chat_template`` and
             ``special_tokens``).
-        text: the decoded completion so far (model and tool tokens), ending with a close tag.
-        tool_schemas: the tools' JSON schemas (chat-template format: given to the template).
+        text: the decoded completion so far, ending with a close tag.
+        tool_schemas: the tools' JSON schemas (chat-template format).
 
     Returns:
         ``(result, appended text)``: the tool's result (``error: ...`` for a call that cannot
-        run) and the text to append after the call: the result in the syntax's result tags,
-        or (chat-template format) the end of the assistant turn, the tool message and the new
-        assistant header as the chat template renders them.
+        run) and the text appended after the call (the result tags, or in the chat-template
+        format the template's rendering of the tool message).
     """
     if isinstance(syntax, ChatTemplateToolSyntax):
         return _answer_chat_call(syntax, tools, tokenizer, text, tool_schemas)

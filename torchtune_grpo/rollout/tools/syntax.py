@@ -1,9 +1,5 @@
-"""The tag call syntax: finding a tool call in generated text and writing its result.
-
-By default the model calls a tool as ``<calculator>12*7</calculator>`` and the rollout answers
-``<result>84</result>``; the tags are templates in which ``{name}`` is the tool's name, so each
-tool has its own tags (:class:`ToolCallSyntax`). The chat template's own format is
-:class:`~torchtune_grpo.rollout.tools.chat_template.ChatTemplateToolSyntax`.
+"""The tag call syntax (:class:`ToolCallSyntax`): ``<calculator>12*7</calculator>`` answered by
+``<result>84</result>``, tags templated on the tool's ``{name}``.
 """
 
 from __future__ import annotations
@@ -37,14 +33,10 @@ class ToolCall:
 class ToolCallSyntax:
     """How a call and its result are written: tag templates in which ``{name}`` is the tool's.
 
-    With the defaults, the model calls the calculator as ``<calculator>12*7</calculator>``
-    and the rollout appends ``<result>84</result>``.
-
     Args:
         call_open (str): opening tag template (default ``"<{name}>"``).
-        call_close (str): closing tag template (default ``"</{name}>"``). A turn ends when the
-            decoded text completes it, so it should end in a character the model rarely
-            writes otherwise (each false alarm costs one more generation call).
+        call_close (str): closing tag template (default ``"</{name}>"``); best ending in a
+            character the model rarely writes otherwise (each false alarm costs a turn).
         result_open (str): text before a result (default ``"<result>"``).
         result_close (str): text after a result (default ``"</result>"``).
 
@@ -94,17 +86,12 @@ class ToolCallSyntax:
     def last_call(self, text: str, names: Sequence[str]) -> ToolCall | None:
         """The call whose close tag ends last in ``text`` (None: no close tag at all).
 
-        The rollout checks the text of a completion each time a token that may finish a
-        close tag was sampled; the call is the one that token completed. Its arguments are the
-        text between that close tag and the nearest preceding open tag of the same tool (after
-        that tool's previous close tag; none there: ``arguments`` is None).
+        Its arguments are the text between that close tag and the nearest preceding open tag of the
+        same tool after that tool's previous close tag (none there: ``arguments`` is None).
 
         Args:
             text: decoded completion text (model and tool tokens).
             names: the tools' names.
-
-        Returns:
-            :class:`ToolCall` or None.
         """
         best: ToolCall | None = None
         for name in names:
