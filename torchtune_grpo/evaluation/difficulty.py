@@ -1,29 +1,10 @@
-"""Difficulty files: each prompt's pass rate under a model, and training on the ones it can learn.
+"""Difficulty files: each prompt's pass rate under a model (``tune-grpo difficulty``).
 
-GRPO learns only from groups that hold both right and wrong answers. A prompt the model never
-solves, or always solves, gives a group whose rewards tie: advantage 0, no gradient, wasted
-rollouts. A *difficulty file* records, for every prompt of a dataset split, how often a given
-model solves it; a dataset built with ``difficulty_file`` keeps only the prompts whose pass
-rate lies inside ``difficulty_band`` (by default strictly between 0 and 1: solved sometimes).
-
-Make one with::
-
-    tune-grpo difficulty --config grpo/smollm2_gsm8k_cpu --num-samples 8 \\
-        --out /tmp/gsm8k_train_smollm2.difficulty.jsonl [key=value ...]
-
-It loads the config's model (``checkpointer``; ``checkpointer.checkpoint_dir=...`` scores
-another checkpoint), tokenizer, ``dataset`` (the training split; override ``dataset.split``
-to score part of it) and ``rewards`` (the success component decides right or wrong), samples
-``--num-samples`` completions per prompt at the config's ``temperature`` with its
-``max_generated_tokens``, and appends one JSON line per prompt as soon as its chunk is scored:
-``{"index", "question", "answer", "num_samples", "num_correct", "pass_rate"}``. The first line
-records the settings. Run the same command again after an interruption and it scores only the
-prompts that are missing (a half-written last line is dropped); a file made with other settings
-is refused. Then train with::
-
-    dataset.difficulty_file=/tmp/gsm8k_train_smollm2.difficulty.jsonl
-
-which every shipped dataset builder takes (with ``difficulty_band: [low, high]``).
+:func:`score_difficulty` samples every prompt of a config's dataset and appends one JSON
+line per prompt, ``{"index", "question", "answer", "num_samples", "num_correct",
+"pass_rate"}``, after a first line of settings; a rerun completes the file. A dataset built
+with ``difficulty_file`` keeps the prompts inside ``difficulty_band`` (see
+``docs/smollm2_ladder.md``).
 """
 
 from __future__ import annotations
@@ -57,8 +38,9 @@ def _settings(cfg: Any, num_samples: int, temperature: float) -> dict[str, Any]:
 
 
 def _open_for_append(out: Path, settings: dict[str, Any]) -> tuple[set[int], Any]:
-    """The indices already scored, and the file opened for appending (settings line written
-    when new; a cut-off last line removed)."""
+    """The indices already scored, and the file opened for appending (the settings line written
+    when new, a cut-off last line removed).
+    """
     if out.exists() and out.stat().st_size > 0:
         have, rows = read_difficulty(out)
         same = {k: have.get(k) for k in settings} == settings
@@ -103,6 +85,10 @@ def score_difficulty(
 
     Returns:
         ``out``.
+
+    Raises:
+        ValueError: ``num_samples`` below 2, a temperature not above 0, or an ``out`` file made
+            with other settings.
     """
     from torchtune import config, training, utils
     from tqdm import tqdm

@@ -1,18 +1,9 @@
 """Evaluation of a policy on a whole test split: pass@1, pass@k, maj@k, reward means.
 
-Used by ``tune run grpo_eval`` (a checkpoint on disk) and by the training recipe every
-``eval_every_n_steps`` (the live model). Both write the same two files into the checkpoint
-folder they describe (:class:`~torchtune_grpo.evaluation.results.EvalResult`, which also keeps
-finished work in per-rank partial files while the evaluation runs); the metrics are those of
-:func:`~torchtune_grpo.evaluation.metrics.compute_metrics`.
-
-With tools (``tool_generator``: a :class:`~torchtune_grpo.rollout.multiturn.ToolUseGenerator`) the
-evaluation runs the same multi-turn rollout as training, and a completion's text (what the
-rewards read) is the model's and the tools' tokens in order.
-
-With several ranks the problems are split across ranks (each rank runs the same number of
-generation micro-batches, padding its share with a repeat that is then dropped, so FSDP's
-collectives stay in lockstep) and the results are gathered on every rank.
+Used by ``tune run grpo_eval`` and by training every ``eval_every_n_steps``; both write an
+:class:`~torchtune_grpo.evaluation.results.EvalResult`. With tools the evaluation runs the
+multi-turn rollout. Problems are split across ranks, each running the same number of
+micro-batches (lockstep), and every rank gets all results.
 """
 
 from __future__ import annotations
@@ -61,13 +52,9 @@ def _takes_keyword(fn: Any, name: str) -> bool:
 
 
 def decode_prompt(tokenizer: Any, token_ids: Sequence[int]) -> str:
-    """Text of a prompt, special tokens (chat headers, BOS) kept where the tokenizer can.
-
-    Tokenizers whose ``decode`` takes ``skip_special_tokens`` (torchtune's Llama 3 and Qwen 2
-    tokenizers) are asked to keep them; others (torchtune's ``HuggingFaceBaseTokenizer``, a
-    ``decode`` without keywords) decode as they do by default. Never raises: when decoding
-    fails (undefined ids, no ``decode`` at all) it falls back to
-    :func:`~torchtune_grpo.token_rules.safe_decode`, which skips what it cannot decode.
+    """Text of a prompt, special tokens (chat headers, BOS) kept where the tokenizer's ``decode``
+    takes ``skip_special_tokens``; never raises (falls back to
+    :func:`~torchtune_grpo.token_rules.safe_decode`, which skips undecodable ids).
 
     Args:
         tokenizer: any tokenizer of the project.
@@ -137,8 +124,8 @@ class EvaluationInterrupted(Interrupted):
 
 
 class EvalProgress:
-    """Progress of an evaluation on rank 0: a bar on a terminal, else a line every
-    ``every_s`` seconds (problems done of the total, rate, time left); silent when not shown.
+    """Progress of an evaluation on rank 0: a bar on a terminal, else a line every ``every_s``
+    seconds; silent when not shown.
 
     Args:
         total: problems in the dataset.
@@ -206,16 +193,15 @@ def evaluate(
     fingerprint: str | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> EvalResult:
-    """Evaluate ``model`` on every problem of ``dataset`` (a :class:`PromptDataset`).
-
-    Call on every rank of a distributed run; each rank gets the full result.
+    """Evaluate ``model`` on every problem of ``dataset``; call on every rank, each gets the full
+    result.
 
     Args:
         model: the policy (plain or FSDP-sharded torchtune decoder).
         tokenizer: its tokenizer.
-        dataset: the problems.
+        dataset: the problems (a :class:`PromptDataset`).
         rewards: a :class:`~torchtune_grpo.rewards.reward_set.RewardSet`; its success component
-            decides correctness (and, when it has ``extract_answer``, the votes of maj@k).
+            decides correctness (its ``extract_answer``, if any, the votes of maj@k).
         settings: sampling settings.
         device: where the model runs.
         logit_bias: ``[V]`` bias forbidding undefined ids.
@@ -223,33 +209,22 @@ def evaluate(
         stop_tokens: ``[s]`` stop ids.
         pad_id: padding id.
         cache_dtype: KV-cache dtype.
-        progress: report progress on rank 0 (:class:`EvalProgress`: a bar on a terminal,
-            else a line every 30 s).
-        partial_dir: when given, each rank appends every problem's row, as soon as it is
-            scored, to ``partial_dir/eval_samples.rank{r}.partial.jsonl`` (flushed), so a later
-            failure loses no finished work;
-            :meth:`~torchtune_grpo.evaluation.results.EvalResult.write` removes these files
-            after writing the final ones. ``None``: rows are kept in memory only.
-        gather_weights: hold an FSDP2 model's full weights for the whole evaluation
-            (:func:`~torchtune_grpo.distributed.gathered_for_inference`) instead of
-            gathering them on every decode step; no effect on an unsharded model.
-        tool_generator: a :class:`~torchtune_grpo.rollout.multiturn.ToolUseGenerator` whose
-            tools run between turns (its inner engine must sample with ``model``, as
-            :class:`~torchtune_grpo.rollout.native.NativeGenerator` does); None: single-turn
-            :func:`~torchtune_grpo.rollout.native.generate_trajectory`. With it, every row
-            holds ``transcripts`` and the metrics add ``tools/calls_per_completion`` and
-            ``tools/errors``.
-        ranks: the ranks that evaluate together (each takes every ``size``-th problem; all
-            get every row): :data:`~torchtune_grpo.distributed.WORLD` for
-            ``grpo_eval``, the trainer ranks in the asynchronous recipe.
-        fingerprint: with ``partial_dir``, what identifies this evaluation
-            (:func:`~torchtune_grpo.evaluation.results.eval_fingerprint`): rows that an
-            interrupted run of the same evaluation left in ``partial_dir`` (any number of
-            ranks) are kept and not generated again. Rows generated in other batches can
-            differ from an uninterrupted run's by the last bits of their logits.
-        should_stop: asked before each batch of problems (on every rank; any rank's True
-            stops all): the evaluation then raises :class:`EvaluationInterrupted`, with the
-            finished rows in ``partial_dir``.
+        progress: report progress on rank 0 (:class:`EvalProgress`).
+        partial_dir: each rank appends every scored row to
+            ``partial_dir/eval_samples.rank{r}.partial.jsonl`` (removed by
+            :meth:`~torchtune_grpo.evaluation.results.EvalResult.write`); None: memory only.
+        gather_weights: hold an FSDP2 model's full weights for the whole evaluation instead of
+            gathering them every decode step.
+        tool_generator: a :class:`~torchtune_grpo.rollout.multiturn.ToolUseGenerator` whose inner
+            engine samples with ``model``; rows then hold ``transcripts`` and the metrics add
+            ``tools/...``. None: single-turn
+            :func:`~torchtune_grpo.rollout.native.generate_trajectory`.
+        ranks: the ranks that evaluate together (each takes every ``size``-th problem).
+        fingerprint: with ``partial_dir``, identifies this evaluation
+            (:func:`~torchtune_grpo.evaluation.results.eval_fingerprint`): rows an interrupted run
+            of it left there are kept, not generated again.
+        should_stop: asked before each batch on every rank; any True raises
+            :class:`EvaluationInterrupted`.
 
     Raises:
         EvaluationInterrupted: ``should_stop`` said so.
@@ -349,8 +324,8 @@ def _evaluate_chunk(
     """Generate, score and record one micro-batch of problems.
 
     Args:
-        chunk: dataset positions of the micro-batch; only the first ``num_real`` are this
-            rank's problems, the rest repeat one to keep the ranks in lockstep.
+        chunk: dataset positions; only the first ``num_real`` are this rank's problems, the rest
+            lockstep padding.
         num_real: how many of ``chunk`` to keep.
         extract: the success reward's ``extract_answer`` (or None).
         partial: where each kept row is appended as soon as it is scored.

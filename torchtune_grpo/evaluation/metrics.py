@@ -1,11 +1,5 @@
-"""The metrics of an evaluation: pass@k, maj@k, reward means, tool use.
-
-:func:`compute_metrics` turns the per-problem rows of an evaluation (``correct``,
-``extracted``, ``rewards``, ``completions`` and, with tools, ``transcripts``) into the numbers
-of ``eval_results.json``: ``pass@k`` (the unbiased estimator, :func:`pass_at_k`) with a 95%
-Wilson interval for ``pass@1``, ``maj@k`` (:func:`majority_correct`), the mean of each reward
-component, the mean completion length and, for a multi-turn evaluation, the tool calls and
-tool errors per completion.
+"""The metrics of an evaluation (:func:`compute_metrics`): pass@k with a Wilson interval for
+pass@1, maj@k, reward means, completion length and tool use.
 """
 
 from __future__ import annotations
@@ -25,6 +19,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
         n: samples drawn.
         c: correct samples among them.
         k: budget (``k <= n``).
+
+    Raises:
+        ValueError: ``k`` outside ``(0, n]`` or ``c`` outside ``[0, n]``.
     """
     if not 0 < k <= n:
         raise ValueError(f"pass@k needs 0 < k <= n, got k={k}, n={n}")
@@ -41,9 +38,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def majority_correct(answers: Sequence[Any], correct: Sequence[bool], k: int) -> bool:
     """maj@k of one problem: is the most frequent extracted answer of the first ``k`` right?
-
-    Samples without an extracted answer (``None``) do not vote; ties go to the answer seen
-    first; no votes at all counts as wrong.
+    (``None`` answers do not vote, ties go to the answer seen first, no votes is wrong.)
     """
     votes = [(a, c) for a, c in zip(answers[:k], correct[:k]) if a is not None]
     if not votes:
@@ -58,9 +53,9 @@ def compute_metrics(rows: list[dict[str, Any]], settings: EvalSettings) -> dict[
     """The metrics of an evaluation from its per-problem rows.
 
     Args:
-        rows: one row per problem, as
-            :func:`~torchtune_grpo.evaluation.evaluate.evaluate` builds them (``correct``,
-            ``extracted``, ``rewards``, ``completions``; ``transcripts`` with tools).
+        rows: one row per problem, as :func:`~torchtune_grpo.evaluation.evaluate.evaluate`
+            builds them (``correct``, ``extracted``, ``rewards``, ``completions``;
+            ``transcripts`` with tools).
         settings: the sampling settings (``num_samples``, the ``k`` of pass@k and maj@k).
 
     Returns:

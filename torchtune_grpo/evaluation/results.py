@@ -1,20 +1,11 @@
-"""The files an evaluation writes, and the result they are written from.
+"""The files an evaluation writes into the checkpoint folder it describes, and the result they
+are written from.
 
-Two files go into the checkpoint folder an evaluation describes:
-
-* ``eval_results.json`` (:data:`RESULTS_FILE`): dataset, split, number of problems, metrics,
-  sampling settings, model path, timestamp;
-* ``eval_samples.jsonl`` (:data:`SAMPLES_FILE`): one line per problem with its prompt,
-  completions, extracted answers, gold answer and per-sample correctness; with tools, also
-  each completion's ``transcripts``: its text as ``{"source": "model" | "tool", "text": ...}``
-  segments, so the tool results are marked.
-
-Finished work is never lost: while :func:`~torchtune_grpo.evaluation.evaluate.evaluate` runs,
-each rank appends every scored problem to its ``eval_samples.rank{r}.partial.jsonl``
-(:class:`PartialSamples`, flushed), so a crash later on (in a metric, in serialising the
-results, in writing them) leaves every completed sample on disk, and the error names those
-files (:func:`where_partial`). :meth:`EvalResult.write` replaces both result files atomically
-(temporary file, then rename) and only then removes the partial files.
+``eval_results.json`` (:data:`RESULTS_FILE`) holds the metrics, settings and provenance;
+``eval_samples.jsonl`` (:data:`SAMPLES_FILE`) one line per problem (prompt, completions,
+extracted and gold answers, correctness, ``transcripts`` with tools). While an evaluation
+runs each rank appends its scored rows to a partial file (:class:`PartialSamples`);
+:meth:`EvalResult.write` replaces both files atomically, then removes the partial files.
 """
 
 from __future__ import annotations
@@ -59,10 +50,8 @@ def _plain(value: Any) -> Any:
 
 
 def eval_fingerprint(model_dir: str | Path | None, **parts: Any) -> str:
-    """What identifies an evaluation, as a short hash: the model's weight files (path, names,
-    sizes, modification times) and ``parts`` (the dataset, sampling settings, rewards...).
-
-    Partial rows are resumed, and a finished evaluation reused, only under the same fingerprint.
+    """A short hash identifying an evaluation: the model's weight files (path, names, sizes,
+    modification times) and ``parts`` (dataset, sampling settings, rewards...).
     """
     files: list[Any] = []
     if model_dir is not None and Path(model_dir).is_dir():
@@ -87,9 +76,9 @@ def stored_eval_metrics(directory: str | Path, fingerprint: str) -> dict[str, fl
 
 
 def read_partial_rows(directory: str | Path, fingerprint: str) -> dict[int, dict[str, Any]]:
-    """The rows kept in ``directory``'s partial sample files (any number of ranks) whose first
-    line carries ``fingerprint``, by dataset position; a line cut short by a crash ends its
-    file's rows."""
+    """The rows of ``directory``'s partial sample files (any number of ranks) whose first line
+    carries ``fingerprint``, by dataset position; a line cut short ends its file's rows.
+    """
     rows: dict[int, dict[str, Any]] = {}
     for path in sorted(Path(directory).glob(PARTIAL_SAMPLES_FILE.format(rank="*"))):
         try:
@@ -109,15 +98,13 @@ def read_partial_rows(directory: str | Path, fingerprint: str) -> dict[int, dict
 
 
 class PartialSamples:
-    """This rank's ``eval_samples.rank{r}.partial.jsonl``: one flushed line per scored problem.
-
-    Rows go through :func:`_plain` first (values JSON cannot hold become text), so a row that
-    breaks the final, strict ``eval_samples.jsonl`` still reaches this file.
+    """This rank's ``eval_samples.rank{r}.partial.jsonl``: one flushed line per scored problem
+    (values JSON cannot hold written as text).
 
     Args:
         path: the file, created afresh (its folder too); None: rows are not written.
-        fingerprint: written as the file's first line (``{"fingerprint": ...}``) so that a
-            later run of the same evaluation resumes the rows (:func:`read_partial_rows`).
+        fingerprint: written as the first line (``{"fingerprint": ...}``), for
+            :func:`read_partial_rows`.
         carried: rows of an interrupted run to write first (this rank's share).
     """
 
@@ -163,10 +150,8 @@ class EvalResult:
         samples: one row per problem, in dataset order.
         settings: the sampling settings used.
         seconds: wall time of the evaluation.
-        partial_files: the per-rank ``eval_samples.rank{r}.partial.jsonl`` files holding the
-            same rows (empty when :func:`~torchtune_grpo.evaluation.evaluate.evaluate` ran
-            without ``partial_dir``);
-            :meth:`write` removes them once the final files are in place.
+        partial_files: the per-rank partial files holding the same rows (empty without
+            ``partial_dir``); :meth:`write` removes them.
     """
 
     metrics: dict[str, float]
@@ -216,10 +201,8 @@ class EvalResult:
     def write(self, directory: str | Path, **info: Any) -> list[Path]:
         """Write ``eval_results.json`` and ``eval_samples.jsonl`` into ``directory``, atomically.
 
-        Both texts are built first, written to temporary files in ``directory`` and renamed over
-        the final names (samples first, so a present ``eval_results.json`` always has its
-        samples); only then are :attr:`partial_files` removed. On any failure the partial files
-        stay and the error says where they are.
+        Each goes to a temporary file, renamed over its name (samples first); only then are
+        :attr:`partial_files` removed. On failure they stay and the error names them.
 
         Args:
             directory: the folder to write into (created if needed).
@@ -227,6 +210,10 @@ class EvalResult:
 
         Returns:
             ``[eval_results.json, eval_samples.jsonl]`` paths.
+
+        Raises:
+            ValueError: a value JSON cannot represent (see :meth:`files`).
+            OSError: writing failed.
         """
         directory = Path(directory)
         texts = self.files(**info)

@@ -1,22 +1,8 @@
-"""How sure an evaluation is: intervals for an accuracy, and paired tests between two models.
-
-A held-out accuracy of 0.30 on 400 problems is 0.30 +- 0.045 (95%), and two models evaluated on
-the same problems are compared best problem by problem (a paired test), not by their two
-means. This module holds the two pieces every report here uses:
-
-- :func:`wilson_interval`: the 95% Wilson score interval of a proportion (``k`` right of ``n``);
-  the recipe and ``grpo_eval`` log it as ``eval/pass@1/ci95_low`` and ``_high``.
-- :func:`mcnemar_exact`: the exact two-sided McNemar test on the discordant pairs (problems one
-  model gets right and the other wrong), and :func:`compare_evaluations`, which reads two
-  ``eval_samples.jsonl`` files of the same problems and reports both accuracies, their
-  difference with a 95% interval, and the p-value. From the command line::
-
-      tune-grpo compare-evals BASE_DIR STEP_DIR [--strict-phrase "The answer is"] [--json]
-
-``--strict-phrase`` adds a second, strict scoring of the same completions (:func:`strict_correct`):
-right only when the number after the last occurrence of the phrase is the gold answer, so a
-right number that the reply does not state as its answer does not count. The stored scoring
-(the evaluation's own, e.g. the last number of the reply) is the lenient one.
+"""How sure an evaluation is: :func:`wilson_interval` (95% interval of an accuracy, logged as
+``eval/pass@1/ci95_*``) and a paired comparison of two evaluations of the same problems
+(:func:`mcnemar_exact`, :func:`compare_evaluations`; ``tune-grpo compare-evals A B
+[--strict-phrase PHRASE] [--json]``). ``--strict-phrase`` rescores with
+:func:`strict_correct`.
 """
 
 from __future__ import annotations
@@ -44,6 +30,9 @@ def wilson_interval(k: float, n: int, z: float = Z95) -> tuple[float, float]:
 
     Returns:
         ``(low, high)`` within ``[0, 1]``.
+
+    Raises:
+        ValueError: ``n <= 0``.
     """
     if n <= 0:
         raise ValueError(f"wilson_interval: n must be > 0, got {n}")
@@ -55,15 +44,11 @@ def wilson_interval(k: float, n: int, z: float = Z95) -> tuple[float, float]:
 
 
 def mcnemar_exact(only_a: int, only_b: int) -> float:
-    """Two-sided exact McNemar p-value from the discordant counts.
+    """Two-sided exact McNemar p-value from the discordant counts (binomial, p = 1/2).
 
     Args:
         only_a: problems model A gets right and model B wrong.
         only_b: problems model B gets right and model A wrong.
-
-    Returns:
-        The probability, under "A and B are equally good", of a split of the ``only_a +
-        only_b`` discordant problems at least as uneven as this one (binomial, p = 1/2).
     """
     n = only_a + only_b
     if n == 0:
@@ -99,9 +84,7 @@ def strict_correct(completion: str, gold: str, phrase: str) -> bool:
             (case-insensitive; its last occurrence counts).
 
     Returns:
-        True when the reply contains ``phrase`` and the number that follows it on the same
-        line equals ``gold`` (:func:`~torchtune_grpo.rewards.answers.numbers_match`); False
-        otherwise, also when either has no number.
+        True when the first number after ``phrase`` on its line equals ``gold``.
     """
     from torchtune_grpo.rewards.answers import extract_after_phrase, numbers_match, parse_number
 
@@ -116,25 +99,23 @@ def strict_correct(completion: str, gold: str, phrase: str) -> bool:
 
 def compare_evaluations(a: str | Path, b: str | Path,
                         strict_phrase: str | None = None) -> dict[str, Any]:
-    """Compare two evaluations of the same problems (greedy or first-sample correctness).
+    """Compare two evaluations of the same problems by each one's first sample.
 
     Args:
-        a: the first ``eval_samples.jsonl`` (or the folder holding it), e.g. the base model.
+        a: the first ``eval_samples.jsonl`` (or its folder), e.g. the base model.
         b: the second, e.g. a trained step.
-        strict_phrase: None: the evaluations' own correctness (their ``correct`` field);
-            a phrase: :func:`strict_correct` of each first completion against ``gold``
-            instead.
+        strict_phrase: None: the evaluations' own ``correct``; a phrase: :func:`strict_correct`
+            of each first completion instead.
 
     Returns:
-        ``problems``, ``accuracy_a``, ``accuracy_b`` (of each one's first sample), their
-        ``ci95_a``/``ci95_b`` (Wilson), ``difference`` (b - a) with ``ci95_difference`` (a
-        paired normal interval), ``only_a``/``only_b`` (discordant problems),
-        ``mcnemar_p`` (exact, two-sided), and mean completion lengths in characters
-        (``chars_a``, ``chars_b``).
+        ``problems``, ``accuracy_a``/``_b`` with Wilson ``ci95_a``/``_b``, ``difference``
+        (b - a) with a paired ``ci95_difference``, ``only_a``/``only_b`` (discordant problems),
+        ``mcnemar_p`` and mean completion lengths ``chars_a``/``chars_b`` in characters.
 
     Raises:
-        ValueError: when the two files do not hold the same problems (same indices and
-            questions).
+        FileNotFoundError: a missing samples file.
+        ValueError: the files do not hold the same problems (indices and questions), or a row
+            is not a sample row.
     """
     rows_a, rows_b = _read_samples(Path(a)), _read_samples(Path(b))
     if rows_a.keys() != rows_b.keys():
