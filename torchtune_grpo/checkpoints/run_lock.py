@@ -1,12 +1,6 @@
-"""One run per output folder: an exclusive lock held for the life of the process.
-
-A training run holds ``output_dir/.tune_grpo.lock`` (rank 0 under torchrun), and ``grpo_eval``
-the same file in the folder it writes its results into. The lock is an ``fcntl.flock`` on that
-file: the kernel releases it when the process ends, however it ends, so a crashed run never
-leaves a stale lock behind. The file itself stays and says who held it last (pid, host, start
-time, command), which is what a second run's error names.
-
-A file system that does not support ``flock`` (some network mounts) gets a warning and no lock.
+"""One run per output folder: an ``fcntl.flock`` on ``folder/.tune_grpo.lock`` held for the
+life of the process (released by the kernel however the process ends). The file names its
+last holder; a file system without ``flock`` gets a warning and no lock.
 """
 
 from __future__ import annotations
@@ -34,14 +28,13 @@ class FolderInUseError(UserError):
 
 
 class FolderLock:
-    """An exclusive, non-blocking lock on ``folder`` for this process.
+    """An exclusive, non-blocking lock on ``folder`` for this process; a context manager, or
+    :meth:`acquire` / :meth:`release`.
 
     Args:
         folder: the folder (created if missing).
         purpose: what the holder does there, for the other process's error (``"training"``,
             ``"grpo_eval"``).
-
-    Use as a context manager or call :meth:`acquire` / :meth:`release`.
     """
 
     def __init__(self, folder: str | Path, purpose: str) -> None:
@@ -118,8 +111,7 @@ def _describe(text: str) -> str:
 
 
 def is_locked(folder: str | Path) -> bool:
-    """Whether another process holds ``folder``'s lock now (False when there is no lock file
-    or the file system has no locks)."""
+    """Whether another process holds ``folder``'s lock now (False without a lock file or locks)."""
     import fcntl
 
     path = Path(folder) / LOCK_FILE

@@ -1,15 +1,9 @@
 """Step checkpoints: ``output_dir/step_{N}/`` appears only once it is complete.
 
-A step folder holds the model in the format it was loaded from (written by the torchtune
-checkpointer of the config, so an HF input gives HF safetensors plus its ``config.json`` and
-tokenizer files), ``recipe_state.pt`` (what the next step reads) and, when evaluation ran at
-that step, its results. It is assembled under ``output_dir/.step_{N}.partial`` and renamed
-into place after an fsync, so a crash during a save never leaves a half-written
-``step_{N}`` behind and never touches the previous checkpoint. A step folder is deleted
-(``keep_last_n_checkpoints``, a replaced step) by renaming it to ``.step_{N}.deleting`` first,
-so a crash while deleting never leaves a ``step_{N}`` that looks complete but is not.
-``tests/recipes/test_crash_consistency.py`` kills training at random instants, many inside
-these writes, and checks that every resume finishes bitwise equal to an uninterrupted run.
+A step folder (model in its input format with its config and tokenizer files,
+``recipe_state.pt``, eval results) is assembled under ``.step_{N}.partial``, fsynced and
+renamed into place; a step folder is deleted by renaming it to ``.step_{N}.deleting`` first.
+A crash thus never leaves a ``step_{N}`` that looks complete but is not.
 """
 
 from __future__ import annotations
@@ -57,8 +51,7 @@ def human_bytes(n: float) -> str:
 
 
 class DiskFullError(UserError, OSError):
-    """No space left to write a step folder (``errno`` is ``ENOSPC``); the message gives the
-    sizes."""
+    """No space left to write a step folder (``errno`` ``ENOSPC``); the message gives sizes."""
 
 
 def _no_space(step: int, output_dir: Path, need: int, free: int) -> str:
@@ -153,12 +146,8 @@ def check_writable(output_dir: str | Path) -> None:
 
 
 def claim_output_dir(output_dir: str | Path, *, overwrite: bool = False) -> list[Path]:
-    """Make sure a fresh run does not mix its steps with another run's.
-
-    A fresh run (no ``resume_from_checkpoint``) into a folder that already holds step
-    checkpoints would write ``step_2`` beside another run's ``step_11``, and a later resume
-    would pick the stale ``step_11``. So that is refused, unless ``overwrite``: then the old
-    step folders (and any half-written ``.step_N.partial``) are deleted. Call on rank 0.
+    """Refuse a fresh run into a folder holding another run's step checkpoints, or with
+    ``overwrite`` delete them (and half-written ones); call on rank 0.
 
     Args:
         output_dir: the run's output folder.
@@ -225,26 +214,25 @@ def save_step_checkpoint(
     Args:
         output_dir: the run's output folder.
         step: the optimizer step just completed.
-        checkpointer: a torchtune checkpointer (``FullModelHFCheckpointer`` and co.); its
-            ``save_checkpoint`` converts and writes the model in the input's format.
-        checkpoint: what the torchtune checkpointer writes: ``{"model": full state dict}``,
-            plus ``"adapter"`` and ``"adapter_config"`` for LoRA.
-        recipe_state: tensors and plain values for exact resume; saved as
-            ``recipe_state.pt``, loadable with ``torch.load(weights_only=True)``.
+        checkpointer: a torchtune checkpointer; its ``save_checkpoint`` writes the model in the
+            input's format.
+        checkpoint: ``{"model": full state dict}``, plus ``"adapter"`` and ``"adapter_config"``
+            for LoRA.
+        recipe_state: tensors and plain values for exact resume, saved as ``recipe_state.pt``
+            (loadable with ``torch.load(weights_only=True)``).
         extra_files: ``name -> text`` written next to the model (evaluation results).
         keep_last_n: delete older complete checkpoints beyond this many (never this one).
-        adapter_only: write only the LoRA adapters (``save_adapter_weights_only``).
-        model_files: ``name -> content`` of the files that describe the model beside its
-            weights (``config.json``, tokenizer, chat template;
-            :func:`~torchtune_grpo.checkpoints.step_folder.model_folder_files`), written into the
-            folder over whatever the torchtune checkpointer copied from the folder it loaded
-            (which may be gone since, or from an older version that lacked them).
+        adapter_only: write only the LoRA adapters.
+        model_files: ``name -> content`` of the files describing the model beside its weights
+            (:func:`~torchtune_grpo.checkpoints.step_folder.model_folder_files`), written over
+            what the checkpointer copied.
 
     Returns:
         The final folder.
 
     Raises:
-        OSError: no space left (with the sizes), or a weight file that reads back truncated.
+        OSError: no space left (:class:`DiskFullError`, with the sizes), or a weight file that
+            reads back truncated.
     """
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -313,9 +301,7 @@ def save_step_checkpoint(
 
 
 def _remove_step(path: Path) -> None:
-    """Delete a step folder so that a crash midway never leaves a ``step_N`` that looks complete
-    (its marker kept, a weight file gone): it is first renamed out of the step names (one
-    atomic rename), then deleted."""
+    """Delete a step folder: first renamed out of the step names (atomic), then removed."""
     doomed = path.with_name(f".{path.name}.deleting")
     shutil.rmtree(doomed, ignore_errors=True)
     path.rename(doomed)
@@ -325,17 +311,15 @@ def _remove_step(path: Path) -> None:
 def resolve_resume(resume: bool | str | None, output_dir: str | Path) -> Path | None:
     """The step folder to resume from, or None for a fresh start.
 
-    With ``resume=True`` the newest complete step is taken unless it is damaged (a weight file
-    truncated or missing, an unreadable ``recipe_state.pt``:
-    :func:`~torchtune_grpo.checkpoints.step_folder.check_step_folder`); then the newest intact one
-    is, with a warning that names the damage. A step folder that only lacks model files
-    (``config.json``, tokenizer: written by an older version after a resume) is not damaged:
-    the recipe restores them from the base model folder.
+    With ``resume=True`` the newest intact step is taken (a damaged newer one, see
+    :func:`~torchtune_grpo.checkpoints.step_folder.check_step_folder`, is skipped with a
+    warning); missing model files do not count as damage (they are restored from the base
+    model folder).
 
     Args:
         resume: ``resume_from_checkpoint``: False/None (fresh), True (the newest intact
-            ``step_{N}`` of ``output_dir``; fresh, with a warning, when there is none) or a
-            path to a step folder.
+            ``step_{N}`` of ``output_dir``; fresh, with a warning, when there is none) or a path
+            to a step folder.
         output_dir: the run's output folder.
 
     Raises:
@@ -379,8 +363,7 @@ def resolve_resume(resume: bool | str | None, output_dir: str | Path) -> Path | 
 
 
 def _resume_problems(path: Path) -> list[str]:
-    """What keeps the step folder ``path`` from being resumed, its missing model files aside
-    (those are restored from the base model folder)."""
+    """What keeps the step folder ``path`` from being resumed, missing model files aside."""
     from torchtune_grpo.checkpoints.step_folder import check_step_folder
 
     return [p for p in check_step_folder(path).problems["resume"]
@@ -388,7 +371,11 @@ def _resume_problems(path: Path) -> list[str]:
 
 
 def load_recipe_state(checkpoint: str | Path) -> dict[str, Any]:
-    """``recipe_state.pt`` of a step folder, loaded with ``weights_only=True``."""
+    """``recipe_state.pt`` of a step folder, loaded with ``weights_only=True``.
+
+    Raises:
+        UserError: the file is missing or cannot be read.
+    """
     path = Path(checkpoint) / RECIPE_STATE_FILE
     if not path.is_file():
         raise UserError(f"{path} not found: {checkpoint} is not a complete step checkpoint")

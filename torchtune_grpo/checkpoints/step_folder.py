@@ -1,21 +1,11 @@
 """What a step folder must hold to be used, and the check that says what one lacks.
 
-A step folder ``output_dir/step_N`` is complete on its own, whatever run it came from and
-whatever was deleted since: the weights, the files that describe the model beside them
-(``config.json``, the tokenizer files, the chat template, ``generation_config.json``: the
-*model files*), ``recipe_state.pt`` for an exact resume and the completion marker.
-
-The model files come from the base model folder (``checkpointer.checkpoint_dir``) and from the
-files the tokenizer config names; they are read once when a run starts
-(:func:`model_folder_files`) and written into every step folder, so neither a resume from a
-folder that was later deleted (``keep_last_n_checkpoints``) nor a missing base folder leaves a
-step without them.
-
-:func:`check_step_folder` (``tune-grpo check-step DIR``) reads a folder without loading any
-weight and says whether it can be resumed, evaluated and loaded by transformers, and if not,
-what is missing or damaged: a truncated safetensors file is found from its header and its size.
-:func:`check_model_folder` checks, before any weight loads, that a model folder's
-``config.json`` describes the model that the config builds.
+A step folder is complete on its own: weights, the *model files* beside them (``config.json``,
+tokenizer files, chat template, generation config; read once from the base folder by
+:func:`model_folder_files`), ``recipe_state.pt`` and the completion marker.
+:func:`check_step_folder` (``tune-grpo check-step DIR``) says, without loading a weight,
+whether a folder can be resumed, evaluated and loaded by transformers;
+:func:`check_model_folder` checks that a model folder fits the config's model.
 """
 
 from __future__ import annotations
@@ -49,14 +39,13 @@ MAX_MODEL_FILE_BYTES = 512 * 2**20
 
 
 def model_folder_files(folder: str | Path, *, tokenizer_cfg: Any = None) -> dict[str, bytes]:
-    """The model files of ``folder`` (everything at its top level but weights, hidden files and
-    a step's own files), plus the files the tokenizer config names, read into memory.
+    """The model files of ``folder`` (its top level but weights, hidden files and a step's own
+    files), plus the files the tokenizer config names, read into memory.
 
     Args:
         folder: the base model folder (``checkpointer.checkpoint_dir``).
-        tokenizer_cfg: the config's ``tokenizer`` node; each of its string values that is an
-            existing file is carried under its file name, over a file of that name in
-            ``folder`` (they are what the run tokenizes with).
+        tokenizer_cfg: the config's ``tokenizer`` node; each string value naming an existing
+            file is carried under its file name, over a file of that name in ``folder``.
 
     Returns:
         ``file name -> content``; empty when ``folder`` does not exist.
@@ -113,11 +102,8 @@ def write_missing_files(folder: str | Path, files: dict[str, bytes]) -> list[str
 
 # ---------------------------------------------------------------------------- the check
 def safetensors_problem(path: str | Path) -> str | None:
-    """Why ``path`` is not a readable safetensors file (read from its header and size, no
-    tensor loaded), or None when it is whole.
-
-    Returns:
-        e.g. ``"truncated: 1,234 of 5,678 bytes"``, ``"not a safetensors file"``.
+    """Why ``path`` is not a whole safetensors file (from its header and size, no tensor loaded),
+    or None, e.g. ``"truncated: 1,234 of 5,678 bytes"``.
     """
     path = Path(path)
     try:
@@ -206,9 +192,8 @@ def check_step_folder(path: str | Path) -> FolderReport:
     """Check a step folder (or a model folder) without loading a weight.
 
     Looks for the completion marker and ``recipe_state.pt`` (resume), ``config.json`` (every
-    use), a tokenizer file (evaluation), and the weight files: each one the index names is
-    present and each safetensors file is whole (:func:`safetensors_problem`). A LoRA folder
-    saved with ``save_adapter_weights_only`` holds adapters only: resumable, not loadable alone.
+    use), a tokenizer file (evaluation), and the weight files (each one the index names present,
+    each safetensors file whole). An adapters-only LoRA folder is resumable, not loadable alone.
 
     Args:
         path: the folder.
@@ -300,12 +285,8 @@ _READS_THE_FOLDER = ("torchtune_grpo.models.hf_model", "torchtune_grpo.models.lo
 
 
 def check_model_folder(cfg: DictConfig, model: Any, folder: str | Path | None = None) -> None:
-    """Before any weight loads: the model folder's ``config.json`` describes the model that the
-    config builds (architecture, vocabulary, width, depth, heads).
-
-    A config that names a builder of its own (``torchtune.models.llama3_2.llama3_2``) would
-    otherwise load another family's folder as far as the names allow, or fail on a tokenizer
-    far from the cause.
+    """Before any weight loads: the model folder's ``config.json`` describes the model the config
+    builds (architecture, vocabulary, width, depth, heads).
 
     Args:
         cfg: the merged config (``model``, ``checkpointer``).
@@ -367,17 +348,14 @@ TOOL_KEYS = ("tools", "max_tool_calls", "tool_syntax")
 
 
 def tool_settings_from_checkpoint(checkpoint_dir: str | Path) -> dict[str, Any]:
-    """The ``tools``, ``max_tool_calls`` and ``tool_syntax`` a step folder was trained with.
-
-    Read from the training config saved in its ``recipe_state.pt`` (memory-mapped, so its
-    optimizer state is not read). A folder without that file (a downloaded model), or one
-    trained without tools, gives ``{"tools": None}``.
+    """The ``tools``, ``max_tool_calls`` and ``tool_syntax`` a step folder was trained with, from
+    the config in its ``recipe_state.pt`` (memory-mapped).
 
     Args:
         checkpoint_dir: a ``step_{N}`` folder.
 
     Returns:
-        ``{"tools": [...] | None, ...}``: only the keys the training config had.
+        The keys the training config had; ``{"tools": None}`` without tools or without the file.
     """
     import torch
     from omegaconf import OmegaConf
