@@ -1,8 +1,6 @@
-"""Checks of a config's ``_component_`` nodes against the callables they name.
-
-Each node's dotted path must import; its keys must be arguments of the callable (with the
-closest one suggested), its required arguments must be given (or supplied by the recipe), and
-each value must fit the argument's annotation. Nothing is built or called.
+"""Checks of a config's ``_component_`` nodes against the callables they name (nothing is
+built): the path imports, keys are arguments (closest suggested), required arguments are
+given, values fit the annotations.
 """
 
 from __future__ import annotations
@@ -59,11 +57,9 @@ def import_component(path: str, where: str) -> Any:
 
 
 def _consumed_keys(node: Any, where: str, errors: list[str]) -> frozenset[str]:
-    """Keys of a component node that are not arguments of the component.
-
-    ``_component_``; on a ``rewards`` entry also the reward-set keys (``weight``, ``success``,
-    ...), whose values :func:`~torchtune_grpo.rewards.reward_set.check_reward_entry` checks here
-    (problems are appended to ``errors``; values still holding ``${...}`` are left alone).
+    """Keys of a component node that are not arguments: ``_component_``, and on a ``rewards``
+    entry the reward-set keys, whose values are checked here (problems appended to ``errors``;
+    values holding ``${...}`` skipped).
     """
     head, _, index = where.partition("[")
     if head != "rewards" or not index.endswith("]") or not index[:-1].isdigit():

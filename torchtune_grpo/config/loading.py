@@ -1,14 +1,6 @@
-"""Config loading and shipped-config lookup for the GRPO recipes.
-
-* ``--config grpo/<name>`` (or ``<name>``, with or without ``.yaml``) resolves to a YAML shipped
-  in the package when no file of that name exists on disk; a real path always wins.
-* ``key=value`` overrides work as in torchtune.
-* A config may start from another with ``inherit: grpo/<name>`` (or a path): the named config
-  is loaded first and this file's keys are merged over it (a node with a different
-  ``_component_`` replaces the inherited node whole).
-
-The keys a config may hold are in :mod:`torchtune_grpo.config.schema`; checking a loaded
-config is :mod:`torchtune_grpo.config.validation`.
+"""Config loading: ``--config grpo/<name>`` resolves to a shipped YAML unless a file of that
+name exists, ``key=value`` overrides work as in torchtune, and ``inherit: NAME`` merges a
+config over another (a node with another ``_component_`` replaces the inherited one).
 """
 
 from __future__ import annotations
@@ -32,15 +24,8 @@ CONFIG_PACKAGE = "torchtune_grpo.configs"
 
 # ---------------------------------------------------------------------------- lookup
 def shipped_config_dir() -> Path:
-    """Folder of the shipped configs.
-
-    In a source checkout (``configs/`` beside ``torchtune_grpo/``, next to ``pyproject.toml``)
-    that folder is used, so a checkout on ``PYTHONPATH`` works without being installed (the
-    GPU check, ``scripts/gpu_check.sh``) and reads its own configs even when another checkout
-    is installed; otherwise the installed package ``torchtune_grpo.configs``.
-
-    Returns:
-        The folder that holds ``grpo/<name>.yaml``.
+    """Folder holding ``grpo/<name>.yaml``: the source checkout's ``configs/`` when this module
+    runs from one (beside ``pyproject.toml``), else the installed ``torchtune_grpo.configs``.
     """
     root = Path(__file__).resolve().parents[2]
     source = root / "configs"
@@ -50,11 +35,7 @@ def shipped_config_dir() -> Path:
 
 
 def list_shipped_configs() -> list[str]:
-    """Names of every shipped config.
-
-    Returns:
-        ``grpo/<name>`` for each shipped YAML, sorted.
-    """
+    """``grpo/<name>`` of every shipped config, sorted."""
     root = shipped_config_dir()
     return sorted(str(p.relative_to(root).with_suffix("")) for p in root.glob("*/*.yaml"))
 
@@ -123,9 +104,9 @@ def load_config(config: str | Path, overrides: list[str] | None = None) -> DictC
 
 
 def _split_overrides(cfg: DictConfig, overrides: list[str]) -> tuple[list[str], list[tuple]]:
-    """Overrides torchtune's parser handles, and ``(key, value)`` pairs it gets wrong: a key
-    with a list index (``rewards.0.weight=0.5``) and ``null`` for a whole node
-    (``eval_dataset=null``, which torchtune would read as ``eval_dataset._component_=null``)."""
+    """Overrides torchtune's parser handles, and ``(key, value)`` pairs it gets wrong: a list
+    index (``rewards.0.weight=0.5``) and ``null`` for a whole node (``eval_dataset=null``).
+    """
     plain, direct = [], []
     for item in overrides:
         key, eq, raw = item.partition("=")
@@ -142,8 +123,9 @@ def _split_overrides(cfg: DictConfig, overrides: list[str]) -> tuple[list[str], 
 
 
 def _set_path(cfg: DictConfig, key: str, raw: str) -> None:
-    """Set ``key`` (dotted, list indices allowed) to the YAML value ``raw``; a clear error for a
-    path that does not exist (an index past the end of a list, a missing parent)."""
+    """Set ``key`` (dotted, list indices allowed) to the YAML value ``raw``; a missing path is a
+    :class:`ConfigError`.
+    """
     import yaml
 
     try:
@@ -180,8 +162,9 @@ INHERIT_KEY = "inherit"
 
 
 def _read_yaml(path: Path) -> Any:
-    """``path`` loaded by OmegaConf; a YAML syntax error is a :class:`ConfigError` naming the file
-    and the line and column (from 1)."""
+    """``path`` loaded by OmegaConf; a YAML error is a :class:`ConfigError` naming file, line and
+    column (from 1).
+    """
     import yaml
 
     try:
@@ -220,9 +203,8 @@ def _load_with_inheritance(path: Path, seen: tuple[Path, ...]) -> DictConfig:
 def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[[], Any]:
     """Decorator for a recipe's ``main``: ``--config NAME [key=value ...]`` from ``sys.argv``.
 
-    A user mistake (a :class:`~torchtune_grpo.errors.UserError`, a missing or existing file, a
-    permission) is printed as one line and exits with status 2; an interruption before anything
-    was saved as one line with status 130 (:func:`~torchtune_grpo.errors.reported_as_one_line`).
+    A user mistake prints one line and exits 2, an interruption before anything was saved exits
+    130 (:func:`~torchtune_grpo.errors.reported_as_one_line`).
 
     Args:
         recipe_main: the recipe's entry point, called with the loaded config.

@@ -1,13 +1,10 @@
 """The config tree of the GRPO recipes: every key they read, as a typed dataclass field.
 
-:class:`RecipeConfig` (the training recipes), :class:`AsyncConfig` (the asynchronous recipe's
-keys beyond it) and :class:`EvalConfig` (``grpo_eval``) declare each top-level key with its type
-annotation, default and meaning (:func:`~torchtune_grpo.config.settings.key`); a nested block is
-a field whose type is its settings dataclass (:mod:`torchtune_grpo.config.settings`). Everything
-else is read from them: :data:`RECIPE_KEYS`, :data:`ASYNC_KEYS` and :data:`EVAL_KEYS` (their
-:class:`~torchtune_grpo.config.settings.Key` s, by name), :func:`with_defaults`, the checks of
-:mod:`torchtune_grpo.config.validation` and ``tune-grpo validate``, and the config reference in
-``docs/``.
+:class:`RecipeConfig`, :class:`AsyncConfig` and :class:`EvalConfig` declare each top-level
+key with :func:`~torchtune_grpo.config.settings.key` (a nested block is a field typed by its
+settings dataclass). :data:`RECIPE_KEYS`, :data:`ASYNC_KEYS`, :data:`EVAL_KEYS`,
+:func:`with_defaults`, validation, ``tune-grpo validate`` and the docs' config reference
+are read from them.
 """
 
 from __future__ import annotations
@@ -377,11 +374,8 @@ def keys_for(cfg: DictConfig) -> tuple[dict[str, Key], dict[str, Key] | None]:
 
 
 def with_defaults(cfg: DictConfig, schema: dict[str, Key] | None = None) -> DictConfig:
-    """A copy of ``cfg`` with every key of ``schema`` that it omits set to the key's default.
-
-    The recipes call this after :func:`~torchtune_grpo.config.validation.validate_config` and
-    then read ``cfg.key`` directly: a key's default lives only in its field of the config tree.
-    A nested block's default is ``{}`` (every field of its settings at its own default) or null.
+    """A copy of ``cfg`` with every key of ``schema`` that it omits set to the key's default (a
+    nested block's: ``{}`` or null); the recipes then read ``cfg.key`` directly.
 
     Args:
         cfg: a validated config.

@@ -1,12 +1,7 @@
-"""Validation of a whole GRPO config before any model is loaded.
-
-:func:`validate_config` checks a merged config against its config tree
-(:mod:`torchtune_grpo.config.schema`): unknown keys (with the closest known key suggested),
-missing keys, types, impossible values, every ``_component_`` node
-(:mod:`torchtune_grpo.config.components`), the batch arithmetic and the combinations of
-features that cannot run together, so a typo costs seconds, not a model load. Every problem
-found is listed in one :class:`ConfigError`. :func:`validate_async_config` adds the checks of the
-asynchronous recipe; :func:`check_input_files` checks that the files a config names exist.
+"""Validation of a whole GRPO config before any model is loaded: :func:`validate_config`
+(keys, types, ranges, components, batch arithmetic, incompatible features; every problem
+in one :class:`ConfigError`), :func:`validate_async_config`, :func:`check_input_files` and
+:func:`check_device`.
 """
 
 from __future__ import annotations
@@ -49,10 +44,9 @@ def validate_config(cfg: DictConfig, *, world_size: int = 1,
                     schema: dict[str, Key] | None = None) -> None:
     """Check ``cfg`` against the keys of a config tree without building anything expensive.
 
-    Each key's annotation gives its type check, its field's ``check`` its range check, and a
-    nested block is read into its settings dataclass; a key outside the tree is an error with
-    the closest key (or component argument) suggested. The recipe's keys add the batch
-    arithmetic and feature combinations; ``grpo_eval``'s add its sampling checks.
+    A key's annotation gives its type check, its ``check`` the range check, and a nested block
+    is read into its settings dataclass; an unknown key gets the closest key (or component
+    argument) suggested.
 
     Args:
         cfg: the merged config.
@@ -123,9 +117,9 @@ def validate_config(cfg: DictConfig, *, world_size: int = 1,
 
 
 def _optimizer_range_errors(node: Any) -> list[str]:
-    """Values of the ``optimizer:`` component whose meaning is known and out of range: ``lr``
-    and ``weight_decay`` (finite, ``>= 0``; an lr of 0 is a control run), ``betas`` (each in
-    ``[0, 1)``), ``eps`` (``> 0``), ``momentum`` (``>= 0``)."""
+    """Out-of-range ``optimizer:`` values: ``lr``, ``weight_decay``, ``momentum`` (finite,
+    ``>= 0``), ``eps`` (``> 0``), ``betas`` (each in ``[0, 1)``).
+    """
     if not isinstance(node, dict):
         return []
     errors = []
@@ -163,9 +157,9 @@ def _optimizer_range_errors(node: Any) -> list[str]:
 
 
 def _tools_errors(value: Any, component_errors: list[str]) -> list[str]:
-    """What is wrong with a ``tools:`` list: :func:`~torchtune_grpo.rollout.tools.build.build_tools`
-    builds every entry (its error names ``tools[i]`` and the key at fault); nothing more is
-    said about an entry whose component check already failed."""
+    """What :func:`~torchtune_grpo.rollout.tools.build.build_tools` rejects in a ``tools:`` list
+    (nothing when the component check already failed on an entry).
+    """
     from torchtune_grpo.rollout.tools.build import build_tools
 
     if value is None or any(e.startswith("tools[") or "key tools[" in e
@@ -179,8 +173,9 @@ def _tools_errors(value: Any, component_errors: list[str]) -> list[str]:
 
 
 def _build_errors(cfg: DictConfig, key: str) -> list[str]:
-    """Build the cheap, pure component at ``key`` (the loss: its arguments' ranges are checked
-    by its constructor) and report what it rejects as a config error naming the key."""
+    """Build the cheap, pure component at ``key`` (the loss) and report what it rejects as a
+    config error naming the key.
+    """
     from torchtune import config as tt_config
 
     node = cfg.get(key)
@@ -273,8 +268,8 @@ _HF_TOKENIZERS = ("torchtune_grpo.models.hf_tokenizer", "torchtune_grpo.models.H
 
 def _chat_tool_errors(cfg: DictConfig) -> list[str]:
     """``tool_syntax.format: chat_template`` with a tokenizer whose chat template cannot render
-    tool calls and tool messages. Checked here when the tokenizer is an HF folder that exists
-    (cheap to read); any other tokenizer is checked when the recipe builds it."""
+    tool calls; checked here only for an existing HF tokenizer folder.
+    """
     syntax = cfg.get("tool_syntax")
     if not cfg.get("tools") or syntax is None or syntax.get("format") != "chat_template":
         return []
@@ -311,8 +306,7 @@ def async_errors(cfg: DictConfig, world_size: int) -> list[str]:
         world_size: processes of the torchrun world (rollout and trainer ranks together).
 
     Returns:
-        One message per problem (the ranks' roles, and the features the asynchronous recipe
-        does not run), each naming its key; ``[]`` when it can run.
+        One message per problem, each naming its key; ``[]`` when it can run.
     """
     rollout = cfg.get("rollout_ranks", ASYNC_KEYS["rollout_ranks"].default)
     if not isinstance(rollout, int) or isinstance(rollout, bool) or rollout < 1:
@@ -348,8 +342,8 @@ def async_errors(cfg: DictConfig, world_size: int) -> list[str]:
 
 
 def validate_async_config(cfg: DictConfig, *, world_size: int) -> None:
-    """:func:`validate_config` for ``async_grpo_full_finetune_distributed`` on ``world_size``
-    processes: the batch checks for the trainer ranks' share, then :func:`async_errors`.
+    """:func:`validate_config` for ``async_grpo_full_finetune_distributed``: the batch checks for
+    the trainer ranks' share, then :func:`async_errors`.
 
     Args:
         cfg: the merged config.
@@ -376,13 +370,14 @@ _PATH_KEYS = {
 
 
 def check_input_files(cfg: DictConfig) -> None:
-    """Check that the tokenizer and checkpoint files a config names exist (before loading).
+    """Check that the tokenizer and checkpoint files a config names exist and are whole.
 
     Args:
         cfg: the merged config.
 
     Raises:
         FileNotFoundError: naming the config key and the missing path.
+        UserError: a truncated or foreign safetensors file in ``checkpointer.checkpoint_dir``.
     """
     missing = []
     for node_name, keys in _PATH_KEYS.items():
@@ -415,8 +410,9 @@ def check_input_files(cfg: DictConfig) -> None:
 
 
 def _damaged_weights(folder: Path, files: Any) -> list[str]:
-    """The safetensors files of ``folder`` (``files``, else every one) that are truncated or
-    not safetensors, each with why (read from headers and sizes only)."""
+    """The safetensors files of ``folder`` (``files``, else every one) that are truncated or not
+    safetensors, each with why.
+    """
     from torchtune_grpo.checkpoints.step_folder import safetensors_problem
 
     if isinstance(files, (list, ListConfig)):
@@ -429,8 +425,7 @@ def _damaged_weights(folder: Path, files: Any) -> list[str]:
 
 
 def check_device(name: str) -> None:
-    """The config's ``device`` exists on this machine (torchtune would fall back to the CPU
-    without a word for ``device=cuda`` where no GPU is visible).
+    """The config's ``device`` exists on this machine (torchtune would silently fall back to CPU).
 
     Raises:
         ConfigError: naming the key, the device and what this machine has.
