@@ -223,8 +223,7 @@ def save_step_checkpoint(
         extra_files: ``name -> text`` written next to the model (evaluation results).
         keep_last_n: delete older complete checkpoints beyond this many (never this one).
         adapter_only: write only the LoRA adapters.
-        model_files: ``name -> content`` of the files describing the model beside its weights
-            (:func:`~torchtune_grpo.checkpoints.step_folder.model_folder_files`), written over
+        model_files: ``name -> content`` of the model files (config, tokenizer), written over
             what the checkpointer copied.
 
     Returns:

@@ -210,21 +210,14 @@ def evaluate(
         pad_id: padding id.
         cache_dtype: KV-cache dtype.
         progress: report progress on rank 0 (:class:`EvalProgress`).
-        partial_dir: each rank appends every scored row to
-            ``partial_dir/eval_samples.rank{r}.partial.jsonl`` (removed by
-            :meth:`~torchtune_grpo.evaluation.results.EvalResult.write`); None: memory only.
-        gather_weights: hold an FSDP2 model's full weights for the whole evaluation instead of
-            gathering them every decode step.
-        tool_generator: a :class:`~torchtune_grpo.rollout.multiturn.ToolUseGenerator` whose inner
-            engine samples with ``model``; rows then hold ``transcripts`` and the metrics add
-            ``tools/...``. None: single-turn
-            :func:`~torchtune_grpo.rollout.native.generate_trajectory`.
+        partial_dir: folder of the per-rank partial sample files (None: rows in memory only).
+        gather_weights: hold an FSDP2 model's full weights for the whole evaluation.
+        tool_generator: a :class:`~torchtune_grpo.rollout.multiturn.ToolUseGenerator` sampling
+            with ``model`` (rows then hold ``transcripts``); None: single-turn.
         ranks: the ranks that evaluate together (each takes every ``size``-th problem).
-        fingerprint: with ``partial_dir``, identifies this evaluation
-            (:func:`~torchtune_grpo.evaluation.results.eval_fingerprint`): rows an interrupted run
-            of it left there are kept, not generated again.
-        should_stop: asked before each batch on every rank; any True raises
-            :class:`EvaluationInterrupted`.
+        fingerprint: with ``partial_dir``, resume the rows an interrupted run with this
+            :func:`~torchtune_grpo.evaluation.results.eval_fingerprint` left there.
+        should_stop: asked before each batch on every rank; any True stops all.
 
     Raises:
         EvaluationInterrupted: ``should_stop`` said so.

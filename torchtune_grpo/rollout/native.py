@@ -118,13 +118,10 @@ def generate_micro_batch(
 ) -> Trajectory:
     """Generate one completion for each row of a micro-batch, with a KV cache.
 
-    The model runs through its own ``forward`` (FSDP2's hooks apply); its attention caches are
-    :class:`SpanKVCache` views of ``kv_storage``. Distinct prompts are prefilled once and shared
-    by the rows that repeat them. With ``shrink_finished``, once ``SHRINK_FRACTION`` of the
-    decode batch has stopped since the last shrink, the batch and its cache rows shrink to the
-    rows still running (a rank with none keeps one row, to stay in lockstep). Per-row
-    counter-based seeds make a row's samples independent of its batch; log-probs may differ by
-    float32 rounding of the batch size (within 1e-6 on CPU).
+    The model runs through its own ``forward`` with :class:`SpanKVCache` attention caches;
+    distinct prompts are prefilled once. With ``shrink_finished`` the decode batch drops its
+    stopped rows once ``SHRINK_FRACTION`` of it has stopped (a rank keeps one row for lockstep);
+    tokens are unchanged, log-probs within float32 rounding of the batch size.
 
     Args:
         model: a torchtune decoder (FSDP-sharded or not).

@@ -173,20 +173,14 @@ class Generator(Protocol):
     def generate(self, model: nn.Module, request: GenerationRequest) -> Trajectory:
         """Sample ``request.group_size`` completions for each prompt of ``request``.
 
-        * **Layout.** ``N = B * G`` rows, row ``b * G + g`` being sample ``g`` of prompt ``b``:
-          ``tokens [N, P + T]`` (prompt then response, ``pad_id`` after the stop token),
-          ``prompt_mask [N, P]``, ``response_mask [N, T]`` (True up to and including the stop
-          token), ``stopped [N]`` (ended on one of ``stop_tokens``), ``T <= max_generated_tokens``;
-          all on ``prompt_tokens.device``.
-        * **Support.** Only ids where ``logit_bias`` is finite are sampled.
-        * **Log-probs.** ``logprobs [N, T]`` float32: each sampled token's
-          ``log_softmax(logits / temperature + logit_bias)``, 0 off ``response_mask``; an engine
-          that cannot deliver that says so through :meth:`needs_policy_logprobs`.
-        * **Determinism.** A sample depends only on the weights, its prompt and
-          :meth:`GenerationRequest.sample_seeds` (not on other rows, ``forward_batch_size`` or the
-          number of ranks, up to floating-point effects of batching).
-        * **Lockstep.** An engine whose generation runs collectives decodes until
-          ``all_done(local_done)`` is True.
+        Row ``b * G + g`` of the ``N = B * G`` rows is sample ``g`` of prompt ``b``: ``tokens
+        [N, P + T]`` (``pad_id`` after the stop token), ``response_mask [N, T]`` (up to and
+        including the stop token), ``stopped [N]``, ``T <= max_generated_tokens``, all on
+        ``prompt_tokens.device``. Only ids with a finite ``logit_bias`` are sampled;
+        ``logprobs [N, T]`` float32 are ``log_softmax(logits / temperature + logit_bias)`` of the
+        sampled tokens (else :meth:`needs_policy_logprobs` is True). A sample depends only on the
+        weights, its prompt and :meth:`GenerationRequest.sample_seeds`; an engine running
+        collectives decodes until ``all_done(local_done)``.
 
         Args:
             model: the policy (FSDP-sharded or not), in eval mode; engines with weights of their own

@@ -25,9 +25,8 @@ __all__ = ["RolloutRuntime", "check_context_length", "generation_context"]
 class RolloutRuntime:
     """Sample ``group_size`` completions per prompt with one engine.
 
-    A completion's random numbers derive from ``(seed, step, prompt index, sample index)`` and
-    the dynamic-sampling ``draw`` alone (:func:`rollout_seeds`), so rollouts do not depend on
-    the number of ranks or ``forward_batch_size``, and a resumed run repeats them.
+    Seeds derive from ``(seed, step, prompt index, sample index, draw)`` alone
+    (:func:`rollout_seeds`), so a resumed run repeats its rollouts on any number of ranks.
 
     Args:
         generator: the engine.

@@ -34,10 +34,9 @@ _UNARY: dict[type, Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: op
 class Calculator:
     """Arithmetic on numbers, safely: an ``ast`` allow-list, bounded sizes, a time limit.
 
-    Accepted: int and float literals, ``+ - * / // % **``, unary ``+``/``-`` and parentheses;
-    anything else is an error (nothing reaches ``eval``). Sizes are checked before each
-    operation runs. Results: ints as written, floats with 12 significant digits. In the
-    chat-template format the expression is the JSON argument ``expression``.
+    Accepted: int and float literals, ``+ - * / // % **``, unary ``+``/``-`` and parentheses
+    (nothing reaches ``eval``); sizes are checked before each operation. Floats are written with
+    12 significant digits. Chat-template format: the JSON argument ``expression``.
 
     Args:
         max_input_chars (int): longest accepted argument text.
