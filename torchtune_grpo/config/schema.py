@@ -239,8 +239,8 @@ RECIPE_KEYS: dict[str, Key] = {
         "micro-batch's real tokens laid end to end in one row (attention per row), not on its "
         "padded rectangle: the same log-probs and gradients to float rounding, at the cost of "
         "the real tokens. false: each micro-batch is trimmed to its longest prompt and "
-        "response only. Not used with ``compile`` (the per-row attention would recompile for "
-        "every set of lengths)."),
+        "response only. Conflicts with ``compile: true`` (the per-row attention would "
+        "recompile for every set of lengths): a config error names both keys."),
     "compile": Key(
         "bool", False,
         "torch.compile each transformer layer of the policy (torchtune's compile_model): faster "

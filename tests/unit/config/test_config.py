@@ -327,3 +327,33 @@ def test_a_moved_component_path_names_its_new_home():
                                           r"\.checkpointing\.hf_checkpointer' is now "
                                           r"'torchtune_grpo\.models\.hf_checkpointer'"):
         validate_config(cfg, world_size=1)
+
+
+def test_packed_forward_with_compile_is_an_error_naming_both_keys():
+    """Neither key silently overrides the other: the pair is refused, each alone is fine."""
+    with pytest.raises(ConfigError) as info:
+        validate_config(load_config("grpo/quickstart_cpu", ["compile=true"]))  # packed: default
+    assert "'packed_forward'" in str(info.value) and "'compile'" in str(info.value)
+    with pytest.raises(ConfigError, match="'packed_forward' and 'compile'"):
+        validate_config(load_config("grpo/quickstart_cpu",
+                                    ["compile=true", "packed_forward=true"]))
+    validate_config(load_config("grpo/quickstart_cpu", ["compile=true", "packed_forward=false"]))
+    validate_config(load_config("grpo/quickstart_cpu", ["packed_forward=true"]))
+
+
+def test_the_conflict_stops_the_recipe_in_one_line_before_anything_loads(
+        tmp_path, capsys, monkeypatch):
+    import sys
+
+    import grpo_full_finetune_single_device as entry
+
+    monkeypatch.setattr(sys, "argv", ["recipe", "--config", "grpo/quickstart_cpu",
+                                      f"model_dir={tmp_path / 'no_model'}",
+                                      f"output_dir={tmp_path / 'out'}", "compile=true"])
+    with pytest.raises(SystemExit) as raised:
+        entry.recipe_main()
+    errors = [line for line in capsys.readouterr().err.splitlines()
+              if line.startswith("error: ")]
+    assert raised.value.code == 2
+    assert len(errors) == 1 and "'packed_forward' and 'compile'" in errors[0], errors
+    assert not (tmp_path / "out").exists()
