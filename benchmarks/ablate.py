@@ -31,7 +31,7 @@ else runs on a shared machine; ``--clock wall`` measures wall time (``time.perf_
 Both are recorded in the CSV either way, with the sum of the recipe's ``time/*`` metrics.
 
 **Evaluation.** Held-out greedy pass@1 on the quickstart's 300-problem ``test`` split through
-the recipe's own eval path (:meth:`GRPORecipe.run_eval`, ``eval_dataset`` / ``eval`` of the
+the recipe's own eval path (:meth:`TrainingEvaluation.run`, ``eval_dataset`` / ``eval`` of the
 config): before the first step, whenever the training clock passes another ``--eval-every-s``
 seconds, and after the last step.
 
@@ -260,6 +260,10 @@ def _budgeted_recipe_class():
         def start_clock(self) -> None:
             """Start (or restart, after an evaluation) timing the training loop."""
             self._t_wall, self._t_cpu = time.perf_counter(), time.process_time()
+
+        def run_eval(self):
+            """The recipe's evaluation part on the live policy (logs ``eval/...``)."""
+            return self.evaluation.run(self.step)
 
         def evaluate_now(self) -> EvalPoint:
             """Held-out greedy pass@1 of the live policy via :meth:`run_eval` (not timed)."""

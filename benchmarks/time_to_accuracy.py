@@ -15,7 +15,7 @@ held-out prompts before the first step, at the end of the first step after every
 
 1. **Ours** (a worker subprocess): ``GRPORecipe`` on the shipped config, through the
    ``BudgetedRecipe`` of :mod:`benchmarks.ablate` (``--clock wall``), its held-out evaluations
-   through the recipe's own :meth:`~torchtune_grpo.training.recipe.GRPORecipe.run_eval`. It
+   through the recipe's own evaluation part (``TrainingEvaluation.run``). It
    also writes ``spec.json``, the peer's input, from its config and its recipe: the prompts of
    every step in the order our recipe draws them (token ids, the chat template applied), the
    held-out prompts, the stop ids, and the training shape (prompts and completions per step,

@@ -50,7 +50,7 @@ from torchtune_grpo.evaluation.settings import EvalSettings
 from torchtune_grpo.policy.model import DTYPES, build_model, meta_model, token_rules
 from torchtune_grpo.rewards.build import build_reward_set
 from torchtune_grpo.training.interrupts import StopSignals
-from torchtune_grpo.training.recipe_setup import load_weights
+from torchtune_grpo.training.parts import load_weights
 
 log = utils.get_logger("INFO")
 

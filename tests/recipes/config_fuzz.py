@@ -251,7 +251,7 @@ def _watch_model_loading(state: dict, save) -> None:
     import torchtune.training as tt
 
     from torchtune_grpo.policy import model as modeling
-    from torchtune_grpo.training import recipe_setup
+    from torchtune_grpo.training import parts
 
     def flag(fn):
         def wrapper(*args, **kwargs):
@@ -260,7 +260,7 @@ def _watch_model_loading(state: dict, save) -> None:
             return fn(*args, **kwargs)
         return wrapper
 
-    recipe_setup.build_model = flag(recipe_setup.build_model)
+    parts.build_model = flag(parts.build_model)
     modeling.build_model = flag(modeling.build_model)
     for name in ("FullModelHFCheckpointer", "FullModelMetaCheckpointer",
                  "FullModelTorchTuneCheckpointer"):

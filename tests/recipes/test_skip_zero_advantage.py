@@ -26,14 +26,14 @@ def _run(base, out, *overrides):
     recipe = GRPORecipe(cfg)
     recipe.setup()
     rows = []
-    inner = recipe._micro_batch_logprobs
+    inner = recipe.policy_update.micro_batch_logprobs
 
     def counting(model, traj, idx, **kwargs):
         if kwargs.get("return_entropy"):  # the update's passes (not the reference's)
             rows.append(int(idx.numel()))
         return inner(model, traj, idx, **kwargs)
 
-    recipe._micro_batch_logprobs = counting
+    recipe.policy_update.micro_batch_logprobs = counting
     recipe.train()
     recipe.cleanup()
     weights = {k: v.detach().clone() for k, v in recipe.model.state_dict().items()}

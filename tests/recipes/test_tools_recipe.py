@@ -8,7 +8,7 @@ calculator on ``34`` and appends ``(34)``; an ``8`` with no ``6`` before it appe
 ``(error: 8 without 6)``. So tool calls, tool tokens and tool errors happen from the first
 step on, with the real native engine and the real recipe.
 
-Breaking the wiring once: dropping ``tool_mask=`` from ``GRPORecipe._micro_batch_logprobs``
+Breaking the wiring once: dropping ``tool_mask=`` from ``PolicyUpdate.micro_batch_logprobs``
 makes the training forward read the results as padding, so the policy's tokens after a
 result are scored in another context than they were sampled in:
 ``generation/logprob_diff_max`` goes from ~1e-5 to ~0.1, and both single-device tests fail.
@@ -125,7 +125,7 @@ def test_tool_tokens_carry_no_logprob_and_no_loss(base_model, tmp_path):
     seen = {"rows": None, "loss_tokens": 0, "micro_batches": 0}
     updates = []
 
-    micro_batch_logprobs = recipe._micro_batch_logprobs
+    micro_batch_logprobs = recipe.policy_update.micro_batch_logprobs
 
     def spy_logprobs(model, traj, rows, **kwargs):
         logprobs, entropy = micro_batch_logprobs(model, traj, rows, **kwargs)
@@ -152,7 +152,7 @@ def test_tool_tokens_carry_no_logprob_and_no_loss(base_model, tmp_path):
         updates.append((traj, loss_mask))
         return update(traj, advantages, ref, loss_mask, **kwargs)
 
-    recipe._micro_batch_logprobs = spy_logprobs
+    recipe.policy_update.micro_batch_logprobs = spy_logprobs
     recipe.loss_fn.forward = spy_loss
     recipe.update = spy_update
     try:

@@ -1,15 +1,18 @@
-"""Step checkpoints of a recipe: the full model and optimizer state, the recipe state that
-makes a resume exact, and the save itself (part of
-:class:`~torchtune_grpo.training.recipe.GRPORecipe`)."""
+"""Step checkpoints of a training run as one part, :class:`StepCheckpoints`: the full model and
+optimizer state, the recipe state that makes a resume exact, and the save itself."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
-from omegaconf import OmegaConf
+from torch import nn
 from torchtune import training, utils
 
+from torchtune_grpo import distributed as D
 from torchtune_grpo.checkpoints.saving import (
     check_finite,
     non_finite_tensors,
@@ -21,14 +24,115 @@ from torchtune_grpo.evaluation.results import EvalResult
 log = utils.get_logger("INFO")
 
 
-class RecipeCheckpoints:
-    """Saving and restoring :class:`~torchtune_grpo.training.recipe.GRPORecipe`'s state: what a
-    step folder holds and how a resumed run continues exactly."""
+class RecipeStateEntries(Protocol):
+    """Entries a trainer adds to ``recipe_state.pt`` beyond :class:`StepCheckpoints`' own."""
 
-    def _full_model_state_dict(self) -> dict[str, torch.Tensor]:
-        if self.world_size > 1:
-            return training.gather_cpu_state_dict(self.model, self.is_rank_zero, self.device)
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+    def state(self, step: int) -> dict[str, Any]:
+        """The entries saved with ``step`` (called on every rank before rank 0 writes; may be
+        a collective)."""
+
+    def restore(self, state: dict[str, Any], resume_dir: Path) -> None:
+        """Take the entries back from a loaded ``recipe_state.pt`` of ``resume_dir``.
+
+        Raises:
+            ValueError: the entries do not fit this run's config.
+        """
+
+
+class NoEntries:
+    """No entries beyond :class:`StepCheckpoints`' own (the synchronous recipe)."""
+
+    def state(self, step: int) -> dict[str, Any]:
+        """Nothing."""
+        return {}
+
+    def restore(self, state: dict[str, Any], resume_dir: Path) -> None:
+        """Nothing."""
+
+
+def full_model_state(model: nn.Module, ranks: D.Ranks,
+                     device: torch.device) -> dict[str, torch.Tensor]:
+    """``model``'s full state dict on the CPU: gathered onto rank 0 under FSDP2 (a collective
+    of the whole world; the other ranks get an empty dict), copied on one rank."""
+    if ranks.size() > 1:
+        return training.gather_cpu_state_dict(model, ranks.rank() == 0, device)
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """What :class:`StepCheckpoints` reads, fixed for a run.
+
+    Args:
+        output_dir: the run's output folder; step ``N`` goes to ``output_dir/step_N``.
+        seed: the run's seed (a resume needs the same).
+        global_batch_size: prompts per step over all ranks.
+        keep_last_n: complete step folders kept (None: all).
+        save_adapter_weights_only: LoRA: write the adapters only, not the merged weights.
+        model_cfg: the config's ``model`` node (the LoRA settings of an adapter checkpoint).
+        eval_dataset: ``(component, split)`` of the evaluation data named in the eval files.
+        config: the run's resolved config, stored in ``recipe_state.pt``.
+    """
+
+    output_dir: str
+    seed: int
+    global_batch_size: int
+    keep_last_n: int | None
+    save_adapter_weights_only: bool
+    model_cfg: Any
+    eval_dataset: tuple[str, str]
+    config: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What a run continues from: the steps finished and the optimizer steps skipped so far."""
+
+    step: int
+    skipped_steps: int
+
+
+class StepCheckpoints:
+    """Saving and restoring a run's state: what a step folder holds and how a resumed run
+    continues exactly.
+
+    Sampling, prompt order and micro-batch order are pure functions of ``(seed, step)``, so no
+    random-generator state is saved: the step, the optimizer and the scheduler are the whole
+    state.
+
+    Args:
+        model: the policy (FSDP2-sharded over ``ranks`` when they are several).
+        optimizer: the policy's optimizer.
+        lr_scheduler: its scheduler, or None.
+        checkpointer: the torchtune checkpointer that writes the weights in the input format.
+        ranks: the ranks that train together.
+        device: where the model lives.
+        settings: the part's settings.
+        is_lora: the policy carries LoRA adapters.
+        model_files: rank 0: ``name -> content`` written into every step folder.
+        model_state: the full model state dict on rank 0 (every rank calls it);
+            :func:`full_model_state` by default.
+        entries: extra recipe-state entries (:class:`NoEntries` by default).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any,
+                 checkpointer: Any, ranks: D.Ranks, device: torch.device,
+                 settings: CheckpointSettings, *, is_lora: bool, model_files: dict[str, bytes],
+                 model_state: Callable[[], dict[str, torch.Tensor]] | None = None,
+                 entries: RecipeStateEntries | None = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.checkpointer = checkpointer
+        self.ranks = ranks
+        self.device = device
+        self.settings = settings
+        self.is_lora = is_lora
+        self.model_files = model_files
+        self.world_size = ranks.size()
+        self.is_rank_zero = ranks.rank() == 0
+        self.model_state = model_state or (lambda: full_model_state(model, ranks, device))
+        self.entries = entries or NoEntries()
 
     def _full_optimizer_state_dict(self) -> dict[str, Any]:
         if self.world_size > 1:  # gathered on rank 0 (a collective: every rank calls it)
@@ -36,39 +140,37 @@ class RecipeCheckpoints:
                 self.model, self.optimizer, self.is_rank_zero, device=self.device)
         return self.optimizer.state_dict()
 
-    def recipe_state(self, optimizer_state: dict[str, Any]) -> dict[str, Any]:
-        """What the next step reads, for ``recipe_state.pt``.
-
-        Sampling, prompt order and micro-batch order are pure functions of ``(seed, step)``,
-        so no random-generator state needs saving: the step, the optimizer and the scheduler
-        are the whole state.
-        """
+    def recipe_state(self, step: int, optimizer_state: dict[str, Any], *, skipped_steps: int,
+                     adapter: dict[str, torch.Tensor] | None) -> dict[str, Any]:
+        """What the next step reads, for ``recipe_state.pt`` (without the extra entries)."""
         return {
-            "step": self.step,
-            "seed": self.seed,
-            "global_batch_size": self.batch_size * self.world_size,
+            "step": step,
+            "seed": self.settings.seed,
+            "global_batch_size": self.settings.global_batch_size,
             "world_size": self.world_size,
             "optimizer": optimizer_state,
             "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
-            "skipped_steps": self.skipped_steps,
-            "adapter": self._adapter_state,
-            "config": OmegaConf.to_container(self.cfg, resolve=True),
+            "skipped_steps": skipped_steps,
+            "adapter": adapter,
+            "config": self.settings.config,
         }
 
-    def extra_recipe_state(self) -> dict[str, Any]:
-        """Entries a recipe adds to ``recipe_state.pt`` (called on every rank before rank 0
-        writes; may be a collective); none here."""
-        return {}
+    def restore(self, state: dict[str, Any], resume_dir: Path) -> Resumed:
+        """Load the optimizer and scheduler state of ``state`` (``recipe_state.pt`` of
+        ``resume_dir``) and the extra entries; returns where the run continues.
 
-    def _load_recipe_state(self, state: dict[str, Any]) -> None:
-        if state["seed"] != self.seed:
+        Raises:
+            CheckpointError: the folder was trained with another seed.
+        """
+        s = self.settings
+        if state["seed"] != s.seed:
             raise CheckpointError(
-                f"resume_from_checkpoint: {self.resume_dir} was trained with seed "
-                f"{state['seed']}, the config says {self.seed}; an exact resume needs the same seed"
+                f"resume_from_checkpoint: {resume_dir} was trained with seed "
+                f"{state['seed']}, the config says {s.seed}; an exact resume needs the same seed"
             )
-        if state["global_batch_size"] != self.batch_size * self.world_size:
+        if state["global_batch_size"] != s.global_batch_size:
             log.warning(
-                f"resuming with a global batch of {self.batch_size * self.world_size} prompts "
+                f"resuming with a global batch of {s.global_batch_size} prompts "
                 f"instead of {state['global_batch_size']}: later steps see other prompts"
             )
         if self.world_size > 1:
@@ -78,51 +180,57 @@ class RecipeCheckpoints:
             self.optimizer.load_state_dict(state["optimizer"])
         if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.step = int(state["step"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
+        resumed = Resumed(int(state["step"]), int(state.get("skipped_steps", 0)))
         if self.is_rank_zero:
-            log.info(f"resumed from {self.resume_dir} at step {self.step}")
+            log.info(f"resumed from {resume_dir} at step {resumed.step}")
+        self.entries.restore(state, resume_dir)
+        return resumed
 
-    def save_checkpoint(self, evaluated: EvalResult | None = None) -> None:
+    def save(self, step: int, *, skipped_steps: int,
+             evaluated: EvalResult | None = None) -> None:
         """Write ``output_dir/step_{step}`` (rank 0 writes, every rank takes part).
 
         Args:
+            step: the steps finished.
+            skipped_steps: optimizer steps skipped so far for a non-finite gradient.
             evaluated: evaluation results of this step, stored inside the folder.
+
+        Raises:
+            CheckpointError: rank 0 found non-finite weights (on every rank).
         """
-        cfg = self.cfg
-        state = self._full_model_state_dict()
+        s = self.settings
+        state = self.model_state()
         optimizer_state = self._full_optimizer_state_dict()
-        extra_state = self.extra_recipe_state()
-        self._adapter_state = None
+        extra_state = self.entries.state(step)
+        adapter = None
         # a step with non-finite weights is never saved: the last good one stays the newest
         # (rank 0 holds the gathered weights; every rank raises together)
         finite = not self.is_rank_zero or not non_finite_tensors(state)
         if not self.ranks.all_ranks_true(finite, self.device):
             if self.is_rank_zero:
-                check_finite(state, f"step_{self.step} to {cfg.output_dir}", action="save")
-            raise CheckpointError(f"refusing to save step_{self.step}: rank 0 found non-finite "
+                check_finite(state, f"step_{step} to {s.output_dir}", action="save")
+            raise CheckpointError(f"refusing to save step_{step}: rank 0 found non-finite "
                                   "weights")
         if self.is_rank_zero:
             checkpoint = {training.MODEL_KEY: state}
             if self.is_lora:
-                checkpoint = lora_checkpoint(state, cfg.model,
-                                             adapter_only=cfg.save_adapter_weights_only)
-                self._adapter_state = checkpoint[training.ADAPTER_KEY]
+                checkpoint = lora_checkpoint(state, s.model_cfg,
+                                             adapter_only=s.save_adapter_weights_only)
+                adapter = checkpoint[training.ADAPTER_KEY]
             extra = None
             if evaluated is not None:
                 extra = evaluated.files(
-                    dataset=str(cfg.eval_dataset.get("_component_")),
-                    split=str(cfg.eval_dataset.get("split", "")),
-                    model_path=str(cfg.output_dir) + f"/step_{self.step}",
-                    step=self.step,
-                )
+                    dataset=s.eval_dataset[0], split=s.eval_dataset[1],
+                    model_path=str(s.output_dir) + f"/step_{step}", step=step)
             path = save_step_checkpoint(
-                output_dir=cfg.output_dir, step=self.step, checkpointer=self.checkpointer,
+                output_dir=s.output_dir, step=step, checkpointer=self.checkpointer,
                 checkpoint=checkpoint,
-                adapter_only=self.is_lora and cfg.save_adapter_weights_only,
-                recipe_state={**self.recipe_state(optimizer_state), **extra_state},
+                adapter_only=self.is_lora and s.save_adapter_weights_only,
+                recipe_state={**self.recipe_state(step, optimizer_state,
+                                                  skipped_steps=skipped_steps, adapter=adapter),
+                              **extra_state},
                 extra_files=extra,
-                keep_last_n=cfg.keep_last_n_checkpoints,
+                keep_last_n=s.keep_last_n,
                 model_files=self.model_files,
             )
             log.info(f"saved {path}")

@@ -229,14 +229,15 @@ class RecipeConfig:
         False,
         "Move checkpointed activations to CPU during the update (CUDA only, needs "
         "enable_activation_checkpointing): less GPU memory for some PCIe traffic.")
-    packed_forward: bool = key(
-        True,
+    packed_forward: bool | None = key(
+        None,
         "The update's forward/backward and the reference and old log-prob passes run on each "
         "micro-batch's real tokens laid end to end in one row (attention per row), not on its "
         "padded rectangle: the same log-probs and gradients to float rounding, at the cost of "
         "the real tokens. false: each micro-batch is trimmed to its longest prompt and "
-        "response only. Not used with ``compile`` (the per-row attention would recompile for "
-        "every set of lengths).")
+        "response only. null (the default): packed, unless ``compile: true`` (the per-row "
+        "attention would recompile for every set of lengths); true with ``compile: true`` is "
+        "a config error naming both keys.")
     compile: bool = key(
         False,
         "torch.compile each transformer layer of the policy (torchtune's compile_model): faster "

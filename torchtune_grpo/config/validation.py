@@ -207,6 +207,12 @@ def _batch_errors(cfg: DictConfig, world_size: int) -> list[str]:
             "config key 'enable_activation_offloading' needs device: cuda and "
             "enable_activation_checkpointing: true"
         )
+    if cfg.packed_forward is True and cfg.compile:
+        errors.append(
+            "config keys 'packed_forward' and 'compile' conflict: packed rows attend per row, "
+            "which would recompile for every set of lengths; set packed_forward: false (or "
+            "leave it unset) to compile, or compile: false to pack"
+        )
     errors.extend(_tool_errors(cfg))
     errors.extend(_chat_tool_errors(cfg))
     global_batch = cfg.get("global_batch_size")

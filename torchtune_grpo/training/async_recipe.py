@@ -4,7 +4,8 @@ One torchrun world of ``N`` processes, two roles:
 
 * **Trainer ranks** (``0 .. T-1``, ``T = N - rollout_ranks``) run the synchronous step
   (:class:`~torchtune_grpo.training.recipe.GRPORecipe`) unchanged, FSDP2-sharded over their own
-  group. Their generator, :class:`RemoteRollouts`, *receives* each rollout and sends weights.
+  group, with another rollout source, :class:`AsyncRolloutSource`: its generator,
+  :class:`RemoteRollouts`, *receives* each rollout and sends weights.
 * **Rollout ranks** (``T .. N-1``) each hold the whole policy, unsharded, and one engine
   (:class:`RolloutWorker`, sharing :class:`~torchtune_grpo.rollout.runtime.RolloutRuntime`).
   Trainer rank ``j``'s share of the global batch (the prompts rank ``j`` of a synchronous
@@ -34,17 +35,8 @@ from torchtune import config, training, utils
 from torchtune_grpo import distributed as D
 from torchtune_grpo.algorithm.trajectory import Trajectory
 from torchtune_grpo.backends import backend_for
-from torchtune_grpo.config.schema import (
-    ASYNC_KEYS,
-    RECIPE_KEYS,
-    per_rank_batch_size,
-    with_defaults,
-)
-from torchtune_grpo.config.validation import (
-    check_device,
-    check_input_files,
-    validate_async_config,
-)
+from torchtune_grpo.config.schema import ASYNC_KEYS, RECIPE_KEYS, per_rank_batch_size, with_defaults
+from torchtune_grpo.config.validation import check_device, check_input_files, validate_async_config
 from torchtune_grpo.datasets import collate_prompts
 from torchtune_grpo.policy.model import DTYPES, build_model, token_rules
 from torchtune_grpo.rollout.native import NativeGenerator
@@ -57,6 +49,7 @@ from torchtune_grpo.rollout.runtime import (
 from torchtune_grpo.training.async_transport import (
     AsyncWorld,
     PayloadChannel,
+    RolloutVersions,
     VersionStore,
     WeightReceiver,
     WeightSender,
@@ -67,12 +60,14 @@ from torchtune_grpo.training.async_transport import (
 )
 from torchtune_grpo.training.batching import StepBatches, split_batch
 from torchtune_grpo.training.interrupts import StopSignals, signals_only_logged
-from torchtune_grpo.training.recipe import GRPORecipe, _world_size_from_env
+from torchtune_grpo.training.parts import world_size_from_env
+from torchtune_grpo.training.recipe import GRPORecipe
+from torchtune_grpo.training.update import PolicyUpdate
 
 log = utils.get_logger("INFO")
 
 __all__ = [
-    "AsyncTrainer",
+    "AsyncRolloutSource",
     "RemoteRollouts",
     "RolloutWorker",
     "run_async_recipe",
@@ -81,7 +76,7 @@ __all__ = [
 
 def _validate_async(cfg: DictConfig) -> None:
     """The async config checks for torchrun's world size, and the device exists here."""
-    validate_async_config(cfg, world_size=_world_size_from_env())
+    validate_async_config(cfg, world_size=world_size_from_env())
     check_device(with_defaults(cfg, {**RECIPE_KEYS, **ASYNC_KEYS}).device)
 
 
@@ -95,19 +90,20 @@ class RemoteRollouts(Generator):
 
     Args:
         world: the process groups and roles.
-        versions: the trainer's store of policy versions (shared with :class:`AsyncTrainer`,
-            which checkpoints them and measures the behaviour gap with them).
+        versions: the trainer's store of policy versions (shared with
+            :class:`AsyncRolloutSource`, which checkpoints them and measures the behaviour gap
+            with them).
         max_staleness: ``k``: the batch of step ``t`` is sampled by version ``max(0, t - k)``.
         num_steps: the run's last step (no version is sent that no batch needs).
         engine_needs_policy_logprobs: what the rollout ranks' engine answers to
             ``needs_policy_logprobs``.
-        on_start: called by the first :meth:`sync_weights` (the end of setup) instead of a
-            send: the handshake that starts the rollout ranks.
+        on_start: called with the model by the first :meth:`sync_weights` (the end of setup)
+            instead of a send: the handshake that starts the rollout ranks.
     """
 
     def __init__(self, world: AsyncWorld, versions: VersionStore, *, max_staleness: int,
                  num_steps: int, engine_needs_policy_logprobs: bool,
-                 on_start: Callable[[], None]) -> None:
+                 on_start: Callable[[nn.Module], None]) -> None:
         self.world = world
         self.versions = versions
         self.max_staleness = max_staleness
@@ -170,7 +166,7 @@ class RemoteRollouts(Generator):
         (the end of setup) runs ``on_start`` instead."""
         if not self.started:
             self.started = True
-            self.on_start()
+            self.on_start(model)
             return
         version, k = self.step + 1, self.max_staleness
         self.versions.keep(model, version)
@@ -198,156 +194,158 @@ class RemoteRollouts(Generator):
         """Nothing to free."""
 
 
-class AsyncTrainer(GRPORecipe):
-    """A trainer rank: the synchronous step on the trainer ranks' process group, fed by
-    :class:`RemoteRollouts` (see the module docstring)."""
+class AsyncRolloutSource:
+    """A trainer rank's rollout source (:class:`~torchtune_grpo.training.parts.RolloutSource`):
+    the trainer ranks' process group and FSDP2 mesh, :class:`RemoteRollouts` as the generator,
+    the policy versions in the recipe state, the behaviour gap of stale batches and the
+    asynchronous metrics (``docs/metrics.md``).
 
-    EXTRA_KEYS = ASYNC_KEYS
+    Args:
+        world: the process groups and roles.
+        max_staleness: ``k``: the batch of step ``t`` is sampled by version ``max(0, t - k)``.
+        num_steps: the run's last step.
+    """
 
-    def __init__(self, cfg: DictConfig, world: AsyncWorld) -> None:
+    extra_keys = ASYNC_KEYS
+
+    def __init__(self, world: AsyncWorld, *, max_staleness: int, num_steps: int) -> None:
         self.world = world
+        self.max_staleness = max_staleness
+        self.num_steps = num_steps
         self.versions = VersionStore()
-        super().__init__(cfg)
+        self.remote: RemoteRollouts | None = None
+        self.entries: RolloutVersions | None = None
+        self.audit: tuple[float, float] | None = None
 
     def validate(self, cfg: DictConfig) -> None:
-        """Checked in :func:`run_async_recipe` before the process group exists."""
+        """Nothing: :func:`run_async_recipe` checked the config before the process group
+        existed."""
 
-    def init_process_group(self) -> D.Ranks:
+    def process_group(self, device: torch.device, timeout_s: float) -> D.Ranks:
         """The trainer ranks' group: every collective of the step reaches these ranks only."""
         return D.Ranks(self.world.trainer_group)
 
-    def setup(self) -> None:
-        """The synchronous setup, FSDP2 over the trainer ranks, with :class:`RemoteRollouts`
-        as the generator; then the handshake with the rollout ranks."""
+    def device_mesh(self, ranks: D.Ranks, device: torch.device) -> Any:
+        """FSDP2 shards over the trainer ranks (None for one trainer rank)."""
         if self.world.roles.trainer_ranks > 1:
             from torch.distributed.device_mesh import DeviceMesh
 
-            self.dp_mesh = DeviceMesh.from_group(self.world.trainer_group, self.device.type)
-        super().setup()  # ends with generator.sync_weights: RemoteRollouts starts the rollouts
+            return DeviceMesh.from_group(self.world.trainer_group, device.type)
+        return None
 
-    def build_generator(self) -> Generator:
+    def generator(self, engine: Generator, cfg: DictConfig) -> Generator:
         """:class:`RemoteRollouts`; the engine itself (``generator:``) is built on the rollout
         ranks, only asked here whether its log-probs can serve as the sampling policy's."""
-        engine = super().build_generator()
-        needs_policy_logprobs = bool(engine.needs_policy_logprobs(top_k=self.cfg.top_k))
+        needs_policy_logprobs = bool(engine.needs_policy_logprobs(top_k=cfg.top_k))
         engine.close()
-        return RemoteRollouts(self.world, self.versions,
-                              max_staleness=int(self.cfg.max_staleness),
-                              num_steps=int(self.cfg.num_steps),
-                              engine_needs_policy_logprobs=needs_policy_logprobs,
-                              on_start=self.start_rollouts)
+        self.remote = RemoteRollouts(self.world, self.versions,
+                                     max_staleness=self.max_staleness, num_steps=self.num_steps,
+                                     engine_needs_policy_logprobs=needs_policy_logprobs,
+                                     on_start=self.start_rollouts)
+        return self.remote
 
-    def start_rollouts(self) -> None:
-        """Tell the rollout ranks where to start and send the versions they need first:
-        versions ``max(1, s - k) .. s`` for a run resumed at step ``s`` (the older ones from
-        the checkpoint); a fresh run sends none (the rollout ranks start from the base)."""
-        k, s = int(self.cfg.max_staleness), self.step
-        names = [(n, tuple(p.shape), str(p.dtype)) for n, p in self.model.named_parameters()]
-        if self.rank == 0:
-            box = [{"start_step": s, "names": names}]
-            dist.broadcast_object_list(box, src=0, group=self.world.weight_control)
-        saved = getattr(self, "_resumed_versions", {})
-        for version, state in saved.items():
-            self.versions.keep_full(self.model, version, state)
-        self.versions.keep(self.model, s)
-        last = last_sent_version(int(self.cfg.num_steps), k)
-        for version in range(max(1, behavior_version(s, k)), min(s, last) + 1):
-            if version == s:
-                self.generator.sender.send(self.model, version)
-            else:
-                full = self.versions.gathered(self.model, version, keep=True)
-                self.generator.sender.send_full(version, list(full.values()))
-        self._resumed_versions = {}
-
-    def _load_recipe_state(self, state: dict[str, Any]) -> None:
-        super()._load_recipe_state(state)
-        k = int(self.cfg.max_staleness)
-        if int(state.get("max_staleness", k)) != k:
-            raise ValueError(f"resume_from_checkpoint: {self.resume_dir} was trained with "
-                             f"max_staleness {state['max_staleness']}, the config says {k}")
-        self._resumed_versions = dict(state.get("rollout_versions") or {})
-
-    def extra_recipe_state(self) -> dict[str, Any]:
-        """The versions the batches after this step are sampled by (``max(1, s - k) .. s -
-        1``; version 0 is the base model, version ``s`` the saved one), gathered on rank 0."""
-        k, s = int(self.cfg.max_staleness), self.step
-        versions = {v: self.versions.gathered(self.model, v, keep=self.is_rank_zero)
-                    for v in range(max(1, behavior_version(s, k)), s)}
-        return {"max_staleness": k, "rollout_ranks": self.world.roles.rollout_ranks,
-                "rollout_versions": versions}
-
-    def _full_model_state_dict(self) -> dict[str, torch.Tensor]:
-        # torchtune's gather_cpu_state_dict ends each parameter with a barrier of the whole
-        # world, which the rollout ranks never join: gather over the trainer ranks only
+    def model_state(self, model: nn.Module, ranks: D.Ranks,
+                    device: torch.device) -> dict[str, torch.Tensor]:
+        """The full state dict on trainer rank 0, gathered over the trainer ranks only
+        (torchtune's ``gather_cpu_state_dict`` ends each parameter with a barrier of the whole
+        world, which the rollout ranks never join)."""
         out = {}
-        for name, value in self.model.state_dict().items():
+        for name, value in model.state_dict().items():
             full = full_tensor(value)
-            if self.is_rank_zero:
+            if ranks.rank() == 0:
                 out[name] = full.cpu().clone()
         return out
 
-    def behavior_is_current(self) -> bool:
-        """Whether the batch of this step was sampled by the weights of this step."""
-        return behavior_version(self.step, int(self.cfg.max_staleness)) == self.step
+    def state_entries(self, model: nn.Module, ranks: D.Ranks) -> RolloutVersions:
+        """:class:`RolloutVersions` of ``model``."""
+        self.entries = RolloutVersions(model, self.versions, max_staleness=self.max_staleness,
+                                       rollout_ranks=self.world.roles.rollout_ranks,
+                                       is_rank_zero=ranks.rank() == 0)
+        return self.entries
 
-    def rollout(self, batch: dict[str, Any], draw: int = 0) -> Trajectory:
-        """Receive the rollout; for a stale batch, measure the engine/trainer log-prob gap of
-        its first micro-batch under the behaviour version's weights."""
-        traj = super().rollout(batch, draw)
-        if not self.behavior_is_current() and len(self.generator.received) == 1:
-            self._audit = self._behavior_gap(traj)
-        return traj
+    def start_rollouts(self, model: nn.Module) -> None:
+        """Tell the rollout ranks where to start and send the versions they need first:
+        versions ``max(1, s - k) .. s`` for a run resumed at step ``s`` (the older ones from
+        the checkpoint); a fresh run sends none (the rollout ranks start from the base)."""
+        k, s = self.max_staleness, self.entries.start_step
+        names = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+        if self.world.rank == 0:
+            box = [{"start_step": s, "names": names}]
+            dist.broadcast_object_list(box, src=0, group=self.world.weight_control)
+        for version, state in self.entries.resumed.items():
+            self.versions.keep_full(model, version, state)
+        self.versions.keep(model, s)
+        last = last_sent_version(self.num_steps, k)
+        for version in range(max(1, behavior_version(s, k)), min(s, last) + 1):
+            if version == s:
+                self.remote.sender.send(model, version)
+            else:
+                full = self.versions.gathered(model, version, keep=True)
+                self.remote.sender.send_full(version, list(full.values()))
+        self.entries.resumed = {}
+
+    def behavior_is_current(self, step: int) -> bool:
+        """Whether the batch of ``step`` was sampled by the weights of ``step``."""
+        return behavior_version(step, self.max_staleness) == step
+
+    def begin_step(self, step: int) -> None:
+        """The rollouts received next belong to ``step``."""
+        self.audit = None
+        self.remote.begin_step(step)
+
+    def after_rollout(self, traj: Trajectory, step: int, update: PolicyUpdate) -> None:
+        """For a stale batch, measure the engine/trainer log-prob gap of its first
+        micro-batch under the behaviour version's weights."""
+        if not self.behavior_is_current(step) and len(self.remote.received) == 1:
+            self.audit = self._behavior_gap(traj, step, update)
 
     @torch.no_grad()
-    def _behavior_gap(self, traj: Trajectory) -> tuple[float, float]:
+    def _behavior_gap(self, traj: Trajectory, step: int,
+                      update: PolicyUpdate) -> tuple[float, float]:
         """``(max, mean)`` over the trainer ranks of ``|engine log-prob - trainer log-prob|``
         of the first micro-batch's response tokens, the trainer's under the behaviour
         version."""
-        version = behavior_version(self.step, int(self.cfg.max_staleness))
-        rows = slice(0, min(self.forward_batch_size, traj.num_sequences))
-        with self.versions.swapped_in(self.model, version), self._gathered(self.model):
-            self.model.eval()
-            logprobs, _ = self._micro_batch_logprobs(self.model, traj, rows)
-            self.model.train()
+        version = behavior_version(step, self.max_staleness)
+        model, device = update.model, update.device
+        rows = slice(0, min(update.settings.forward_batch_size, traj.num_sequences))
+        with self.versions.swapped_in(model, version), update.gathered(model):
+            model.eval()
+            logprobs, _ = update.micro_batch_logprobs(model, traj, rows)
+            model.train()
         diff = (logprobs - traj.logprobs[rows]).abs()[traj.response_mask[rows]].double()
         stats = torch.tensor([diff.max() if diff.numel() else 0.0], dtype=torch.float64,
-                             device=self.device)
-        sums = torch.tensor([diff.sum(), diff.numel()], dtype=torch.float64,
-                            device=self.device)
-        self.ranks.all_reduce(stats, "max")
-        self.ranks.all_reduce(sums, "sum")
+                             device=device)
+        sums = torch.tensor([diff.sum(), diff.numel()], dtype=torch.float64, device=device)
+        update.ranks.all_reduce(stats, "max")
+        update.ranks.all_reduce(sums, "sum")
         return float(stats[0]), float(sums[0] / sums[1].clamp(min=1))
 
-    def train_step(self, batch: dict[str, Any]) -> dict[str, float]:
-        """The synchronous step, plus the asynchronous metrics (``docs/metrics.md``)."""
-        self._audit = None
-        step = self.step
-        self.generator.begin_step(step)
-        metrics = super().train_step(batch)
-        if self._audit is not None:
+    def step_metrics(self, step: int, metrics: dict[str, float], ranks: D.Ranks,
+                     device: torch.device) -> None:
+        """The behaviour gap of a stale batch, ``staleness/mean``, ``async/...`` and
+        ``weight_sync/...`` (sums over the trainer ranks, a collective)."""
+        if self.audit is not None:
             metrics["generation/logprob_diff_max"], metrics["generation/logprob_diff_mean"] = (
-                self._audit)
-        messages, wait_s, sync_bytes = self.generator.pop_step()
+                self.audit)
+        messages, wait_s, sync_bytes = self.remote.pop_step()
         gen_s = sum(float(m["timing"]["generate_s"]) for m in messages)
         idle_s = sum(float(m["timing"]["weight_wait_s"]) for m in messages)
         t = torch.tensor([gen_s, idle_s, wait_s, float(sync_bytes)], dtype=torch.float64,
-                         device=self.device)
-        self.ranks.all_reduce(t, "sum")
+                         device=device)
+        ranks.all_reduce(t, "sum")
         rollout_ranks, trainers = self.world.roles.rollout_ranks, self.world.roles.trainer_ranks
         metrics.update({
-            "staleness/mean": float(step - behavior_version(step, int(self.cfg.max_staleness))),
+            "staleness/mean": float(step - behavior_version(step, self.max_staleness)),
             "async/rollout_generate_s": float(t[0]) / rollout_ranks,
             "async/rollout_weight_wait_s": float(t[1]) / rollout_ranks,
             "async/trainer_wait_s": float(t[2]) / trainers,
             "weight_sync/bytes": float(t[3]),
             "weight_sync/seconds": metrics.get("time/weight_sync", 0.0),
         })
-        return metrics
 
-    def train(self) -> None:
-        """The synchronous loop, then the rollout ranks are stopped and drained."""
-        super().train()
-        self.generator.finish()
+    def finish(self) -> None:
+        """Stop the rollout ranks and take what they still send."""
+        self.remote.finish()
 
 
 # ---------------------------------------------------------------------------- rollout side
@@ -474,8 +472,9 @@ class RolloutWorker:
 
 
 def run_async_recipe(cfg: DictConfig) -> None:
-    """Validate, build this rank's role (:class:`AsyncTrainer` or :class:`RolloutWorker`),
-    run it and clean up (also on failure)."""
+    """Validate, build this rank's role (a :class:`~torchtune_grpo.training.recipe.GRPORecipe`
+    with an :class:`AsyncRolloutSource`, or a :class:`RolloutWorker`), run it and clean up
+    (also on failure)."""
     _validate_async(cfg)
     filled = with_defaults(cfg, {**RECIPE_KEYS, **ASYNC_KEYS})
     world = init_world(utils.get_device(filled.device), float(filled.distributed_timeout_s),
@@ -483,7 +482,11 @@ def run_async_recipe(cfg: DictConfig) -> None:
     trainer = world.roles.is_trainer(world.rank)
     # a rollout rank set up by Ctrl-C stops in one line, as the trainers do (their own)
     stop = None if trainer else StopSignals("the rollout rank", quiet=True).install()
-    role = (AsyncTrainer if trainer else RolloutWorker)(cfg, world)
+    if trainer:
+        role = GRPORecipe(cfg, source=AsyncRolloutSource(
+            world, max_staleness=int(filled.max_staleness), num_steps=int(filled.num_steps)))
+    else:
+        role = RolloutWorker(cfg, world)
     try:
         role.setup()
         role.train()

@@ -15,6 +15,7 @@ import contextlib
 import io
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -347,3 +348,48 @@ def init_world(device: torch.device, timeout_s: float, rollout_ranks: int) -> As
     weight_control = dist.new_group(roles.weight_ranks, backend="gloo")
     weight_data = dist.new_group(roles.weight_ranks)
     return AsyncWorld(roles, rank, trainer_group, payload_group, weight_control, weight_data)
+
+
+class RolloutVersions:
+    """The recipe-state entries of an asynchronous run: the policy versions that the batches
+    after a saved step are sampled by, and ``max_staleness`` (a resume needs the same).
+
+    Args:
+        model: the policy (FSDP2-sharded over the trainer ranks).
+        versions: the trainer's store of versions.
+        max_staleness: ``k``.
+        rollout_ranks: the run's rollout ranks (recorded).
+        is_rank_zero: this is trainer rank 0 (it keeps the gathered versions).
+    """
+
+    def __init__(self, model: nn.Module, versions: VersionStore, *, max_staleness: int,
+                 rollout_ranks: int, is_rank_zero: bool) -> None:
+        self.model = model
+        self.versions = versions
+        self.max_staleness = max_staleness
+        self.rollout_ranks = rollout_ranks
+        self.is_rank_zero = is_rank_zero
+        self.start_step = 0  # the step the run starts (or resumes) at
+        self.resumed: dict[int, dict[str, torch.Tensor]] = {}  # version -> full state
+
+    def state(self, step: int) -> dict[str, Any]:
+        """Versions ``max(1, s - k) .. s - 1`` (version 0 is the base model, version ``s`` the
+        saved one), gathered on rank 0 (a collective of the trainer ranks)."""
+        k, s = self.max_staleness, step
+        versions = {v: self.versions.gathered(self.model, v, keep=self.is_rank_zero)
+                    for v in range(max(1, behavior_version(s, k)), s)}
+        return {"max_staleness": k, "rollout_ranks": self.rollout_ranks,
+                "rollout_versions": versions}
+
+    def restore(self, state: dict[str, Any], resume_dir: Path) -> None:
+        """Keep the saved versions for the start of the rollout ranks.
+
+        Raises:
+            ValueError: the folder was trained with another ``max_staleness``.
+        """
+        k = self.max_staleness
+        if int(state.get("max_staleness", k)) != k:
+            raise ValueError(f"resume_from_checkpoint: {resume_dir} was trained with "
+                             f"max_staleness {state['max_staleness']}, the config says {k}")
+        self.start_step = int(state["step"])
+        self.resumed = dict(state.get("rollout_versions") or {})

@@ -267,3 +267,20 @@ def split_batch(batch: dict[str, Any], chunks: int) -> list[dict[str, Any]]:
             "tokens": batch["tokens"][sl, batch["tokens"].shape[1] - width :],
         })
     return parts
+
+
+def dynamic_sampling_metrics(sampled: SampledGroups, seconds: dict[str, float], *,
+                             ranks: Any, batch_size: int,
+                             device: torch.device) -> dict[str, float]:
+    """``dynamic_sampling/...`` over ``ranks`` (a collective), and
+    ``tokens_per_second/generation`` counting every token the step generated (dropped groups
+    included); ``batch_size``: groups per rank the step asked for."""
+    t = torch.tensor([float(sampled.signal_groups), float(batch_size),
+                      float(sampled.generated_tokens)], dtype=torch.float64, device=device)
+    ranks.all_reduce(t, "sum")
+    return {
+        "dynamic_sampling/extra_rollouts": float(sampled.extra_rollouts),
+        "dynamic_sampling/kept_fraction": float(t[0] / t[1]),
+        "dynamic_sampling/generated_tokens": float(t[2]),
+        "tokens_per_second/generation": float(t[2]) / max(seconds["generation"], 1e-9),
+    }

@@ -1,5 +1,5 @@
-"""Step metrics: timing the phases of a step, peak memory, and reading back what a run logged
-(for tests, plots and ablations).
+"""Step metrics: the metrics of a step over all ranks, timing its phases, peak memory, the
+progress display, and reading back what a run logged (for tests, plots and ablations).
 
 The recipes log through torchtune's ``metric_logger``; the shipped configs use
 :class:`torchtune.training.metric_logging.DiskLogger`, which writes one line per step,
@@ -9,10 +9,23 @@ The recipes log through torchtune's ``metric_logger``; the shipped configs use
 from __future__ import annotations
 
 import contextlib
+import math
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import torch
+from torchtune import utils
+
+from torchtune_grpo import distributed as D
+from torchtune_grpo.algorithm.advantages import AdvantageOutput
+from torchtune_grpo.algorithm.trajectory import Trajectory
+from torchtune_grpo.rewards.reward_set import RewardOutput
+from torchtune_grpo.rollout.tool_trajectory import ToolStats
+
+log = utils.get_logger("INFO")
 
 
 def read_disk_log(path: str | Path) -> list[dict[str, float]]:
@@ -94,3 +107,107 @@ def peak_memory_gb(device: Any) -> float:
     from torchtune_grpo.backends.memory import peak_rss_bytes
 
     return peak_rss_bytes() / 1e9
+
+
+def _global_mean(values: torch.Tensor, ranks: D.Ranks, device: torch.device) -> float:
+    t = torch.tensor([values.float().sum().item(), values.numel()], dtype=torch.float64,
+                     device=device)
+    ranks.all_reduce(t, "sum")
+    return float(t[0] / t[1])
+
+
+def step_metrics(traj: Trajectory, rewards: RewardOutput, adv: AdvantageOutput,
+                 loss_metrics: dict[str, float], seconds: dict[str, float], *, ranks: D.Ranks,
+                 device: torch.device, group_size: int, lr: float, skipped_rows: float,
+                 tool_stats: ToolStats | None, peak_memory: bool) -> dict[str, float]:
+    """The metrics of one step, averaged (or summed, for counts) over ``ranks``
+    (``docs/metrics.md``); a collective: every rank calls it.
+
+    Args:
+        traj: the step's rollout on this rank.
+        rewards: its rewards.
+        adv: its advantages.
+        loss_metrics: what the update returned.
+        seconds: seconds per phase of the step.
+        ranks: the ranks that train together.
+        device: where the reductions run.
+        group_size: completions per prompt.
+        lr: the learning rate after the step.
+        skipped_rows: dataset rows skipped so far (``data/skipped_rows``).
+        tool_stats: the step's tool counts on this rank, or None without tools.
+        peak_memory: add ``peak_memory_gb``.
+    """
+    def mean(values: torch.Tensor) -> float:
+        return _global_mean(values, ranks, device)
+
+    total = rewards.total.float()
+    reward_mean = mean(total)
+    mean_sq = mean(total * total)
+    metrics = {
+        "reward/mean": reward_mean,
+        "reward/std": math.sqrt(max(mean_sq - reward_mean * reward_mean, 0.0)),
+        "success_rate": mean(rewards.success.float()),
+        "response_length/mean": mean(traj.response_lengths.float()),
+        "truncated_fraction": mean((~traj.stopped).float()),
+        "zero_std_group_fraction": mean(adv.zero_std_groups.float()),
+        # groups whose completions were all right: tied, but solved (run health)
+        "solved_group_fraction": mean(rewards.success.reshape(-1, group_size).all(1).float()),
+    }
+    for name, values in rewards.components.items():
+        metrics[f"reward/{name}"] = mean(values.float())
+    for name, count in rewards.errors.items():
+        errors = ranks.all_reduce(torch.tensor([float(count)], device=device), "sum")
+        metrics[f"reward/{name}/errors"] = float(errors)
+    for name, count in sorted(rewards.counts.items()):  # a component's own counters
+        total_count = ranks.all_reduce(torch.tensor([float(count)], device=device), "sum")
+        metrics[f"reward/{name}"] = float(total_count)
+    metrics["data/skipped_rows"] = skipped_rows
+    metrics.update(loss_metrics)
+    metrics["lr"] = lr
+    generated = torch.tensor([float(traj.response_mask.sum())], device=device)
+    ranks.all_reduce(generated, "sum")
+    metrics["tokens_per_second/generation"] = float(generated) / max(seconds["generation"], 1e-9)
+    if tool_stats is not None:  # every rollout of the step, summed over ranks
+        sums = ranks.all_reduce(tool_stats.as_tensor().to(device), "sum")
+        metrics.update(ToolStats.metrics(sums.cpu()))
+    metrics.update({f"time/{phase}": value for phase, value in seconds.items()})
+    if peak_memory:
+        metrics["peak_memory_gb"] = peak_memory_gb(device)
+    return metrics
+
+
+class StepProgress:
+    """The training loop's progress on rank 0: a redrawn bar on a terminal, one log line per
+    step when the output goes to a file, nothing when not ``show``; a context manager.
+
+    Args:
+        num_steps: the run's last step.
+        step: the steps finished before the loop starts.
+        show: display anything at all.
+    """
+
+    def __init__(self, num_steps: int, step: int, *, show: bool) -> None:
+        from tqdm import tqdm
+
+        self.num_steps = num_steps
+        self.lines = show and not sys.stderr.isatty()
+        self.bar = None if self.lines else tqdm(total=num_steps, initial=step, disable=not show)
+
+    def __enter__(self) -> StepProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def update(self, step: int, metrics: dict[str, float]) -> None:
+        """Show that ``step`` finished with ``metrics``."""
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_description(
+                f"step {step} reward {metrics['reward/mean']:.3f} "
+                f"success {metrics['success_rate']:.2f}")
+        elif self.lines:  # output to a file: one line per step, not a redrawn bar
+            log.info(f"step {step}/{self.num_steps}: reward "
+                     f"{metrics['reward/mean']:.3f}, success {metrics['success_rate']:.2f}, "
+                     f"{metrics.get('time/step', 0.0):.1f} s")

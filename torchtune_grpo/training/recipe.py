@@ -1,6 +1,7 @@
 """The GRPO training loop shared by the single-device and distributed recipes.
 
-One GRPO step (``docs/design.md``), each part a named method of :class:`GRPORecipe`:
+One GRPO step (``docs/design.md``), each part a named method of :class:`GRPORecipe` that calls
+one of the parts the recipe holds:
 
 1. **Prompts** (``self.batches.batch(step)``): each rank takes ``batch_size`` prompts from its
    shard of the dataset; a prompt's whole group stays on the rank that drew it.
@@ -17,83 +18,86 @@ One GRPO step (``docs/design.md``), each part a named method of :class:`GRPOReci
 6. **Update** (:meth:`~GRPORecipe.update`): ``ppo_epochs`` optimizer steps over shuffled
    micro-batches; every micro-batch loss is divided by the *global* normaliser, so
    micro-batching and the number of ranks do not change the update
-   (:mod:`torchtune_grpo.algorithm.loss`).
-7. **After the step** (:meth:`~GRPORecipe.after_step`): metrics, evaluation, step
-   checkpoint, preemption and divergence.
+   (:class:`~torchtune_grpo.training.update.PolicyUpdate`).
+7. **After the step** (:meth:`~GRPORecipe.after_step`): metrics, evaluation
+   (:class:`~torchtune_grpo.evaluation.during_training.TrainingEvaluation`), step checkpoint
+   (:class:`~torchtune_grpo.checkpoints.recipe_state.StepCheckpoints`), preemption and
+   divergence.
 
 :meth:`GRPORecipe.train_step` is steps 2-6 as a list of those calls. Single process (no
-torchrun) runs the same code with no process group and no FSDP. Config defaults live in
-:data:`torchtune_grpo.config.schema.RECIPE_KEYS`: the recipe reads ``cfg.key`` after
-:func:`~torchtune_grpo.config.schema.with_defaults`.
+torchrun) runs the same code with no process group and no FSDP. Where the rollouts come from is
+a part (:class:`~torchtune_grpo.training.parts.RolloutSource`) too.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
-import sys
 import time
-from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
 import torch
 from omegaconf import DictConfig
-from torch import nn
-from torchtune import training, utils
+from torchtune import config, training, utils
 
 from torchtune_grpo import distributed as D
 from torchtune_grpo.algorithm.advantages import AdvantageOutput, group_advantages, loss_token_mask
 from torchtune_grpo.algorithm.trajectory import Trajectory, concat_trajectories
 from torchtune_grpo.backends import backend_for
-from torchtune_grpo.checkpoints.recipe_state import RecipeCheckpoints
-from torchtune_grpo.config.schema import RECIPE_KEYS, Key, per_rank_batch_size, with_defaults
+from torchtune_grpo.checkpoints.recipe_state import StepCheckpoints
+from torchtune_grpo.checkpoints.saving import load_recipe_state
+from torchtune_grpo.config.schema import RECIPE_KEYS, per_rank_batch_size, with_defaults
 from torchtune_grpo.config.settings import (
     AdvantageSettings,
     DynamicSamplingSettings,
+    HealthSettings,
     settings_from_config,
 )
-from torchtune_grpo.config.validation import check_device, validate_config
-from torchtune_grpo.evaluation.during_training import RecipeEvaluation
+from torchtune_grpo.config.validation import check_device, check_input_files
+from torchtune_grpo.datasets import collate_prompts
+from torchtune_grpo.evaluation.during_training import TrainingEvaluation
 from torchtune_grpo.evaluation.evaluate import EvaluationInterrupted
+from torchtune_grpo.evaluation.results import EvalResult
 from torchtune_grpo.evaluation.settings import EvalSettings
-from torchtune_grpo.policy.model import DTYPES
+from torchtune_grpo.policy.model import DTYPES, token_rules
+from torchtune_grpo.rewards.build import build_reward_set
 from torchtune_grpo.rewards.reward_set import RewardOutput
 from torchtune_grpo.rewards.scoring import concat_reward_outputs, score_rollout
+from torchtune_grpo.rollout.protocol import Generator
+from torchtune_grpo.rollout.runtime import (
+    RolloutRuntime,
+    check_context_length,
+    generation_context,
+)
 from torchtune_grpo.rollout.tool_trajectory import ToolStats
+from torchtune_grpo.training import parts
 from torchtune_grpo.training.batching import (
     SampledGroups,
+    StepBatches,
     dynamic_sample,
+    dynamic_sampling_metrics,
     split_batch,
 )
+from torchtune_grpo.training.health import RunHealth
 from torchtune_grpo.training.interrupts import StopSignals
-from torchtune_grpo.training.metrics import PhaseTimer, peak_memory_gb
-from torchtune_grpo.training.recipe_setup import RecipeSetup
-from torchtune_grpo.training.recipe_update import RecipeUpdate
+from torchtune_grpo.training.metrics import PhaseTimer, StepProgress, step_metrics
+from torchtune_grpo.training.parts import LocalRollouts, RolloutSource
+from torchtune_grpo.training.update import PolicyUpdate
 
 log = utils.get_logger("INFO")
 
 
-def _world_size_from_env() -> int:
-    import os
-
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _rank_from_env() -> int:
-    import os
-
-    return int(os.environ.get("RANK", "0"))
-
-
-def run_recipe(cfg: DictConfig) -> None:
+def run_recipe(cfg: DictConfig, source: RolloutSource | None = None) -> None:
     """Set up, train and clean up a :class:`GRPORecipe`; cleanup runs on failure too.
 
-    The entry point of both training recipes: whether training ends, stops on a divergence
+    The entry point of the training recipes: whether training ends, stops on a divergence
     or raises, the generator (e.g. a vLLM engine), the metric logger and the process group
     are closed.
+
+    Args:
+        cfg: the merged config.
+        source: where the rollouts come from (default :class:`LocalRollouts`).
     """
-    recipe = GRPORecipe(cfg)
+    recipe = GRPORecipe(cfg, source=source)
     try:
         recipe.setup()
         recipe.train()
@@ -101,31 +105,33 @@ def run_recipe(cfg: DictConfig) -> None:
         recipe.cleanup()
 
 
-class GRPORecipe(RecipeSetup, RecipeUpdate, RecipeCheckpoints, RecipeEvaluation):
+class GRPORecipe:
     """GRPO full fine-tuning on one or many ranks (see the module docstring for the step).
+
+    The recipe builds its parts in :meth:`setup` and holds them: :attr:`policy_update`
+    (steps 5-6), :attr:`checkpoints`, :attr:`evaluation` (None without an eval dataset),
+    :attr:`rollouts` and :attr:`source`.
 
     Args:
         cfg: the merged config; validated before anything is built.
+        source: where the rollouts come from (default :class:`LocalRollouts`).
     """
 
-    #: config keys of this recipe beyond :data:`~torchtune_grpo.config.schema.RECIPE_KEYS`
-    EXTRA_KEYS: dict[str, Key] = {}
-
-    def __init__(self, cfg: DictConfig) -> None:
+    def __init__(self, cfg: DictConfig, source: RolloutSource | None = None) -> None:
         # Ctrl-C / SIGTERM from the first second: one line while setting up, a clean stop
         # that keeps the work done while evaluating or training
-        self.stop = StopSignals("the run", quiet=_rank_from_env() != 0).install()
-        self.validate(cfg)
-        self.cfg = cfg = with_defaults(cfg, {**RECIPE_KEYS, **self.EXTRA_KEYS})
+        self.stop = StopSignals("the run", quiet=parts.rank_from_env() != 0).install()
+        self.source = source = source if source is not None else LocalRollouts()
+        source.validate(cfg)
+        self.cfg = cfg = with_defaults(cfg, {**RECIPE_KEYS, **source.extra_keys})
         check_device(cfg.device)
         self.device = utils.get_device(cfg.device)
         # process-wide settings of the device (CPU: the allocator keeps freed memory), before
         # the model and the step's tensors are allocated
         backend_for(self.device).configure_process(keep_freed_memory=cfg.keep_freed_cpu_memory)
         self.dtype = DTYPES[cfg.dtype]
-        self.ranks = self.init_process_group()  # every collective of the step goes here
-        self.world_size, self.rank = self.ranks.size(), self.ranks.rank()
-        self.dp_mesh = None  # FSDP2 shards over the whole world (the async trainers: theirs)
+        self.ranks = source.process_group(self.device, float(cfg.distributed_timeout_s))
+        self.world_size, self.rank = self.ranks.size(), self.ranks.rank()  # every collective
         self.is_rank_zero = self.rank == 0
         self.seed = training.set_seed(cfg.seed)
         self.batch_size = per_rank_batch_size(cfg, self.world_size)
@@ -140,26 +146,109 @@ class GRPORecipe(RecipeSetup, RecipeUpdate, RecipeCheckpoints, RecipeEvaluation)
             fallbacks={"max_generated_tokens": cfg.max_generated_tokens,
                        "forward_batch_size": self.forward_batch_size})
         self.step = 0
-        self.skipped_steps = 0
-        self.consecutive_skips = 0
         self.metric_logger = None
-        self._progress = None
-        self._line_progress = False
-        self._adapter_state = None
+        self._progress: StepProgress | None = None
         self.output_lock = None  # rank 0: the lock on output_dir (setup)
         self.model_files: dict[str, bytes] = {}  # rank 0: written into every step folder
+        self.generator: Generator | None = None
+        self.evaluation: TrainingEvaluation | None = None  # None: no eval dataset
 
-    def validate(self, cfg: DictConfig) -> None:
-        """Check the config before anything is built
-        (:func:`~torchtune_grpo.config.validation.validate_config` with the world size torchrun
-        set)."""
-        validate_config(cfg, world_size=_world_size_from_env(), extra_keys=self.EXTRA_KEYS)
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        """Build data, rewards and loss first (cheap, validating), then the models, the
+        optimizer and the parts that use them."""
+        cfg = self.cfg
+        check_input_files(cfg)  # the base model is read even when resuming
+        if self.is_rank_zero:  # one run per output_dir, held until the process ends
+            self.output_lock, self.model_files = parts.claim_output(cfg)
+        self.tokenizer = config.instantiate(cfg.tokenizer)
+        self.rewards = build_reward_set(cfg.rewards)
+        self.health = None if cfg.run_health is None else RunHealth(
+            settings_from_config(HealthSettings, cfg.run_health, "run_health"),
+            success_component=self.rewards.success_name,
+            gated_components=[e.name for e in self.rewards.entries if e.requires_success])
+        self.loss_fn = config.instantiate(cfg.loss)
+        self.generator = self.source.generator(parts.build_engine(cfg), cfg)
+        self.tools_on = bool(cfg.tools)
+        # multi-turn: the engine samples each turn, tools run in between; the recipe reads the
+        # tool counts from it (pop_stats, part of the Generator protocol)
+        self.tool_generator = self.eval_tool_generator = None
+        if self.tools_on:
+            self.tool_generator, self.eval_tool_generator = parts.build_tool_generators(
+                cfg, self.tokenizer, self.generator)
+            self.generator = self.tool_generator
+        self._tool_stats = ToolStats()
+        # after the tool engine: the chat-template tool format gives the tokenizer the tools'
+        # schemas, which the prompts are rendered with
+        self.dataset = config.instantiate(cfg.dataset, tokenizer=self.tokenizer)
+        self.max_seq_len, self.is_lora = parts.model_shape(cfg)
+        check_context_length(self.dataset, cfg.max_generated_tokens, self.max_seq_len)
+        self.batches = StepBatches(
+            self.dataset, batch_size=self.batch_size, world_size=self.world_size,
+            rank=self.rank, seed=self.seed, shuffle=cfg.shuffle,
+            collate=partial(collate_prompts, pad_id=int(getattr(self.tokenizer, "pad_id", 0))),
+        )
+        # built only when an evaluation is scheduled (eval_dataset=null: none at all)
+        self.eval_dataset = (config.instantiate(cfg.eval_dataset, tokenizer=self.tokenizer)
+                             if cfg.eval_dataset is not None and self.evaluates() else None)
+        self.resume_dir = parts.resume_folder(cfg, self.model_files,
+                                              is_rank_zero=self.is_rank_zero)
+        self.ranks.barrier()
+        policy = parts.build_policy(
+            cfg, self.resume_dir, is_lora=self.is_lora,
+            needs_reference=self.loss_fn.needs_reference, device=self.device, dtype=self.dtype,
+            world_size=self.world_size, is_rank_zero=self.is_rank_zero,
+            dp_mesh=self.source.device_mesh(self.ranks, self.device))
+        self.model, self.ref_model, self.checkpointer = (policy.model, policy.ref_model,
+                                                         policy.checkpointer)
+        self.optimizer, self.lr_scheduler = parts.build_optimizer(cfg, self.model)
+        self.checkpoints = StepCheckpoints(
+            self.model, self.optimizer, self.lr_scheduler, self.checkpointer, self.ranks,
+            self.device, parts.checkpoint_settings(
+                cfg, seed=self.seed, global_batch_size=self.batch_size * self.world_size),
+            is_lora=self.is_lora, model_files=self.model_files,
+            model_state=partial(self.source.model_state, self.model, self.ranks, self.device),
+            entries=self.source.state_entries(self.model, self.ranks))
+        skipped_steps = 0
+        if self.resume_dir is not None:
+            resumed = self.checkpoints.restore(load_recipe_state(self.resume_dir),
+                                               self.resume_dir)
+            self.step, skipped_steps = resumed.step, resumed.skipped_steps
+        if self.is_rank_zero and cfg.metric_logger is not None:
+            self.metric_logger = config.instantiate(cfg.metric_logger)
+            self.metric_logger.log_config(cfg)
 
-    def init_process_group(self) -> D.Ranks:
-        """The ranks that train together: the default process group under torchrun (this
-        process alone without)."""
-        D.init_distributed(self.device, timeout_s=float(self.cfg.distributed_timeout_s))
-        return D.WORLD
+        self.rules = token_rules(self.tokenizer, self.model, self.device)
+        self.allowed_tokens, self.logit_bias = self.rules.allowed, self.rules.logit_bias
+        self.stop_tokens, self.pad_id = self.rules.stop_tokens, self.rules.pad_id
+        self.policy_update = PolicyUpdate(
+            self.model, self.optimizer, self.lr_scheduler, self.loss_fn, self.ranks, self.device,
+            parts.update_settings(cfg, seed=self.seed, forward_batch_size=self.forward_batch_size,
+                                  vocab_size=self.logit_bias.numel()),
+            logit_bias=self.logit_bias, ref_model=self.ref_model, is_lora=self.is_lora,
+            activation_offloading=policy.activation_offloading, skipped_steps=skipped_steps)
+        if self.eval_dataset is not None:
+            self.evaluation = TrainingEvaluation(
+                self.model, self.tokenizer, self.eval_dataset, self.rewards, self.eval_settings,
+                rules=self.rules, ranks=self.ranks, device=self.device, cache_dtype=self.dtype,
+                sources=parts.eval_sources(cfg), stop=self.stop,
+                metric_logger=self.metric_logger, gather_weights=cfg.rollout_gather_weights,
+                tool_generator=self.eval_tool_generator, progress=cfg.progress_bar)
+        self.rollouts = RolloutRuntime(
+            self.generator, cfg, rules=self.rules, ranks=self.ranks, seed=self.seed,
+            group_size=self.group_size, forward_batch_size=self.forward_batch_size,
+            device=self.device, cache_dtype=self.dtype)
+        lora = ({"rank": int(cfg.model.lora_rank), "alpha": float(cfg.model.lora_alpha)}
+                if self.is_lora else None)
+        self.generator.setup(generation_context(
+            cfg, self.checkpointer, self.dataset, max_seq_len=self.max_seq_len,
+            device=self.device, dtype=self.dtype, world_size=self.world_size, rank=self.rank,
+            allowed_tokens=self.allowed_tokens, lora=lora))
+        self.generator.sync_weights(self.model)  # a resumed or LoRA policy is not the base
+
+    def evaluates(self) -> bool:
+        """Whether this run evaluates at all (the eval dataset is built only then)."""
+        return bool(self.cfg.eval_every_n_steps) or bool(self.cfg.eval_at_start)
 
     # ------------------------------------------------------------------ one step
     def train_step(self, batch: dict[str, Any]) -> dict[str, float]:
@@ -171,6 +260,7 @@ class GRPORecipe(RecipeSetup, RecipeUpdate, RecipeCheckpoints, RecipeEvaluation)
         (:meth:`dynamic_sample`) before the advantages.
         """
         timer = PhaseTimer()
+        self.source.begin_step(self.step)
         traj, rewards = self.rollout_and_score(batch, timer)
         sampled = None
         if self.dynamic_sampling is not None:  # DAPO: drop tied groups, draw more prompts
@@ -188,10 +278,13 @@ class GRPORecipe(RecipeSetup, RecipeUpdate, RecipeCheckpoints, RecipeEvaluation)
                                        self.loss_mask(traj, adv), old_logprobs=old)
         with timer("weight_sync"):
             self.generator.sync_weights(self.model)  # no-op for the native engine
-        self.step += 1
+        step, self.step = self.step, self.step + 1
         metrics = self.step_metrics(traj, rewards, adv, loss_metrics, timer.seconds)
         if sampled is not None:
-            metrics.update(self.dynamic_sampling_metrics(sampled, timer.seconds))
+            metrics.update(dynamic_sampling_metrics(sampled, timer.seconds, ranks=self.ranks,
+                                                    batch_size=self.batch_size,
+                                                    device=self.device))
+        self.source.step_metrics(step, metrics, self.ranks, self.device)
         return metrics
 
     def rollout_and_score(self, batch: dict[str, Any], timer: PhaseTimer,
@@ -220,36 +313,16 @@ class GRPORecipe(RecipeSetup, RecipeUpdate, RecipeCheckpoints, RecipeEvaluation)
             max_batches=self.dynamic_sampling.max_batches,
             all_ranks_true=partial(self.ranks.all_ranks_true, device=self.device))
 
-    def dynamic_sampling_metrics(self, sampled: SampledGroups,
-                                 seconds: dict[str, float]) -> dict[str, float]:
-        """``dynamic_sampling/...`` over all ranks, and ``tokens_per_second/generation``
-        counting every token the step generated (dropped groups included)."""
-        t = torch.tensor([float(sampled.signal_groups), float(self.batch_size),
-                          float(sampled.generated_tokens)], dtype=torch.float64,
-                         device=self.device)
-        self.ranks.all_reduce(t, "sum")
-        return {
-            "dynamic_sampling/extra_rollouts": float(sampled.extra_rollouts),
-            "dynamic_sampling/kept_fraction": float(t[0] / t[1]),
-            "dynamic_sampling/generated_tokens": float(t[2]),
-            "tokens_per_second/generation": float(t[2]) / max(seconds["generation"], 1e-9),
-        }
-
     def rollout(self, batch: dict[str, Any], draw: int = 0) -> Trajectory:
         """Step 2: ``group_size`` completions per prompt, padded to uniform shapes
         (:meth:`RolloutRuntime.rollout`: seeds from ``(seed, step, prompt, sample, draw)``
-        alone); with tools, the step's tool counts are summed for :meth:`step_metrics`."""
+        alone); with tools, the step's tool counts are summed for :meth:`step_metrics`; the
+        source sees each rollout (:meth:`RolloutSource.after_rollout`)."""
         traj = self.rollouts.rollout(self.model, batch, step=self.step, draw=draw)
         if self.tools_on:
             self._tool_stats = self._tool_stats + self.generator.pop_stats()
+        self.source.after_rollout(traj, self.step, self.policy_update)
         return traj
-
-    def _gathered(self, model: nn.Module | None) -> contextlib.AbstractContextManager:
-        """Under FSDP2, ``model``'s weights all-gathered once for a no-grad phase and freed at
-        its end (:func:`~torchtune_grpo.distributed.gathered_for_inference`), not once per
-        forward; off with ``rollout_gather_weights: false``, a no-op on one device or for
-        None."""
-        return D.gathered_for_inference(model, enabled=self.cfg.rollout_gather_weights)
 
     def score(self, traj: Trajectory, batch: dict[str, Any]) -> RewardOutput:
         """Step 3: decode the completions (with tools: model and tool text in order) and
@@ -279,75 +352,60 @@ class GRPORecipe(RecipeSetup, RecipeUpdate, RecipeCheckpoints, RecipeEvaluation)
             exclude_zero_std_groups=self.cfg.exclude_zero_std_groups,
         )
 
-    def behavior_is_current(self) -> bool:
-        """Whether this step's rollout was sampled with the weights the update starts from
-        (always, here): then the first epoch's forward also measures the generator/policy
-        log-prob gap."""
-        return True
+    def reference_logprobs(self, traj: Trajectory) -> torch.Tensor:
+        """Step 5: :meth:`PolicyUpdate.reference_logprobs` ``[N, T]``."""
+        return self.policy_update.reference_logprobs(traj)
+
+    def old_logprobs(self, traj: Trajectory) -> torch.Tensor | None:
+        """Step 5: ``[N, T]`` log-probs of the rollout under the current policy when the
+        generator's own cannot serve as the sampling policy's (see its
+        ``needs_policy_logprobs``, e.g. vLLM with ``top_k``) or when the loss needs the
+        proximal policy's (:attr:`PolicyUpdate.needs_proximal`); None: use ``traj.logprobs``."""
+        if not (self.policy_update.needs_proximal
+                or self.generator.needs_policy_logprobs(top_k=self.cfg.top_k)):
+            return None
+        return self.policy_update.policy_logprobs(traj)
+
+    def update(self, traj: Trajectory, advantages: torch.Tensor,
+               ref_logprobs: torch.Tensor | None, loss_mask: torch.Tensor | None = None,
+               old_logprobs: torch.Tensor | None = None) -> dict[str, float]:
+        """Step 6: :meth:`PolicyUpdate.update` of this step; the generator/policy log-prob gap
+        is measured when the rollout was sampled with the current weights
+        (:meth:`RolloutSource.behavior_is_current`)."""
+        return self.policy_update.update(
+            traj, advantages, ref_logprobs, loss_mask, old_logprobs, step=self.step,
+            measure_gap=self.source.behavior_is_current(self.step))
 
     # ------------------------------------------------------------------ metrics
-    def _global_mean(self, values: torch.Tensor) -> float:
-        t = torch.tensor([values.float().sum().item(), values.numel()], dtype=torch.float64,
-                         device=self.device)
-        self.ranks.all_reduce(t, "sum")
-        return float(t[0] / t[1])
-
     def step_metrics(self, traj: Trajectory, rewards: RewardOutput, adv: AdvantageOutput,
                      loss_metrics: dict[str, float],
                      seconds: dict[str, float]) -> dict[str, float]:
-        """The metrics of one step, averaged over all ranks (``docs/metrics.md``)."""
-        total = rewards.total.float()
-        mean = self._global_mean(total)
-        mean_sq = self._global_mean(total * total)
-        metrics = {
-            "reward/mean": mean,
-            "reward/std": math.sqrt(max(mean_sq - mean * mean, 0.0)),
-            "success_rate": self._global_mean(rewards.success.float()),
-            "response_length/mean": self._global_mean(traj.response_lengths.float()),
-            "truncated_fraction": self._global_mean((~traj.stopped).float()),
-            "zero_std_group_fraction": self._global_mean(adv.zero_std_groups.float()),
-            # groups whose completions were all right: tied, but solved (run health)
-            "solved_group_fraction": self._global_mean(
-                rewards.success.reshape(-1, self.group_size).all(1).float()),
-        }
-        for name, values in rewards.components.items():
-            metrics[f"reward/{name}"] = self._global_mean(values.float())
-        for name, count in rewards.errors.items():
-            errors = self.ranks.all_reduce(torch.tensor([float(count)], device=self.device), "sum")
-            metrics[f"reward/{name}/errors"] = float(errors)
-        for name, count in sorted(rewards.counts.items()):  # a component's own counters
-            total_count = self.ranks.all_reduce(
-                torch.tensor([float(count)], device=self.device), "sum")
-            metrics[f"reward/{name}"] = float(total_count)
-        metrics["data/skipped_rows"] = float(getattr(self.dataset, "skipped_rows", 0))
-        metrics.update(loss_metrics)
-        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
-        generated = torch.tensor([float(traj.response_mask.sum())], device=self.device)
-        self.ranks.all_reduce(generated, "sum")
-        metrics["tokens_per_second/generation"] = (
-            float(generated) / max(seconds["generation"], 1e-9))
-        if self.tools_on:  # every rollout of the step, summed over ranks
-            sums = self.ranks.all_reduce(self._tool_stats.as_tensor().to(self.device), "sum")
-            metrics.update(ToolStats.metrics(sums.cpu()))
-            self._tool_stats = ToolStats()
-        metrics.update({f"time/{phase}": value for phase, value in seconds.items()})
-        if self.cfg.log_peak_memory_stats:
-            metrics["peak_memory_gb"] = peak_memory_gb(self.device)
-        return metrics
+        """The metrics of one step, averaged over all ranks (``docs/metrics.md``;
+        :func:`~torchtune_grpo.training.metrics.step_metrics`); the tool counts restart."""
+        tool_stats, self._tool_stats = (self._tool_stats if self.tools_on else None), ToolStats()
+        return step_metrics(
+            traj, rewards, adv, loss_metrics, seconds, ranks=self.ranks, device=self.device,
+            group_size=self.group_size, lr=float(self.optimizer.param_groups[0]["lr"]),
+            skipped_rows=float(getattr(self.dataset, "skipped_rows", 0)), tool_stats=tool_stats,
+            peak_memory=self.cfg.log_peak_memory_stats)
 
     # ------------------------------------------------------------------ loop
     def train(self) -> None:
-        """Run the remaining of ``num_steps`` GRPO steps: a list of calls."""
+        """Run the remaining of ``num_steps`` GRPO steps: a list of calls; then the source
+        finishes (:meth:`RolloutSource.finish`)."""
         if self.step >= self.cfg.num_steps:
             if self.is_rank_zero:
                 log.warning(f"already finished: {self.resume_dir} is step {self.step} and "
                             f"num_steps={self.cfg.num_steps}; nothing to do (raise num_steps to "
                             "train further)")
+            self.source.finish()
             return
-        if self.eval_dataset is not None and self.step == 0 and self.cfg.eval_at_start:
+        if self.evaluation is not None and self.step == 0 and self.cfg.eval_at_start:
             with self.stop.deferred():
-                self.run_start_eval()
-        with self._progress_bar(), self.stop.deferred():
+                self.evaluation.run_at_start()
+        show = self.is_rank_zero and self.cfg.progress_bar
+        with StepProgress(self.cfg.num_steps, self.step, show=show) as self._progress, \
+                self.stop.deferred():
             while self.step < self.cfg.num_steps:
                 start = time.perf_counter()
                 metrics = self.train_step(self.batches.batch(self.step))
@@ -357,6 +415,7 @@ class GRPORecipe(RecipeSetup, RecipeUpdate, RecipeCheckpoints, RecipeEvaluation)
         if self.health is not None and self.is_rank_zero:
             summary = self.health.summary()
             (log.warning if any(self.health.spans.values()) else log.info)(summary)
+        self.source.finish()
 
     def after_step(self, metrics: dict[str, float]) -> bool:
         """Step 7: log, evaluate, checkpoint; returns False when the run must stop.
@@ -379,16 +438,17 @@ class GRPORecipe(RecipeSetup, RecipeUpdate, RecipeCheckpoints, RecipeEvaluation)
         # a signal (not a time budget's request): evaluations are skipped or cut short
         signalled = preempted and not self.ranks.all_ranks_true(not self.stop.signalled,
                                                                 self.device)
-        diverged = self.consecutive_skips >= cfg.max_consecutive_skipped_steps
+        diverged = (skips := self.policy_update.consecutive_skips) >= (
+            cfg.max_consecutive_skipped_steps)
         last = self.step == cfg.num_steps
         evaluated, eval_note = None, ""
-        if self.eval_dataset is not None and cfg.eval_every_n_steps and (
+        if self.evaluation is not None and cfg.eval_every_n_steps and (
                 self.step % cfg.eval_every_n_steps == 0 or last):
             if signalled:
                 eval_note = "its evaluation was skipped"
             else:
                 try:
-                    evaluated = self.run_eval()
+                    evaluated = self.evaluation.run(self.step)
                 except EvaluationInterrupted as exc:
                     preempted, eval_note = True, f"its {exc}"
         if eval_note:
@@ -405,51 +465,32 @@ class GRPORecipe(RecipeSetup, RecipeUpdate, RecipeCheckpoints, RecipeEvaluation)
             return False
         if diverged:
             raise RuntimeError(
-                f"{self.consecutive_skips} consecutive steps had a non-finite loss or gradient "
+                f"{skips} consecutive steps had a non-finite loss or gradient "
                 f"(max_consecutive_skipped_steps={cfg.max_consecutive_skipped_steps}); saved "
                 f"step_{self.step} and stopped. Lower the learning rate, check the rewards, "
                 "or resume from an earlier checkpoint."
             )
         return True
 
+    def save_checkpoint(self, evaluated: EvalResult | None = None) -> None:
+        """:meth:`StepCheckpoints.save` of this step, with ``evaluated``'s results inside."""
+        self.checkpoints.save(self.step, skipped_steps=self.policy_update.skipped_steps,
+                              evaluated=evaluated)
+
     def log_metrics(self, metrics: dict[str, float]) -> None:
         """Send ``metrics`` to the metric logger (every ``log_every_n_steps``) and the
-        progress bar."""
+        progress display."""
         if self.metric_logger is not None and self.step % self.cfg.log_every_n_steps == 0:
             self.metric_logger.log_dict(metrics, step=self.step)
         if self._progress is not None:
-            self._progress.update(1)
-            self._progress.set_description(
-                f"step {self.step} reward {metrics['reward/mean']:.3f} "
-                f"success {metrics['success_rate']:.2f}")
-        elif self._line_progress:  # output to a file: one line per step, not a redrawn bar
-            log.info(f"step {self.step}/{self.cfg.num_steps}: reward "
-                     f"{metrics['reward/mean']:.3f}, success {metrics['success_rate']:.2f}, "
-                     f"{metrics.get('time/step', 0.0):.1f} s")
-
-    @contextlib.contextmanager
-    def _progress_bar(self) -> Iterator[None]:
-        from tqdm import tqdm
-
-        show = self.is_rank_zero and self.cfg.progress_bar
-        self._line_progress = show and not sys.stderr.isatty()
-        self._progress = (None if self._line_progress else
-                          tqdm(total=self.cfg.num_steps, initial=self.step, disable=not show))
-        try:
-            yield
-        finally:
-            if self._progress is not None:
-                self._progress.close()
-            self._progress = None
-            self._line_progress = False
+            self._progress.update(self.step, metrics)
 
     def cleanup(self) -> None:
         """Close the generator, the metric logger and the process group (safe to call after
         a failed or partial :meth:`setup`)."""
         try:
-            generator = getattr(self, "generator", None)
-            if generator is not None:
-                generator.close()
+            if self.generator is not None:
+                self.generator.close()
             if self.metric_logger is not None:
                 self.metric_logger.close()
         finally:

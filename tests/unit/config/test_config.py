@@ -327,3 +327,40 @@ def test_a_moved_component_path_names_its_new_home():
                                           r"\.checkpointing\.hf_checkpointer' is now "
                                           r"'torchtune_grpo\.models\.hf_checkpointer'"):
         validate_config(cfg, world_size=1)
+
+
+def test_packed_forward_with_compile_is_an_error_naming_both_keys():
+    """Neither key silently overrides the other: the pair set by the user is refused, each alone
+    is fine, and unset ``packed_forward`` means packed unless compiled."""
+    from torchtune_grpo.config.schema import with_defaults
+    from torchtune_grpo.training.parts import packed_forward
+
+    with pytest.raises(ConfigError) as info:
+        validate_config(load_config("grpo/quickstart_cpu",
+                                    ["compile=true", "packed_forward=true"]))
+    assert "'packed_forward'" in str(info.value) and "'compile'" in str(info.value)
+    for overrides, packed in [([], True), (["compile=true"], False),
+                              (["compile=true", "packed_forward=false"], False),
+                              (["packed_forward=true"], True), (["packed_forward=false"], False)]:
+        cfg = load_config("grpo/quickstart_cpu", overrides)
+        validate_config(cfg)
+        assert packed_forward(with_defaults(cfg)) is packed, overrides
+
+
+def test_the_conflict_stops_the_recipe_in_one_line_before_anything_loads(
+        tmp_path, capsys, monkeypatch):
+    import sys
+
+    import grpo_full_finetune_single_device as entry
+
+    monkeypatch.setattr(sys, "argv", ["recipe", "--config", "grpo/quickstart_cpu",
+                                      f"model_dir={tmp_path / 'no_model'}",
+                                      f"output_dir={tmp_path / 'out'}", "compile=true",
+                                      "packed_forward=true"])
+    with pytest.raises(SystemExit) as raised:
+        entry.recipe_main()
+    errors = [line for line in capsys.readouterr().err.splitlines()
+              if line.startswith("error: ")]
+    assert raised.value.code == 2
+    assert len(errors) == 1 and "'packed_forward' and 'compile'" in errors[0], errors
+    assert not (tmp_path / "out").exists()

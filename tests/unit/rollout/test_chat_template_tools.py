@@ -537,9 +537,7 @@ def spy_dataset(tokenizer, **kwargs):
 
 def test_the_recipe_gives_the_tokenizer_the_schemas_before_the_dataset(folders, monkeypatch):
     from torchtune_grpo.training import recipe as recipe_module
-    from torchtune_grpo.training import recipe_setup
-
-    monkeypatch.setattr(recipe_setup, "check_input_files", lambda cfg: None)  # no model files
+    monkeypatch.setattr(recipe_module, "check_input_files", lambda cfg: None)  # no model files
     cfg = _config(folders["tools"], {"format": "chat_template"})
     cfg.device, cfg.dtype = "cpu", "fp32"
     cfg.dataset = OmegaConf.create({"_component_": f"{__name__}.spy_dataset"})
