@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from torchtune_grpo.models.gguf.gemma3 import gemma3_config, gemma3_state_dict
-from torchtune_grpo.models.gguf.reader import GgufFile
+from torchtune_grpo.models.gguf.reader import GgufFile, check_block_tensors
 from torchtune_grpo.models.gguf.tokenizer import tokenizer_from_gguf
 
 __all__ = [
@@ -172,12 +172,7 @@ def _hf_config(src: GgufFile, arch: str) -> dict[str, Any]:
 def _state_dict(src: GgufFile, config: dict[str, Any]) -> dict[str, np.ndarray]:
     """All tensors under their HF names, float32, q/k un-permuted."""
     layers = config["num_hidden_layers"]
-    expected = {"token_embd.weight", "output_norm.weight"} | {
-        f"blk.{n}.{part}.weight" for n in range(layers) for part in _BLOCK_TENSORS}
-    missing = sorted(expected - set(src.tensors))
-    if missing:
-        raise ValueError(f"{src.path}: missing tensors {missing[:5]}"
-                         f"{' ...' if len(missing) > 5 else ''} for {layers} layers")
+    check_block_tensors(src, _BLOCK_TENSORS, layers, "layers")
     names = {name: hf_tensor_name(name) for name in src.tensors}  # unknown names raise here
     out = {}
     for gguf_name, hf_name in names.items():

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from torchtune_grpo.models.gguf.reader import check_block_tensors
+
 if TYPE_CHECKING:
     from torchtune_grpo.models.gguf.reader import GgufFile
 
@@ -184,12 +186,7 @@ def gemma3_state_dict(src: GgufFile, config: dict[str, Any]) -> dict[str, np.nda
             ``vocab_size`` rows.
     """
     layers = config["num_hidden_layers"]
-    expected = {"token_embd.weight", "output_norm.weight"} | {
-        f"blk.{n}.{part}.weight" for n in range(layers) for part in GEMMA3_BLOCK_TENSORS}
-    missing = sorted(expected - set(src.tensors))
-    if missing:
-        raise ValueError(f"{src.path}: missing tensors {missing[:5]}"
-                         f"{' ...' if len(missing) > 5 else ''} for {layers} Gemma 3 layers")
+    check_block_tensors(src, GEMMA3_BLOCK_TENSORS, layers, "Gemma 3 layers")
     names = {name: gemma3_tensor_name(name) for name in src.tensors}  # unknown names raise here
     out = {}
     for gguf_name, hf_name in names.items():

@@ -83,3 +83,18 @@ def _gguf_version() -> str:
         return version("gguf")
     except PackageNotFoundError:
         return "(unknown version)"
+
+
+def check_block_tensors(src: GgufFile, block_tensors: Any, layers: int, what: str) -> None:
+    """Raise unless ``src`` holds the embedding, the final norm and every ``block_tensors`` part
+    of each of its ``layers`` blocks.
+
+    Raises:
+        ValueError: naming the file, the first missing tensors and ``layers`` ``what``.
+    """
+    expected = {"token_embd.weight", "output_norm.weight"} | {
+        f"blk.{n}.{part}.weight" for n in range(layers) for part in block_tensors}
+    missing = sorted(expected - set(src.tensors))
+    if missing:
+        raise ValueError(f"{src.path}: missing tensors {missing[:5]}"
+                         f"{' ...' if len(missing) > 5 else ''} for {layers} {what}")
