@@ -1,11 +1,13 @@
-"""A random-weight model of another family in SmolLM2-135M's shape, for the real-model step
-benchmark (``benchmarks/real_step.py --family qwen3``).
+"""A random-weight model of a family in SmolLM2-135M's shape, for the real-model step
+benchmark (``benchmarks/real_step.py --family qwen3`` or ``--family llama``).
 
 The folder holds SmolLM2's tokenizer files (so both frameworks see the same prompts) and a
 ``config.json`` of the family with SmolLM2's dimensions (30 layers, width 576, 9 query and 3
 key/value heads of 64, MLP 1536, vocabulary 49,152, tied embeddings), and seeded random weights
 (normal, std 0.02; norm scales 1) written in the family's HF names by this package's own weight
-tables. Timings do not depend on the values; both frameworks load the same bytes.
+tables (Llama: torchtune's converter). Timings depend on the values only through when rows
+stop: random weights never emit the stop token, so every row decodes every position, in both
+frameworks and in every family alike.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=
 FAMILIES = {
     "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_act="silu",
                   rope_theta=100000.0, attention_bias=False, use_sliding_window=False),
+    # SmolLM2's own architecture with random weights: the same work per step as the Qwen3
+    # folder (no row stops early), so the two compare the architectures alone
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
+                  rope_theta=100000.0, attention_bias=False, mlp_bias=False),
 }
 
 
@@ -59,7 +65,15 @@ def random_family_folder(smollm2_dir: Path, family: str, out: Path, seed: int = 
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, 0.02)
-    names = family_module(config["architectures"][0]).NAMES
-    save_file({k: v.contiguous() for k, v in names.tune_to_hf(model.state_dict()).items()},
+    state = model.state_dict()
+    try:
+        hf_state = family_module(config["architectures"][0]).NAMES.tune_to_hf(state)
+    except KeyError:  # torchtune's own Llama: its converter (q/k rows permuted back)
+        from torchtune.models.convert_weights import tune_to_hf
+
+        hf_state = tune_to_hf(state, num_heads=config["num_attention_heads"],
+                              num_kv_heads=config["num_key_value_heads"],
+                              dim=config["hidden_size"], head_dim=config["head_dim"])
+    save_file({k: v.contiguous() for k, v in hf_state.items()},
               str(out / "model.safetensors"), metadata={"format": "pt"})
     return out

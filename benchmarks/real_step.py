@@ -449,9 +449,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model-dir", type=Path,
                         default=Path(os.environ.get("SMOLLM2_DIR", DEFAULT_MODEL)),
                         help="HF folder of SmolLM2-135M-Instruct (env SMOLLM2_DIR)")
-    parser.add_argument("--family", choices=["smollm2", "qwen3"], default="smollm2",
-                        help="smollm2: the real model; qwen3: a random-weight Qwen3 of its "
-                             "shape (benchmarks/family_shapes.py)")
+    parser.add_argument("--family", choices=["smollm2", "qwen3", "llama"], default="smollm2",
+                        help="smollm2: the real model; qwen3 / llama: random weights of that "
+                             "architecture in its shape (benchmarks/family_shapes.py)")
     parser.add_argument("--peer", choices=["trl"], help="also run TRL's GRPOTrainer")
     parser.add_argument("--peer-python", type=Path,
                         default=Path(os.environ.get("TRL_PYTHON", REPO / ".venv-trl/bin/python")),

@@ -20,11 +20,12 @@ from torchtune.modules import (
     TransformerSelfAttentionLayer,
 )
 
+from torchtune_grpo.models.layers import NormedProjection
 from torchtune_grpo.policy.kv_cache import (
-    INTERLEAVED_ROPES,
     SpanKVCache,
     attend_projected,
     rotate,
+    rotates_heads_alike,
 )
 
 #: Inputs of at most this many rows (decode steps) use the packed weights of
@@ -47,13 +48,13 @@ def attend_decode_step(attn: MultiHeadAttention, qkv: torch.Tensor, *, mask: tor
 
     Returns:
         Tensor | None: ``[b, 1, heads * head_dim]``, the input of the output projection; None
-        where the shortcut does not apply (another cache or phase, q/k norms, or a position
-        embedding ``rotate`` does not compute itself).
+        where the shortcut does not apply (another cache or phase, q/k norms after RoPE, or a
+        position embedding not known to rotate each head alike).
     """
     cache, rope = attn.kv_cache, attn.pos_embeddings
     if (type(cache) is not SpanKVCache or cache.write_pos is not None or cache.prefilling
             or attn.q_norm is not None or attn.k_norm is not None
-            or (rope is not None and (type(rope) not in INTERLEAVED_ROPES or input_pos is None))
+            or (rope is not None and (not rotates_heads_alike(rope) or input_pos is None))
             or type(attn) is not MultiHeadAttention):  # a soft-capped attention: not SDPA
         return None
     b = qkv.shape[0]
@@ -124,12 +125,19 @@ def _reordered(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor
     return packed, bias
 
 
+def _linear_of(proj: nn.Module) -> nn.Module:
+    """The linear layer of a q/k projection: ``proj`` itself, or a :class:`NormedProjection`'s
+    ``proj`` (its norm and factor run after the stacked product)."""
+    return proj.proj if type(proj) is NormedProjection else proj
+
+
 def _fusable(layer: nn.Module, adapters: set[int]) -> bool:
     """Whether :func:`fused_decode_layer` computes ``layer``'s forward: a torchtune
     ``TransformerSelfAttentionLayer`` with RMSNorms, no residual scales, exactly a
     ``MultiHeadAttention`` (not a subclass: a soft-capped attention's scores are not SDPA's, so
-    its layer keeps its own forward) and a ``FeedForward`` of plain packable ``nn.Linear``
-    layers (no LoRA), and no hooks."""
+    its layer keeps its own forward), q/k projections that are plain or a
+    :class:`~torchtune_grpo.models.layers.NormedProjection` (Qwen3's per-head norms before RoPE)
+    and a ``FeedForward``, all of plain packable ``nn.Linear`` layers (no LoRA), and no hooks."""
     if type(layer) is not TransformerSelfAttentionLayer or "forward" in layer.__dict__:
         return False
     attn, mlp = layer.attn, layer.mlp
@@ -137,7 +145,8 @@ def _fusable(layer: nn.Module, adapters: set[int]) -> bool:
             or type(layer.sa_norm) is not RMSNorm or type(layer.mlp_norm) is not RMSNorm
             or type(layer.sa_scale) is not nn.Identity or type(layer.mlp_scale) is not nn.Identity):
         return False
-    linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.output_proj, mlp.w1, mlp.w2]
+    linears = [_linear_of(attn.q_proj), _linear_of(attn.k_proj), attn.v_proj, attn.output_proj,
+               mlp.w1, mlp.w2]
     if mlp.w3 is not None:
         linears.append(mlp.w3)
     if not all(type(lin) is nn.Linear and id(lin) not in adapters and "forward" not in lin.__dict__
@@ -161,8 +170,11 @@ def fused_decode_layer(layer: TransformerSelfAttentionLayer) -> Callable[..., to
         ``forward(x [b, s, D], *, mask=None, input_pos=None, **kwargs) -> [b, s, D]``.
     """
     attn, mlp = layer.attn, layer.mlp
-    qkv, qkv_bias = _reordered([attn.q_proj, attn.k_proj, attn.v_proj])
-    split = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
+    q_lin, k_lin = _linear_of(attn.q_proj), _linear_of(attn.k_proj)
+    qkv, qkv_bias = _reordered([q_lin, k_lin, attn.v_proj])
+    split = [q_lin.out_features, k_lin.out_features, attn.v_proj.out_features]
+    q_finish = attn.q_proj.finish if q_lin is not attn.q_proj else None
+    k_finish = attn.k_proj.finish if k_lin is not attn.k_proj else None
     out, out_bias = _reordered([attn.output_proj])
     gated = mlp.w3 is not None
     up, up_bias = _reordered([mlp.w1, mlp.w3] if gated else [mlp.w1])
@@ -178,6 +190,10 @@ def fused_decode_layer(layer: TransformerSelfAttentionLayer) -> Callable[..., to
             return type(layer).forward(layer, x, mask=mask, input_pos=input_pos, **kwargs)
         h = F.rms_norm(x, sa_norm.normalized_shape, sa_norm.scale, sa_norm.eps)
         projected = _onednn_linear(h, qkv, qkv_bias)
+        if q_finish is not None or k_finish is not None:  # q/k norms before RoPE
+            q, k, v = projected.split(split, dim=-1)
+            projected = torch.cat((q if q_finish is None else q_finish(q),
+                                   k if k_finish is None else k_finish(k), v), dim=-1)
         a = None
         if x.shape[1] == 1 and mask is not None:  # a decode step
             a = attend_decode_step(attn, projected, mask=mask, input_pos=input_pos)

@@ -78,6 +78,9 @@ class HalfRoPE(nn.Module):
         attention_factor: multiplies the cached cos and sin (``longrope``); 1: none.
     """
 
+    #: Every head of ``x`` rotates by the same angles (q and k heads may be stacked).
+    rotates_heads_alike = True
+
     def __init__(self, dim: int, max_seq_len: int, base: float, position_scale: float = 1.0,
                  rotary_dim: int | None = None, freq_factors: tuple[float, ...] | None = None,
                  attention_factor: float = 1.0) -> None:
@@ -145,7 +148,11 @@ class NormedProjection(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[b, s, in_dim] -> [b, s, heads * head_dim]``."""
-        y = self.proj(x)
+        return self.finish(self.proj(x))
+
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        """The norm and factor applied to a projection ``y [b, s, heads * head_dim]`` already
+        computed (a fused decode layer projects q, k and v in one product)."""
         if self.norm is not None:
             y = (self.norm(y) if self.head_dim is None
                  else self.norm(y.unflatten(-1, (-1, self.head_dim))).flatten(-2))

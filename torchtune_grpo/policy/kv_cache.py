@@ -155,6 +155,13 @@ def _derived(store: dict, key: str, source: torch.Tensor,
 INTERLEAVED_ROPES = (RotaryPositionalEmbeddings, Llama3ScaledRoPE)
 
 
+def rotates_heads_alike(rope: nn.Module) -> bool:
+    """Whether ``rope`` rotates ``x [b, s, h, head_dim]`` head by head with the same angles, so
+    that query and key heads stacked along ``h`` rotate in one call: torchtune's interleaved
+    RoPE modules, and modules whose class sets ``rotates_heads_alike = True``."""
+    return type(rope) in INTERLEAVED_ROPES or getattr(type(rope), "rotates_heads_alike", False)
+
+
 def rotate(rope: nn.Module, x: torch.Tensor, input_pos: torch.Tensor | None) -> torch.Tensor:
     """``rope(x, input_pos=input_pos)`` for ``x [b, s, h, head_dim]``, as one complex product for
     torchtune's interleaved RoPE modules (equal results; angles gathered once per step); other

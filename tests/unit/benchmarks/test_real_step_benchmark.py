@@ -169,10 +169,11 @@ def test_update_matmul_seconds_grows_with_the_tokens():
     assert 0 < small < large
 
 
-def test_a_family_folder_in_the_benchmark_shape_loads_everywhere(tmp_path):
-    """``--family qwen3``: a random Qwen3 folder with the given dimensions and the source
-    folder's tokenizer; our builder and transformers load it with the same logits; a second
-    call reuses it."""
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_a_family_folder_in_the_benchmark_shape_loads_everywhere(tmp_path, family):
+    """``--family qwen3`` / ``llama``: a random folder of the family with the given dimensions
+    and the source folder's tokenizer; our builder and transformers load it with the same
+    logits; a second call reuses it."""
     transformers = pytest.importorskip("transformers")
     from torchtune import training
 
@@ -186,10 +187,11 @@ def test_a_family_folder_in_the_benchmark_shape_loads_everywhere(tmp_path):
     shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=320,
                  max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=True)
-    out = random_family_folder(source, "qwen3", tmp_path / "q3", shape=shape)
+    out = random_family_folder(source, family, tmp_path / "q3", shape=shape)
     assert (out / "tokenizer.json").is_file()
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
-    assert type(theirs).__name__ == "Qwen3ForCausalLM"
+    assert type(theirs).__name__ == {"qwen3": "Qwen3ForCausalLM",
+                                     "llama": "LlamaForCausalLM"}[family]
     ours = hf_model(str(out))
     ours.load_state_dict(hf_checkpointer(str(out)).load_checkpoint()[training.MODEL_KEY])
     tokens = torch.randint(0, 320, (1, 12), generator=torch.Generator().manual_seed(0))
@@ -198,5 +200,5 @@ def test_a_family_folder_in_the_benchmark_shape_loads_everywhere(tmp_path):
         assert want.abs().max() > 0
         torch.testing.assert_close(ours.eval()(tokens), want, atol=1e-5, rtol=1e-5)
     stamp = (out / "model.safetensors").stat().st_mtime_ns
-    random_family_folder(source, "qwen3", tmp_path / "q3", shape=shape)
+    random_family_folder(source, family, tmp_path / "q3", shape=shape)
     assert (out / "model.safetensors").stat().st_mtime_ns == stamp

@@ -486,16 +486,39 @@ def test_packed_linear_weights_scope_and_fallbacks(setup, monkeypatch):
         assert "forward" not in lora.layers[0].attn.q_proj.lora_a.__dict__
 
 
+def tiny_qwen3(tmp_path):
+    """Our Qwen3 (per-head q/k RMSNorms before a rotate-half RoPE) from a tiny ``config.json``,
+    random weights, q/k norm scales far from 1."""
+    import json
+
+    from torchtune_grpo.models import hf_model
+
+    config = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=320,
+                  hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=10000.0,
+                  tie_word_embeddings=True, hidden_act="silu")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = hf_model(str(tmp_path)).eval()
+    with torch.no_grad():
+        for layer in model.layers:
+            for proj in (layer.attn.q_proj, layer.attn.k_proj):
+                proj.norm.scale.uniform_(0.2, 3.0)
+    return model
+
+
 @needs_onednn
-@pytest.mark.parametrize("qkv_bias", [False, True])
-def test_fused_decode_layer_equals_the_layer_and_falls_back(qkv_bias):
+@pytest.mark.parametrize("kind", ["llama", "qkv_bias", "qwen3"])
+def test_fused_decode_layer_equals_the_layer_and_falls_back(kind, tmp_path, monkeypatch):
     """A fused layer's decode step (and short prefill) equals the layer's own forward through
-    the span cache (q/k/v biases as Qwen2 has them included); long inputs, autograd and a
-    layer without a span cache run the layer's own forward, bit for bit."""
+    the span cache (q/k/v biases as Qwen2 has them; Qwen3's per-head q/k norms before a
+    rotate-half RoPE); long inputs, autograd and a layer without a span cache run the layer's
+    own forward, bit for bit."""
     torch.manual_seed(0)
-    model = tiny_llama(num_heads=4, num_kv_heads=2).eval()
+    model = tiny_qwen3(tmp_path) if kind == "qwen3" else tiny_llama(num_heads=4,
+                                                                     num_kv_heads=2).eval()
     layer = model.layers[0]
-    if qkv_bias:
+    if kind == "qkv_bias":
         for proj in (layer.attn.q_proj, layer.attn.k_proj, layer.attn.v_proj):
             proj.bias = torch.nn.Parameter(torch.randn(proj.out_features))
     assert pd._fusable(layer, set())
@@ -507,6 +530,14 @@ def test_fused_decode_layer_equals_the_layer_and_falls_back(qkv_bias):
     x, step = torch.randn(b, p, d), torch.randn(b, 1, d)
     storage = gen.KVCacheStorage(model, rows=b, max_len=p + 2, dtype=torch.float32, device="cpu")
     outputs = {}
+    shortcuts = []  # decode steps that took the one-call attention of attend_decode_step
+    step_attention = pd.attend_decode_step
+
+    def spied(*args, **kwargs):
+        shortcuts.append(step_attention(*args, **kwargs))
+        return shortcuts[-1]
+
+    monkeypatch.setattr(pd, "attend_decode_step", spied)
     for name, fn in [("own", lambda *a, **k: type(layer).forward(layer, *a, **k)),
                      ("fused", fused)]:
         with torch.no_grad(), kvc.attached(storage, b, None) as caches:
@@ -514,6 +545,8 @@ def test_fused_decode_layer_equals_the_layer_and_falls_back(qkv_bias):
             pre = fn(x, mask=attention_mask(valid[:, :p]), input_pos=pos[:, :p])
             dec = fn(step, mask=valid[:, None, : p + 1], input_pos=pos[:, p : p + 1])
         outputs[name] = (pre, dec)
+    monkeypatch.undo()
+    assert len(shortcuts) == 1 and shortcuts[0] is not None
     assert outputs["own"][1].abs().max() > 0.1
     for ours, theirs in zip(outputs["fused"], outputs["own"]):
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)

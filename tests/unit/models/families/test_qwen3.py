@@ -64,16 +64,20 @@ def test_norm_after_rope_is_caught(folder, tmp_path):
 
 
 # ------------------------------------------------------------------------- (b) greedy decoding
-def test_cpu_decode_falls_back_to_plain_layers(folder, tmp_path):
-    """The fused CPU decode layer does not cover the q/k head norms: Qwen3 layers keep their
-    own forward, their inner linears decode on packed weights (the plain path)."""
+def test_cpu_decode_fuses_qwen3_layers(folder, tmp_path):
+    """The fused CPU decode layer covers the q/k head norms (run after the stacked q|k|v
+    product): every Qwen3 layer decodes as one function, its linears inside the stacked
+    weights; a layer with a LoRA query projection keeps its own forward."""
     path, _, _ = folder
     model, _ = built(path, tmp_path)
-    assert not any(_fusable(layer, set()) for layer in model.layers)
+    assert all(_fusable(layer, set()) for layer in model.layers)
     with packed_linear_weights(model) as count:
         assert count == 7 * len(model.layers) + 1  # q, k, v, o, gate, up, down + output
-        assert all("forward" not in layer.__dict__ for layer in model.layers)
-        assert "forward" in model.layers[0].attn.q_proj.proj.__dict__
+        assert all("forward" in layer.__dict__ for layer in model.layers)
+        assert "forward" not in model.layers[0].attn.q_proj.proj.__dict__
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    adapters = {id(model.layers[0].attn.q_proj.proj)}  # as packed_linear_weights sees LoRA
+    assert not _fusable(model.layers[0], adapters) and _fusable(model.layers[1], adapters)
 
 
 # ------------------------------------------------------------------------- save / reload
