@@ -92,8 +92,11 @@ def _synthetic_gsm8k(path: Path, rows: int = 64) -> Path:
     return path
 
 
-def build_config(workdir: Path, model_dir: Path, new_tokens: int, threads: int | None = None):
-    """``configs/grpo/smollm2_gsm8k_cpu.yaml`` with this benchmark's overrides."""
+def build_config(workdir: Path, model_dir: Path, new_tokens: int, threads: int | None = None,
+                 full_update: bool = False):
+    """``configs/grpo/smollm2_gsm8k_cpu.yaml`` with this benchmark's overrides; ``full_update``
+    runs every rollout through the update even when its advantage is 0 (random weights: every
+    reward ties), as TRL does."""
     from omegaconf import OmegaConf
 
     data = GSM8K if GSM8K.exists() else _synthetic_gsm8k(workdir / "synthetic.jsonl")
@@ -105,7 +108,7 @@ def build_config(workdir: Path, model_dir: Path, new_tokens: int, threads: int |
         "batch_size": BATCH_SIZE, "group_size": GROUP_SIZE, "forward_batch_size": None,
         "max_generated_tokens": new_tokens, "temperature": 1.0,
         "loss": {"kl_coeff": 0.0}, "num_steps": 100, "save_every_n_steps": None,
-        "progress_bar": False,
+        "progress_bar": False, "skip_zero_advantage_sequences": not full_update,
     })
     return OmegaConf.merge(cfg, overrides)
 
@@ -346,7 +349,7 @@ def phase_bounds(model, prompt_lengths: list[int], response_lengths: list[int],
 
 # ---------------------------------------------------------------------------- worker
 def worker(workdir: Path, model_dir: Path, steps: int, new_tokens: int,
-           threads: int | None) -> dict:
+           threads: int | None, full_update: bool = False) -> dict:
     """Run ``1 + steps`` GRPO steps through ``GRPORecipe``; return timings, lengths, memory."""
     import torch
 
@@ -355,7 +358,7 @@ def worker(workdir: Path, model_dir: Path, steps: int, new_tokens: int,
     from torchtune_grpo.backends.memory import peak_rss_bytes
     from torchtune_grpo.training.recipe import GRPORecipe
 
-    recipe = GRPORecipe(build_config(workdir, model_dir, new_tokens, threads))
+    recipe = GRPORecipe(build_config(workdir, model_dir, new_tokens, threads, full_update))
     recipe.setup()
     rows, prompts = [], []
     for step in range(1 + steps):
@@ -394,7 +397,7 @@ def _run_ours(workdir: Path, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--workdir", str(workdir),
            "--model-dir", str(args.model_dir), "--steps", str(args.steps),
            "--new-tokens", str(args.new_tokens), "--threads", str(args.threads),
-           "--worker-out", str(out)]
+           "--family", args.family, "--worker-out", str(out)]
     return harness.run_json(cmd, out, env=harness.subprocess_env(
         REPO, OMP_NUM_THREADS=args.threads))
 
@@ -451,7 +454,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="HF folder of SmolLM2-135M-Instruct (env SMOLLM2_DIR)")
     parser.add_argument("--family", choices=["smollm2", "qwen3", "llama"], default="smollm2",
                         help="smollm2: the real model; qwen3 / llama: random weights of that "
-                             "architecture in its shape (benchmarks/family_shapes.py)")
+                             "architecture in its shape (benchmarks/family_shapes.py), every "
+                             "rollout through the update as in TRL (random weights tie every "
+                             "reward, which our default would leave out)")
     parser.add_argument("--peer", choices=["trl"], help="also run TRL's GRPOTrainer")
     parser.add_argument("--peer-python", type=Path,
                         default=Path(os.environ.get("TRL_PYTHON", REPO / ".venv-trl/bin/python")),
@@ -467,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run ours (and TRL), measure the bounds, print the table, write ``--out``."""
     args = parse_args(argv)
     if args.worker:
-        result = worker(args.workdir, args.model_dir, args.steps, args.new_tokens, args.threads)
+        result = worker(args.workdir, args.model_dir, args.steps, args.new_tokens, args.threads,
+                        full_update=args.family != "smollm2")
         args.worker_out.write_text(json.dumps(result))
         return 0
     trl_version = None

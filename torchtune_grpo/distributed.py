@@ -6,6 +6,7 @@ Without torchrun's environment nothing is initialised and every reduction is the
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Iterator
 from datetime import timedelta
@@ -112,8 +113,15 @@ ALONE = Ranks(LOCAL)
 
 
 def destroy() -> None:
-    """Tear the default process group down, if any."""
+    """Tear every process group down, if any, while the interpreter is whole.
+
+    Unreachable FSDP2 modules (reference cycles) keep their device mesh, and so the gloo
+    backend, alive until a garbage collection; left to the interpreter's exit, the backend's
+    C++ teardown can abort the process after the run's work is done. They are collected
+    first.
+    """
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -155,6 +155,20 @@ def _fusable(layer: nn.Module, adapters: set[int]) -> bool:
     return not any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules())
 
 
+def _stacked_head_norms(attn: MultiHeadAttention) -> tuple[int, torch.Tensor, float] | None:
+    """For q and k projections that both end in a per-head torchtune ``RMSNorm`` (same eps, no
+    factor): ``(q|k width, [heads + kv_heads, head_dim] scales, eps)``, so that one
+    ``rms_norm`` of the stacked q|k heads times the scales gives both norms; else None."""
+    q, k = attn.q_proj, attn.k_proj
+    if not all(type(p) is NormedProjection and type(p.norm) is RMSNorm and p.factor == 1.0
+               and p.head_dim == attn.head_dim for p in (q, k)) or q.norm.eps != k.norm.eps:
+        return None
+    heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    scale = torch.cat((q.norm.scale.detach().expand(heads, head_dim),
+                       k.norm.scale.detach().expand(kv_heads, head_dim)))
+    return (heads + kv_heads) * head_dim, scale, q.norm.eps
+
+
 def fused_decode_layer(layer: TransformerSelfAttentionLayer) -> Callable[..., torch.Tensor]:
     """A ``forward`` for ``layer`` that runs decode steps as one function on packed weights.
 
@@ -175,6 +189,7 @@ def fused_decode_layer(layer: TransformerSelfAttentionLayer) -> Callable[..., to
     split = [q_lin.out_features, k_lin.out_features, attn.v_proj.out_features]
     q_finish = attn.q_proj.finish if q_lin is not attn.q_proj else None
     k_finish = attn.k_proj.finish if k_lin is not attn.k_proj else None
+    head_norms = _stacked_head_norms(attn)  # Qwen3: both norms in one call
     out, out_bias = _reordered([attn.output_proj])
     gated = mlp.w3 is not None
     up, up_bias = _reordered([mlp.w1, mlp.w3] if gated else [mlp.w1])
@@ -190,7 +205,12 @@ def fused_decode_layer(layer: TransformerSelfAttentionLayer) -> Callable[..., to
             return type(layer).forward(layer, x, mask=mask, input_pos=input_pos, **kwargs)
         h = F.rms_norm(x, sa_norm.normalized_shape, sa_norm.scale, sa_norm.eps)
         projected = _onednn_linear(h, qkv, qkv_bias)
-        if q_finish is not None or k_finish is not None:  # q/k norms before RoPE
+        if head_norms is not None:  # per-head q/k norms before RoPE, in one call
+            width, scale, eps = head_norms
+            qk = projected[..., :width].unflatten(-1, (-1, scale.shape[-1]))
+            qk = F.rms_norm(qk, (scale.shape[-1],), None, eps) * scale
+            projected = torch.cat((qk.flatten(-2), projected[..., width:]), dim=-1)
+        elif q_finish is not None or k_finish is not None:  # other q/k norms before RoPE
             q, k, v = projected.split(split, dim=-1)
             projected = torch.cat((q if q_finish is None else q_finish(q),
                                    k if k_finish is None else k_finish(k), v), dim=-1)

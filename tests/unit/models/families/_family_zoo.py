@@ -145,9 +145,11 @@ CASES: list[FamilyCase] = [
 BY_NAME = {case.name: case for case in CASES}
 
 
-def write_model(folder: Path, case: FamilyCase | str, seed: int = 0, tokenizer: bool = False):
+def write_model(folder: Path, case: FamilyCase | str, seed: int = 0, tokenizer: bool = False,
+                **dims):
     """Write the random ``case`` (and, with ``tokenizer``, the ChatML test tokenizer) into
-    ``folder`` with ``save_pretrained``.
+    ``folder`` with ``save_pretrained``; ``dims`` override config fields (vLLM's CPU attention
+    needs ``head_dim >= 32``).
 
     Returns:
         The ``transformers`` model in eval mode, float32.
@@ -156,7 +158,7 @@ def write_model(folder: Path, case: FamilyCase | str, seed: int = 0, tokenizer: 
 
     case = BY_NAME[case] if isinstance(case, str) else case
     torch.manual_seed(seed)
-    model = getattr(transformers, case.architecture)(case.hf_config()).float().eval()
+    model = getattr(transformers, case.architecture)(case.hf_config(**dims)).float().eval()
     low, high = (-0.5, 0.5) if case.gemma_norms else (0.5, 1.5)
     with torch.no_grad():
         for name, param in model.named_parameters():
