@@ -560,7 +560,9 @@ def main(argv: list[str] | None = None) -> int:
     m = ours["mean"]
     trl = results.get("trl")
 
-    print(f"\nGRPO step, SmolLM2-135M-Instruct ({b['params'] / 1e6:.1f}M params, "
+    subject = ("SmolLM2-135M-Instruct" if args.family == "smollm2" else
+               f"random-weight {args.family} in SmolLM2-135M's shape, every rollout updated")
+    print(f"\nGRPO step, {subject} ({b['params'] / 1e6:.1f}M params, "
           f"{b['weight_bytes'] / 1e9:.2f} GB fp32), {BATCH_SIZE} GSM8K prompts x {GROUP_SIZE} x "
           f"{args.new_tokens} new tokens, ChatML, no KL, fp32, {args.threads} threads, mean of "
           f"{args.steps} step(s) after a warm-up; load average {load_before[0]:.1f} before, "
