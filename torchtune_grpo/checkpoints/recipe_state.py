@@ -13,6 +13,7 @@ from torch import nn
 from torchtune import training, utils
 
 from torchtune_grpo import distributed as D
+from torchtune_grpo.checkpoints.resume_changes import apply_optimizer_settings
 from torchtune_grpo.checkpoints.saving import (
     check_finite,
     non_finite_tensors,
@@ -72,6 +73,9 @@ class CheckpointSettings:
         model_cfg: the config's ``model`` node (the LoRA settings of an adapter checkpoint).
         eval_dataset: ``(component, split)`` of the evaluation data named in the eval files.
         config: the run's resolved config, stored in ``recipe_state.pt``.
+        config_changes: the keys this resume changed against the step's saved config
+            (:meth:`~torchtune_grpo.checkpoints.resume_changes.ConfigChange.record`), added
+            to the history saved as ``config_changes``.
     """
 
     output_dir: str
@@ -82,6 +86,7 @@ class CheckpointSettings:
     model_cfg: Any
     eval_dataset: tuple[str, str]
     config: dict[str, Any]
+    config_changes: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,8 @@ class StepCheckpoints:
         self.is_rank_zero = ranks.rank() == 0
         self.model_state = model_state or (lambda: full_model_state(model, ranks, device))
         self.entries = entries or NoEntries()
+        #: every config change made at a resume of this run, oldest first (saved with each step)
+        self.config_changes: list[dict[str, Any]] = []
 
     def _full_optimizer_state_dict(self) -> dict[str, Any]:
         if self.world_size > 1:  # gathered on rank 0 (a collective: every rank calls it)
@@ -153,26 +160,22 @@ class StepCheckpoints:
             "skipped_steps": skipped_steps,
             "adapter": adapter,
             "config": self.settings.config,
+            "config_changes": list(self.config_changes),
         }
 
     def restore(self, state: dict[str, Any], resume_dir: Path) -> Resumed:
         """Load the optimizer and scheduler state of ``state`` (``recipe_state.pt`` of
         ``resume_dir``) and the extra entries; returns where the run continues.
 
-        Raises:
-            CheckpointError: the folder was trained with another seed.
+        The config's optimizer and scheduler settings (learning rate, betas, weight decay,
+        schedule) are put back over the restored ones
+        (:func:`~torchtune_grpo.checkpoints.resume_changes.apply_optimizer_settings`): a rate
+        lowered for the resume takes effect from its first step. Whether the config may differ
+        from the saved one at all was decided before the model was built
+        (:mod:`~torchtune_grpo.checkpoints.resume_changes`).
         """
-        s = self.settings
-        if state["seed"] != s.seed:
-            raise CheckpointError(
-                f"resume_from_checkpoint: {resume_dir} was trained with seed "
-                f"{state['seed']}, the config says {s.seed}; an exact resume needs the same seed"
-            )
-        if state["global_batch_size"] != s.global_batch_size:
-            log.warning(
-                f"resuming with a global batch of {s.global_batch_size} prompts "
-                f"instead of {state['global_batch_size']}: later steps see other prompts"
-            )
+        fresh_groups = [{k: v for k, v in g.items() if k != "params"}
+                        for g in self.optimizer.param_groups]
         if self.world_size > 1:
             training.load_from_full_optimizer_state_dict(
                 self.model, self.optimizer, state["optimizer"], self.device)
@@ -180,6 +183,9 @@ class StepCheckpoints:
             self.optimizer.load_state_dict(state["optimizer"])
         if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        apply_optimizer_settings(self.optimizer, fresh_groups, self.lr_scheduler)
+        self.config_changes = [*state.get("config_changes", []),
+                               *self.settings.config_changes]
         resumed = Resumed(int(state["step"]), int(state.get("skipped_steps", 0)))
         if self.is_rank_zero:
             log.info(f"resumed from {resume_dir} at step {resumed.step}")

@@ -136,7 +136,15 @@ class RecipeConfig:
         "checkpoints deletes them first; false (default): it refuses to start, naming them.")
     resume_from_checkpoint: bool | str = key(
         False,
-        "Continue from the newest complete ``step_{N}`` (or a path).")
+        "Continue from the newest complete ``step_{N}`` (or a path). Every key that differs "
+        "from the step's saved config is listed at start; it takes effect, over the restored "
+        "optimizer and scheduler state too.")
+    resume_allow_changes: bool = key(
+        False,
+        "A resume whose config changes what the run means (``seed``, the global batch, "
+        "``group_size``, ``dataset``, ``shuffle``, ``model``, ``model_dir``, ``tokenizer``, "
+        "``checkpointer``) continues anyway, and records the change in the recipe state; "
+        "false (default): it stops, naming the key.")
     model: Component = key(REQUIRED, "torchtune model builder.")
     tokenizer: Component = key(REQUIRED, "torchtune tokenizer builder.")
     checkpointer: Component = key(REQUIRED, "torchtune checkpointer that loads the model.")

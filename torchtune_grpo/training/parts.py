@@ -26,6 +26,12 @@ from torchtune_grpo.checkpoints.recipe_state import (
     RecipeStateEntries,
     full_model_state,
 )
+from torchtune_grpo.checkpoints.resume_changes import (
+    check_changes,
+    config_changes,
+    describe_changes,
+    load_saved_config,
+)
 from torchtune_grpo.checkpoints.run_lock import FolderLock
 from torchtune_grpo.checkpoints.saving import (
     check_finite,
@@ -223,10 +229,10 @@ def update_settings(cfg: DictConfig, *, seed: int, forward_batch_size: int,
         keep_probs=int(cfg.logprob_keep_probs_mib) * 2**20 // 4)  # float32 elements
 
 
-def checkpoint_settings(cfg: DictConfig, *, seed: int,
-                        global_batch_size: int) -> CheckpointSettings:
+def checkpoint_settings(cfg: DictConfig, *, seed: int, global_batch_size: int,
+                        config_changes: tuple[dict[str, Any], ...] = ()) -> CheckpointSettings:
     """The :class:`~torchtune_grpo.checkpoints.recipe_state.StepCheckpoints` settings of
-    ``cfg``."""
+    ``cfg`` (``config_changes``: what :func:`resume_changes` found)."""
     eval_data = cfg.eval_dataset
     return CheckpointSettings(
         output_dir=cfg.output_dir, seed=seed, global_batch_size=global_batch_size,
@@ -234,7 +240,36 @@ def checkpoint_settings(cfg: DictConfig, *, seed: int,
         save_adapter_weights_only=bool(cfg.save_adapter_weights_only), model_cfg=cfg.model,
         eval_dataset=("", "") if eval_data is None else (
             str(eval_data.get("_component_")), str(eval_data.get("split", ""))),
-        config=OmegaConf.to_container(cfg, resolve=True))
+        config=OmegaConf.to_container(cfg, resolve=True), config_changes=config_changes)
+
+
+def resume_changes(cfg: DictConfig, resume_dir: Path | None, *, global_batch_size: int,
+                   is_rank_zero: bool) -> tuple[dict[str, Any], ...]:
+    """Compare ``cfg`` with the config saved in ``resume_dir``, before any model is built.
+
+    Rank 0 logs every changed key in one block. A change of what the run means (the data, the
+    group, the model, the seed; :data:`~torchtune_grpo.checkpoints.resume_changes.FIXED`)
+    raises unless ``resume_allow_changes``.
+
+    Returns:
+        The changes as records for the recipe state (empty for a fresh run).
+
+    Raises:
+        CheckpointError: a fixed key changed and ``resume_allow_changes`` is false.
+    """
+    if resume_dir is None:
+        return ()
+    saved, saved_batch, step = load_saved_config(resume_dir)
+    changes = config_changes(saved, OmegaConf.to_container(cfg, resolve=True),
+                             saved_global_batch=saved_batch, new_global_batch=global_batch_size)
+    check_changes(changes, resume_dir, allow=bool(cfg.resume_allow_changes))
+    if is_rank_zero:
+        log.info(describe_changes(changes, resume_dir))
+        if any(c.fixed for c in changes):
+            log.warning("resume_allow_changes: continuing with "
+                        f"{', '.join(c.key for c in changes if c.fixed)} changed; the change is "
+                        "recorded in the recipe state of the steps saved from now on")
+    return tuple(c.record(step) for c in changes)
 
 
 def eval_sources(cfg: DictConfig) -> EvalSources:

@@ -193,6 +193,9 @@ class GRPORecipe:
                              if cfg.eval_dataset is not None and self.evaluates() else None)
         self.resume_dir = parts.resume_folder(cfg, self.model_files,
                                               is_rank_zero=self.is_rank_zero)
+        changes = parts.resume_changes(cfg, self.resume_dir,
+                                       global_batch_size=self.batch_size * self.world_size,
+                                       is_rank_zero=self.is_rank_zero)
         self.ranks.barrier()
         policy = parts.build_policy(
             cfg, self.resume_dir, is_lora=self.is_lora,
@@ -205,7 +208,8 @@ class GRPORecipe:
         self.checkpoints = StepCheckpoints(
             self.model, self.optimizer, self.lr_scheduler, self.checkpointer, self.ranks,
             self.device, parts.checkpoint_settings(
-                cfg, seed=self.seed, global_batch_size=self.batch_size * self.world_size),
+                cfg, seed=self.seed, global_batch_size=self.batch_size * self.world_size,
+                config_changes=changes),
             is_lora=self.is_lora, model_files=self.model_files,
             model_state=partial(self.source.model_state, self.model, self.ranks, self.device),
             entries=self.source.state_entries(self.model, self.ranks))

@@ -130,7 +130,8 @@ def test_checkpoint_faults_nan_and_seed(base, tmp_path, capsys, monkeypatch):
     capsys.readouterr()
     code, err = _train(capsys, monkeypatch, base, out, "num_steps=2", "seed=1",
                        "resume_from_checkpoint=true")
-    _one_error(code, err, "was trained with seed 0, the config says 1")
+    _one_error(code, err, "seed was 0 in")
+    assert "the config says 1; that changes the prompts and samples" in err[0]
     (weights,) = (out / "step_1").glob("model-*.safetensors")
     tensors = load_file(str(weights))
     name = sorted(tensors)[0]
