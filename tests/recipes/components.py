@@ -61,3 +61,12 @@ def slow_addition_dataset(tokenizer, marker: str, seconds: float = 60.0, **kwarg
     Path(marker).write_text("setting up\n")
     time.sleep(seconds)
     return addition_dataset(tokenizer, **kwargs)
+
+
+def slow_length_reward(completions: list[str], answers: list[str], seconds: float = 0.5,
+                       **kwargs) -> list[float]:
+    """:func:`length_reward` after ``seconds`` of sleep: a scoring phase that runs long."""
+    import time
+
+    time.sleep(seconds)
+    return length_reward(completions, answers)

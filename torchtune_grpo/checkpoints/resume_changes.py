@@ -29,7 +29,9 @@ FIXED: dict[str, str] = {
     "shuffle": "the prompt order",
     "model": "the network the weights belong to",
     "model_dir": "the base model",
-    "checkpointer": "the base model",
+    "checkpointer.checkpoint_dir": "the base model",
+    "checkpointer.checkpoint_files": "the base model",
+    "checkpointer.model_type": "the base model",
     "tokenizer": "the token ids the weights were trained on",
 }
 

@@ -31,6 +31,7 @@ from torchtune_grpo.evaluation.results import (
     where_partial,
 )
 from torchtune_grpo.evaluation.settings import EvalSettings
+from torchtune_grpo.progress import Progress
 from torchtune_grpo.rewards.scoring import score_rollout
 from torchtune_grpo.rollout.native import generate_trajectory
 from torchtune_grpo.rollout.protocol import GenerationRequest
@@ -125,7 +126,9 @@ class EvaluationInterrupted(Interrupted):
 
 class EvalProgress:
     """Progress of an evaluation on rank 0: a bar on a terminal, else a line every ``every_s``
-    seconds; silent when not shown.
+    seconds with the problems done, the decode step of the batch in flight and the time left
+    (a :class:`~torchtune_grpo.progress.Progress`, which the generation requests report to);
+    silent when not shown.
 
     Args:
         total: problems in the dataset.
@@ -136,37 +139,35 @@ class EvalProgress:
     """
 
     def __init__(self, total: int, done: int, world: int, *, show: bool,
-                 every_s: float = 30.0) -> None:
+                 every_s: float | None = None) -> None:
         import sys
 
         from tqdm import tqdm
 
         self.total, self.done, self.world, self.every_s = total, done, world, every_s
         self.show = show
-        self._start = self._last = time.perf_counter()
         self._new = 0
         self._bar = (tqdm(total=total, initial=done, desc="eval", disable=not show)
                      if show and sys.stderr.isatty() else None)
         if show and self._bar is None:
             _log.info(f"eval: {total} problems")
+        #: what the generation requests of this evaluation report to
+        self.work = Progress(show=show, every_s=every_s, emit=_log.info)
+        self.work.bar = self._bar
+        self.work.begin("eval", total=total, unit="problems", already=done)
+        self.work.__enter__()
 
     def update(self, problems: int) -> None:
         """Rank 0 finished ``problems`` more (its own share)."""
         step = min(problems * self.world, self.total - self.done - self._new)
         self._new += step
+        self.work.advance(step)
         if self._bar is not None:
             self._bar.update(step)
-            return
-        now = time.perf_counter()
-        if self.show and now - self._last >= self.every_s:
-            self._last = now
-            rate = self._new / max(now - self._start, 1e-9)
-            left = (self.total - self.done - self._new) / max(rate, 1e-9)
-            _log.info(f"eval: {self.done + self._new}/{self.total} problems, {rate:.1f}/s, "
-                      f"about {left / 60:.0f} min left")
 
     def close(self) -> None:
-        """Close the bar (if any)."""
+        """Stop reporting; close the bar (if any)."""
+        self.work.__exit__()
         if self._bar is not None:
             self._bar.close()
 
@@ -272,6 +273,7 @@ def evaluate(
                     partial=partial, device=device, logit_bias=logit_bias,
                     allowed_tokens=allowed_tokens, stop_tokens=stop_tokens, pad_id=pad_id,
                     cache_dtype=cache_dtype, tool_generator=tool_generator, ranks=ranks,
+                    progress=report.work,
                 ))
                 report.update(len(chunk))
     finally:
@@ -313,6 +315,7 @@ def _evaluate_chunk(
     cache_dtype: torch.dtype | None,
     tool_generator: Any = None,
     ranks: D.Ranks = D.WORLD,
+    progress: Progress | None = None,
 ) -> list[dict[str, Any]]:
     """Generate, score and record one micro-batch of problems.
 
@@ -322,6 +325,7 @@ def _evaluate_chunk(
         num_real: how many of ``chunk`` to keep.
         extract: the success reward's ``extract_answer`` (or None).
         partial: where each kept row is appended as soon as it is scored.
+        progress: where the generation reports its decode steps.
         (the other arguments as in :func:`evaluate`)
 
     Returns:
@@ -339,6 +343,7 @@ def _evaluate_chunk(
         temperature=settings.temperature, top_k=settings.top_k, stop_tokens=stop_tokens,
         pad_id=pad_id, logit_bias=logit_bias,
         all_done=lambda done: ranks.all_ranks_true(done, device), cache_dtype=cache_dtype,
+        progress=progress,
     )
     traj = (generate_trajectory(model, request) if tool_generator is None
             else tool_generator.generate(model, request))

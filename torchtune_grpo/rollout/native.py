@@ -211,6 +211,8 @@ def generate_micro_batch(
             done = done | torch.isin(token, stop_tokens)
             stopped[live] = done
             steps = t + 1
+            if request.progress is not None:  # attribute writes: no device sync
+                request.progress.decode_step(steps, max_generated_tokens)
             if steps == max_generated_tokens or all_done(bool(stopped.all())):
                 break
             keep = _rows_to_keep(done) if shrink else None
@@ -280,18 +282,19 @@ def generate_trajectory(
             device=tokens.device,
         )
     backend = backend_for(tokens.device)
+    parts = []
     with backend.decode_weights(model, packed_weights and compiled_step is None):
-        parts = [
-            generate_micro_batch(
+        for i in range(0, tokens.shape[0], rows):
+            if request.progress is not None:
+                request.progress.decode_batch(i // rows + 1, -(-tokens.shape[0] // rows))
+            parts.append(generate_micro_batch(
                 model, dataclasses.replace(request, prompt_tokens=tokens[i : i + rows],
                                            prompt_mask=mask[i : i + rows], group_size=1,
                                            prompt_seeds=None),
                 seeds=None if seeds is None else seeds[i : i + rows],
                 kv_storage=kv_storage, compiled_step=compiled_step,
                 shrink_finished=shrink_finished,
-            )
-            for i in range(0, tokens.shape[0], rows)
-        ]
+            ))
     return concat_trajectories(parts)
 
 

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from torchtune_grpo.algorithm.trajectory import Trajectory
+from torchtune_grpo.progress import Progress
 from torchtune_grpo.rollout.seeding import mix_seeds
 from torchtune_grpo.rollout.tool_trajectory import ToolStats
 
@@ -82,6 +83,9 @@ class GenerationRequest:
         all_done: given whether this rank's rows have all stopped, says whether every rank's
             have (a collective in distributed runs); None: this rank alone.
         cache_dtype: dtype of a KV cache the engine allocates (None: the policy's).
+        progress: where an engine that decodes step by step reports its decode step and the
+            rows it finished (:class:`~torchtune_grpo.progress.Progress`; attribute writes
+            only, no device sync), or None.
 
     Raises:
         ValueError: ``prompt_tokens`` not ``[B, P]``, a ``prompt_mask`` of another shape,
@@ -103,6 +107,7 @@ class GenerationRequest:
     forward_batch_size: int | None = None
     all_done: Callable[[bool], bool] | None = None
     cache_dtype: torch.dtype | None = None
+    progress: Progress | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_tokens.dim() != 2:

@@ -16,6 +16,7 @@ from torch import nn
 from torchtune_grpo import distributed as D
 from torchtune_grpo.algorithm.trajectory import Trajectory, prompt_mask
 from torchtune_grpo.policy.model import TokenRules
+from torchtune_grpo.progress import SILENT, Progress
 from torchtune_grpo.rollout.protocol import GenerationContext, GenerationRequest, Generator
 from torchtune_grpo.rollout.seeding import rollout_seeds
 
@@ -40,12 +41,15 @@ class RolloutRuntime:
         forward_batch_size: rollouts per forward pass.
         device: the device the prompts go to.
         cache_dtype: the KV cache's dtype (the recipe's ``dtype``).
+        progress: where the rollout reports its rows and decode steps (default: nowhere).
     """
 
     def __init__(self, generator: Generator, cfg: DictConfig, *, rules: TokenRules,
                  ranks: D.Ranks, seed: int, group_size: int, forward_batch_size: int,
-                 device: torch.device, cache_dtype: torch.dtype) -> None:
+                 device: torch.device, cache_dtype: torch.dtype,
+                 progress: Progress = SILENT) -> None:
         self.generator = generator
+        self.progress = progress
         self.rules = rules
         self.ranks = ranks
         self.seed = seed
@@ -82,12 +86,14 @@ class RolloutRuntime:
             logit_bias=rules.logit_bias,
             prompt_seeds=rollout_seeds(self.seed, step, batch["indices"], draw),
             all_done=partial(self.ranks.all_ranks_true, device=self.device),
-            cache_dtype=self.cache_dtype,
+            cache_dtype=self.cache_dtype, progress=self.progress,
         )
+        self.progress.begin(f"rollout of {request.num_rows} rows")
         # an engine that runs the policy once per decode step: gather its shards once
         gathered = model if self.generator.runs_policy() else None
         with D.gathered_for_inference(gathered, enabled=self.gather_weights):
             traj = self.generator.generate(model, request)
+        self.progress.end()
         model.train()
         return traj
 

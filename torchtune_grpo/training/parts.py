@@ -136,10 +136,15 @@ def model_shape(cfg: DictConfig) -> tuple[int | None, bool]:
     return getattr(shape, "max_seq_len", None), has_adapters(shape)
 
 
-def resume_folder(cfg: DictConfig, model_files: dict[str, bytes], *,
-                  is_rank_zero: bool) -> Path | None:
-    """The step folder to resume from, or None; rank 0 restores files a resumed folder lacks,
-    and claims ``output_dir`` for a fresh run (``overwrite_output_dir``)."""
+def resume_folder(cfg: DictConfig, model_files: dict[str, bytes], *, global_batch_size: int,
+                  is_rank_zero: bool) -> tuple[Path | None, tuple[dict[str, Any], ...]]:
+    """``(the step folder to resume from or None, the config changes against it)``; rank 0
+    restores files a resumed folder lacks, and claims ``output_dir`` for a fresh run
+    (``overwrite_output_dir``). The changes are :func:`resume_changes`'.
+
+    Raises:
+        CheckpointError: the config changes what the run means (:func:`resume_changes`).
+    """
     resume_dir = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir)
     if resume_dir is not None and is_rank_zero:
         restored = write_missing_files(resume_dir, model_files)
@@ -151,7 +156,8 @@ def resume_folder(cfg: DictConfig, model_files: dict[str, bytes], *,
         if deleted:
             log.warning(f"overwrite_output_dir: deleted {len(deleted)} step folder(s) of "
                         f"an earlier run in {cfg.output_dir}")
-    return resume_dir
+    return resume_dir, resume_changes(cfg, resume_dir, global_batch_size=global_batch_size,
+                                      is_rank_zero=is_rank_zero)
 
 
 def build_policy(cfg: DictConfig, resume_dir: Path | None, *, is_lora: bool,

@@ -1,32 +1,20 @@
 """The GRPO training loop shared by the single-device and distributed recipes.
 
-One GRPO step (``docs/design.md``), each part a named method of :class:`GRPORecipe` that calls
-one of the parts the recipe holds:
+One GRPO step (``docs/design.md``), each part a named method of :class:`GRPORecipe`:
 
-1. **Prompts** (``self.batches.batch(step)``): each rank takes ``batch_size`` prompts from its
-   shard of the dataset; a prompt's whole group stays on the rank that drew it.
-2. **Rollout** (:meth:`~GRPORecipe.rollout`): ``group_size`` completions per prompt,
-   KV-cached, padded to uniform shapes, with the generation-time log-probs
-   (a :class:`~torchtune_grpo.rollout.protocol.Generator`).
-3. **Score** (:meth:`~GRPORecipe.score`): the weighted sum of the reward components
-   (:mod:`torchtune_grpo.rewards.scoring`).
-4. **Advantages** (:meth:`~GRPORecipe.advantages`): group-relative
-   (:mod:`torchtune_grpo.algorithm.advantages`).
-5. **Reference and old log-probs** (:meth:`~GRPORecipe.reference_logprobs`, only when the
-   loss has a KL term; :meth:`~GRPORecipe.old_logprobs`, only when the generator's own
-   log-probs cannot serve as the sampling policy's).
-6. **Update** (:meth:`~GRPORecipe.update`): ``ppo_epochs`` optimizer steps over shuffled
-   micro-batches; every micro-batch loss is divided by the *global* normaliser, so
-   micro-batching and the number of ranks do not change the update
-   (:class:`~torchtune_grpo.training.update.PolicyUpdate`).
-7. **After the step** (:meth:`~GRPORecipe.after_step`): metrics, evaluation
-   (:class:`~torchtune_grpo.evaluation.during_training.TrainingEvaluation`), step checkpoint
-   (:class:`~torchtune_grpo.checkpoints.recipe_state.StepCheckpoints`), preemption and
-   divergence.
+1. prompts (``self.batches.batch(step)``; a prompt's group stays on the rank that drew it);
+2. rollout (:meth:`~GRPORecipe.rollout`, a :class:`~torchtune_grpo.rollout.protocol.Generator`);
+3. score (:meth:`~GRPORecipe.score`, :mod:`torchtune_grpo.rewards.scoring`);
+4. advantages (:meth:`~GRPORecipe.advantages`, group-relative);
+5. reference and old log-probs (only for a KL term; only when the engine's cannot serve);
+6. update (:class:`~torchtune_grpo.training.update.PolicyUpdate`: ``ppo_epochs`` optimizer
+   steps, every micro-batch loss divided by the *global* normaliser);
+7. after the step (:meth:`~GRPORecipe.after_step`): metrics, evaluation, step checkpoint,
+   preemption and divergence.
 
-:meth:`GRPORecipe.train_step` is steps 2-6 as a list of those calls. Single process (no
-torchrun) runs the same code with no process group and no FSDP. Where the rollouts come from is
-a part (:class:`~torchtune_grpo.training.parts.RolloutSource`) too.
+:meth:`GRPORecipe.train_step` is steps 2-6 as a list of those calls. One process (no torchrun)
+runs the same code without FSDP; where the rollouts come from is a part
+(:class:`~torchtune_grpo.training.parts.RolloutSource`).
 """
 
 from __future__ import annotations
@@ -59,6 +47,7 @@ from torchtune_grpo.evaluation.evaluate import EvaluationInterrupted
 from torchtune_grpo.evaluation.results import EvalResult
 from torchtune_grpo.evaluation.settings import EvalSettings
 from torchtune_grpo.policy.model import DTYPES, token_rules
+from torchtune_grpo.progress import Progress
 from torchtune_grpo.rewards.build import build_reward_set
 from torchtune_grpo.rewards.reward_set import RewardOutput
 from torchtune_grpo.rewards.scoring import concat_reward_outputs, score_rollout
@@ -146,6 +135,9 @@ class GRPORecipe:
             fallbacks={"max_generated_tokens": cfg.max_generated_tokens,
                        "forward_batch_size": self.forward_batch_size})
         self.step = 0
+        # rank 0: the phase of the step in flight, a line every 30 s while one runs long
+        self.work = Progress(show=self.is_rank_zero,
+                             prefix=lambda: f"step {self.step + 1}/{cfg.num_steps}")
         self.metric_logger = None
         self._progress: StepProgress | None = None
         self.output_lock = None  # rank 0: the lock on output_dir (setup)
@@ -191,11 +183,9 @@ class GRPORecipe:
         # built only when an evaluation is scheduled (eval_dataset=null: none at all)
         self.eval_dataset = (config.instantiate(cfg.eval_dataset, tokenizer=self.tokenizer)
                              if cfg.eval_dataset is not None and self.evaluates() else None)
-        self.resume_dir = parts.resume_folder(cfg, self.model_files,
-                                              is_rank_zero=self.is_rank_zero)
-        changes = parts.resume_changes(cfg, self.resume_dir,
-                                       global_batch_size=self.batch_size * self.world_size,
-                                       is_rank_zero=self.is_rank_zero)
+        self.resume_dir, changes = parts.resume_folder(
+            cfg, self.model_files, global_batch_size=self.batch_size * self.world_size,
+            is_rank_zero=self.is_rank_zero)
         self.ranks.barrier()
         policy = parts.build_policy(
             cfg, self.resume_dir, is_lora=self.is_lora,
@@ -230,7 +220,8 @@ class GRPORecipe:
             parts.update_settings(cfg, seed=self.seed, forward_batch_size=self.forward_batch_size,
                                   vocab_size=self.logit_bias.numel()),
             logit_bias=self.logit_bias, ref_model=self.ref_model, is_lora=self.is_lora,
-            activation_offloading=policy.activation_offloading, skipped_steps=skipped_steps)
+            activation_offloading=policy.activation_offloading, skipped_steps=skipped_steps,
+            progress=self.work)
         if self.eval_dataset is not None:
             self.evaluation = TrainingEvaluation(
                 self.model, self.tokenizer, self.eval_dataset, self.rewards, self.eval_settings,
@@ -241,7 +232,7 @@ class GRPORecipe:
         self.rollouts = RolloutRuntime(
             self.generator, cfg, rules=self.rules, ranks=self.ranks, seed=self.seed,
             group_size=self.group_size, forward_batch_size=self.forward_batch_size,
-            device=self.device, cache_dtype=self.dtype)
+            device=self.device, cache_dtype=self.dtype, progress=self.work)
         lora = ({"rank": int(cfg.model.lora_rank), "alpha": float(cfg.model.lora_alpha)}
                 if self.is_lora else None)
         self.generator.setup(generation_context(
@@ -300,7 +291,9 @@ class GRPORecipe:
             with timer("generation"):
                 trajs.append(self.rollout(chunk, draw=draw))
             with timer("scoring"):
+                self.work.begin(f"scoring {trajs[-1].num_sequences} completions")
                 scores.append(self.score(trajs[-1], chunk))
+                self.work.end()
         return concat_trajectories(trajs), concat_reward_outputs(scores)
 
     def dynamic_sample(self, traj: Trajectory, rewards: RewardOutput,
@@ -409,7 +402,9 @@ class GRPORecipe:
                 self.evaluation.run_at_start()
         show = self.is_rank_zero and self.cfg.progress_bar
         with StepProgress(self.cfg.num_steps, self.step, show=show) as self._progress, \
-                self.stop.deferred():
+                self.stop.deferred(), self.work:
+            bar = self._progress.bar  # a terminal's bar shows the phase; else lines every 30 s
+            self.work.bar = bar if bar is not None and not bar.disable else None
             while self.step < self.cfg.num_steps:
                 start = time.perf_counter()
                 metrics = self.train_step(self.batches.batch(self.step))

@@ -28,6 +28,7 @@ from torchtune_grpo import distributed as D
 from torchtune_grpo.algorithm.loss import summarize_loss_stats
 from torchtune_grpo.algorithm.trajectory import Trajectory
 from torchtune_grpo.policy.forward import micro_batch_logprobs
+from torchtune_grpo.progress import SILENT, Progress
 from torchtune_grpo.rollout.seeding import mix_seeds
 
 log = utils.get_logger("INFO")
@@ -145,6 +146,7 @@ class PolicyUpdate:
         activation_offloading: the context the update's forward passes run in.
         skipped_steps: optimizer steps skipped for a non-finite gradient before this run
             (a resumed run's count).
+        progress: where the update reports the micro-batches done (default: nowhere).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any,
@@ -152,8 +154,9 @@ class PolicyUpdate:
                  settings: UpdateSettings, *, logit_bias: torch.Tensor,
                  ref_model: nn.Module | None, is_lora: bool,
                  activation_offloading: contextlib.AbstractContextManager,
-                 skipped_steps: int = 0) -> None:
+                 skipped_steps: int = 0, progress: Progress = SILENT) -> None:
         self.model = model
+        self.progress = progress
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.loss_fn = loss_fn
@@ -195,21 +198,28 @@ class PolicyUpdate:
         model = self.model if self.is_lora else self.ref_model
         context = disable_adapter(self.model) if self.is_lora else contextlib.nullcontext()
         with context, self.gathered(model):
-            return self.response_logprobs(model, traj)
+            return self.response_logprobs(model, traj, "reference log-probs")
 
     @torch.no_grad()
     def policy_logprobs(self, traj: Trajectory) -> torch.Tensor:
         """Step 5: ``[N, T]`` log-probs of the rollout under the current policy (no graph), 0
         outside the responses."""
         with self.gathered(self.model):
-            return self.response_logprobs(self.model, traj) * traj.response_mask
+            return self.response_logprobs(self.model, traj, "old log-probs") * traj.response_mask
 
-    def response_logprobs(self, model: nn.Module, traj: Trajectory) -> torch.Tensor:
+    def response_logprobs(self, model: nn.Module, traj: Trajectory,
+                          phase: str = "log-probs") -> torch.Tensor:
         """``[N, T]`` log-probs of ``traj``'s responses under ``model``, micro-batch by
-        micro-batch (call under ``torch.no_grad``), each on its own extent (0 past it)."""
+        micro-batch (call under ``torch.no_grad``), each on its own extent (0 past it);
+        reported as ``phase``."""
         size = self.settings.forward_batch_size
-        return torch.cat([self.micro_batch_logprobs(model, traj, slice(i, i + size))[0]
-                          for i in range(0, traj.num_sequences, size)])
+        self.progress.begin(phase, total=-(-traj.num_sequences // size), unit="micro-batches")
+        parts = []
+        for i in range(0, traj.num_sequences, size):
+            parts.append(self.micro_batch_logprobs(model, traj, slice(i, i + size))[0])
+            self.progress.advance()
+        self.progress.end()
+        return torch.cat(parts)
 
     def micro_batch_logprobs(self, model: nn.Module, traj: Trajectory,
                              rows: slice | torch.Tensor,
@@ -307,6 +317,7 @@ class PolicyUpdate:
         behavior = traj.logprobs if self.needs_proximal else None
         stats, grad_norms = [], []
         gap = torch.zeros(3, dtype=torch.float64, device=self.device)  # max, sum, count
+        self.progress.begin("update", total=sum(len(m) for m in plan), unit="micro-batches")
         for epoch, micro_batches in enumerate(plan):
             for mb in micro_batches:
                 idx = mb.rows.to(self.device)
@@ -330,7 +341,9 @@ class PolicyUpdate:
                     mb_stats = {**mb_stats, "normalizer_share":
                                 mb_stats["normalizer_share"] + skipped_share}
                 stats.append(mb_stats)
+                self.progress.advance()
             grad_norms.append(self.optimizer_step(step))
+        self.progress.end()
         metrics = summarize_loss_stats(stats, all_reduce=self.ranks.all_reduce)
         gap_max = self.ranks.all_reduce(gap[:1].clone(), "max")
         gap_sum = self.ranks.all_reduce(gap[1:].clone(), "sum")

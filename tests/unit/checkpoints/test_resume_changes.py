@@ -155,3 +155,10 @@ def test_without_a_scheduler_the_configured_lr_is_used():
     assert new.param_groups[0]["lr"] == 1e-3  # what load_state_dict alone does
     apply_optimizer_settings(new, fresh, None)
     assert new.param_groups[0]["lr"] == 2e-4
+
+
+def test_how_the_checkpointer_saves_may_change_but_not_the_base_model_it_reads():
+    changes = config_changes(SAVED, _new(checkpointer___component_="my.Checkpointer"))
+    assert [(c.key, c.fixed) for c in changes] == [("checkpointer._component_", False)]
+    changes = config_changes(SAVED, _new(checkpointer__checkpoint_dir="/other"))
+    assert [(c.key, c.fixed) for c in changes] == [("checkpointer.checkpoint_dir", True)]
