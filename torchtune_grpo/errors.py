@@ -31,6 +31,12 @@ class CheckpointError(UserError, ValueError):
     model's, or another run's (a seed that differs on resume)."""
 
 
+class ComponentError(UserError, RuntimeError):
+    """A user-supplied component (a reward function, a tool) raised: the message names the
+    component, its exception and the input it failed on; ``TUNE_GRPO_DEBUG=1`` shows the
+    component's traceback."""
+
+
 class Interrupted(Exception):
     """The run was stopped by a signal before there was anything to save.
 

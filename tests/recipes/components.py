@@ -70,3 +70,11 @@ def slow_length_reward(completions: list[str], answers: list[str], seconds: floa
 
     time.sleep(seconds)
     return length_reward(completions, answers)
+
+
+def odd_answer_fails(completions: list[str], answers: list[str], **kwargs) -> list[float]:
+    """:func:`length_reward`, raising ``ValueError`` for a prompt whose gold answer is odd: a
+    reward component that fails on about half the samples."""
+    if any(int(a) % 2 for a in answers):
+        raise ValueError("odd answer")
+    return length_reward(completions, answers)

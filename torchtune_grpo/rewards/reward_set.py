@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from torchtune_grpo.errors import ComponentError
+
 __all__ = [
     "REWARD_ENTRY_KEYS",
     "RewardEntry",
@@ -272,7 +274,8 @@ class RewardSet:
         Raises:
             ValueError: when ``completions`` and ``answers`` differ in length, or a component
                 returns the wrong length, a non-numeric or a non-finite value.
-            RuntimeError: when a component with ``on_error: raise`` raises; the message names
+            ComponentError: when a component with ``on_error: raise`` raises (a
+                ``RuntimeError`` and a user error: one line); the message names
                 the component and the first sample that fails on its own.
         """
         completions, answers = list(completions), list(answers)
@@ -350,18 +353,20 @@ class RewardSet:
                     n_errors += 1
                     add_counts()
                     continue
-                raise RuntimeError(
+                raise ComponentError(
                     f"reward component {entry.name!r} raised {type(exc).__name__}: {exc} "
                     f"(first failing sample {i}: completion {_quote(completions[i])}, "
                     f"answer {_quote(answers[i])}). Fix the component, or set "
-                    "`on_error: zero` on its config entry to score failing samples 0."
+                    "`on_error: zero` on its config entry to score failing samples 0 "
+                    "(TUNE_GRPO_DEBUG=1 shows its traceback)."
                 ) from exc
             values[i] = self._validate(entry, raw, completions, 1, offset=i)[0]
             add_counts()
         if n_errors == 0 and entry.on_error == "raise":
-            raise RuntimeError(
+            raise ComponentError(
                 f"reward component {entry.name!r} raised {type(batch_exc).__name__}: {batch_exc} "
-                "on the batch, but no single sample reproduces it."
+                "on the batch, but no single sample reproduces it (TUNE_GRPO_DEBUG=1 shows its "
+                "traceback)."
             ) from batch_exc
         return values, n_errors, counts
 

@@ -180,16 +180,21 @@ class StepProgress:
     """The training loop's progress on rank 0: a redrawn bar on a terminal, one log line per
     step when the output goes to a file, nothing when not ``show``; a context manager.
 
+    Reward components that failed and scored 0 (``on_error: zero``) are counted on the step's
+    line and, when ``warn``, in a warning whatever ``show`` says.
+
     Args:
         num_steps: the run's last step.
         step: the steps finished before the loop starts.
         show: display anything at all.
+        warn: warn of the step's reward-component failures (rank 0).
     """
 
-    def __init__(self, num_steps: int, step: int, *, show: bool) -> None:
+    def __init__(self, num_steps: int, step: int, *, show: bool, warn: bool = False) -> None:
         from tqdm import tqdm
 
         self.num_steps = num_steps
+        self.warn = warn
         self.lines = show and not sys.stderr.isatty()
         self.bar = None if self.lines else tqdm(total=num_steps, initial=step, disable=not show)
 
@@ -202,12 +207,24 @@ class StepProgress:
 
     def update(self, step: int, metrics: dict[str, float]) -> None:
         """Show that ``step`` finished with ``metrics``."""
+        failed = reward_errors(metrics)
+        note = f", {sum(failed.values())} reward errors" if failed else ""
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_description(
                 f"step {step} reward {metrics['reward/mean']:.3f} "
-                f"success {metrics['success_rate']:.2f}")
+                f"success {metrics['success_rate']:.2f}{note}")
         elif self.lines:  # output to a file: one line per step, not a redrawn bar
             log.info(f"step {step}/{self.num_steps}: reward "
                      f"{metrics['reward/mean']:.3f}, success {metrics['success_rate']:.2f}, "
-                     f"{metrics.get('time/step', 0.0):.1f} s")
+                     f"{metrics.get('time/step', 0.0):.1f} s{note}")
+        if failed and self.warn:
+            log.warning(f"step {step}: reward components failed and scored 0 (on_error: zero): "
+                        + ", ".join(f"{name} on {n} samples" for name, n in failed.items()))
+
+
+def reward_errors(metrics: dict[str, float]) -> dict[str, int]:
+    """``component -> samples it failed on`` in a step's ``metrics`` (``reward/<name>/errors``
+    above 0; every rank's summed)."""
+    return {key[len("reward/"):-len("/errors")]: int(value) for key, value in metrics.items()
+            if key.startswith("reward/") and key.endswith("/errors") and value > 0}
