@@ -8,8 +8,10 @@ traceback of a user error.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import sys
+import tempfile
 from collections.abc import Iterator
 
 #: Exit status of a user error (as argparse uses for bad arguments).
@@ -61,24 +63,52 @@ def one_line(message: str) -> str:
     return "; ".join(p for p in parts if p).replace(":;", ":")
 
 
+def first_to_report(line: str) -> bool:
+    """Whether this process is the first of its ``torchrun`` launch on this machine to print
+    ``line`` (always True outside torchrun): the ranks of a launch usually hit the same user
+    error, and it is printed once, not once per rank; different lines are all printed.
+
+    The first rank to create a marker file named by the launch's run id and the line wins.
+    """
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not run_id or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return True
+    digest = hashlib.sha256(f"{run_id}\0{line}".encode()).hexdigest()[:24]
+    marker = os.path.join(tempfile.gettempdir(), f"tune_grpo_reported_{digest}")
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        return False
+    except OSError:  # no temporary folder to write: print rather than lose the line
+        return True
+    return True
+
+
+def _print_once(line: str) -> None:
+    if first_to_report(line):
+        print(line, file=sys.stderr, flush=True)
+
+
 @contextlib.contextmanager
 def reported_as_one_line(prefix: str = "error") -> Iterator[None]:
     """Turn a :class:`UserError` (and the user-facing built-in errors of a missing, existing or
     unwritable file) into ``{prefix}: ...`` on stderr and ``SystemExit(2)``; an
     :class:`Interrupted` into one line and its exit status. Other exceptions pass through.
+    Under ``torchrun`` a line that several ranks would print is printed once
+    (:func:`first_to_report`).
     """
     try:
         yield
     except Interrupted as exc:
         if debug():
             raise
-        print(f"stopped: {one_line(str(exc))}", file=sys.stderr, flush=True)
+        _print_once(f"stopped: {one_line(str(exc))}")
         raise SystemExit(exc.exit_code) from None
     except (UserError, FileNotFoundError, FileExistsError, PermissionError,
             IsADirectoryError, NotADirectoryError) as exc:
         if debug():
             raise
-        print(f"{prefix}: {one_line(_message(exc))}", file=sys.stderr, flush=True)
+        _print_once(f"{prefix}: {one_line(_message(exc))}")
         raise SystemExit(USER_ERROR_EXIT) from None
 
 

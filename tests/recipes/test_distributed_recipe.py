@@ -142,3 +142,15 @@ def test_reinforce_pp_first_step_equal_across_ranks(base_model, tmp_path):
     assert two["reward/mean"] == one["reward/mean"]
     for key in ("loss", "grad_norm", "entropy"):
         assert two[key] == pytest.approx(one[key], rel=1e-5, abs=LOSS_ABS), key
+
+
+def test_a_config_error_under_torchrun_is_printed_once(base_model, tmp_path):
+    """Both ranks find the error; one prints it (torchrun's own failure report follows: see
+    docs/troubleshooting.md)."""
+    proc = subprocess.run(
+        tune_cmd(*launch(2), *quickstart_overrides(base_model, tmp_path / "out", "group_size=0")),
+        cwd=tmp_path, env=recipe_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: invalid config: config key 'group_size' must be in [2, 4096] "
+                      "(got 0)"], proc.stderr[-3000:]
