@@ -197,3 +197,19 @@ def gathered_for_inference(*models: nn.Module | None, enabled: bool = True) -> I
             for group, mesh_info in groups:
                 group.post_forward_mesh_info = mesh_info
 
+
+
+def set_seed(seed: int) -> int:
+    """torchtune's ``training.set_seed`` (rank ``r`` seeds its generators with ``seed + r``),
+    without its "Local seed is seed + rank" line on every run; returns ``seed``."""
+    import logging
+
+    from torchtune import training
+
+    logger = logging.getLogger("torchtune.utils._logging")
+    level = logger.level
+    logger.setLevel(max(level, logging.INFO))
+    try:
+        return training.set_seed(seed)
+    finally:
+        logger.setLevel(level)

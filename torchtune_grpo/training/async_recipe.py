@@ -369,7 +369,7 @@ class RolloutWorker:
         self.device = utils.get_device(cfg.device)
         backend_for(self.device).configure_process(keep_freed_memory=cfg.keep_freed_cpu_memory)
         self.dtype = DTYPES[cfg.dtype]
-        self.seed = training.set_seed(cfg.seed)
+        self.seed = D.set_seed(cfg.seed)
         roles = world.roles
         self.group_size = int(cfg.group_size)
         self.batch_size = per_rank_batch_size(cfg, roles.trainer_ranks)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig
-from torchtune import config, training, utils
+from torchtune import config, utils
 
 from torchtune_grpo import distributed as D
 from torchtune_grpo.algorithm.advantages import AdvantageOutput, group_advantages, loss_token_mask
@@ -122,7 +122,7 @@ class GRPORecipe:
         self.ranks = source.process_group(self.device, float(cfg.distributed_timeout_s))
         self.world_size, self.rank = self.ranks.size(), self.ranks.rank()  # every collective
         self.is_rank_zero = self.rank == 0
-        self.seed = training.set_seed(cfg.seed)
+        self.seed = D.set_seed(cfg.seed)
         self.batch_size = per_rank_batch_size(cfg, self.world_size)
         self.group_size = int(cfg.group_size)
         self.forward_batch_size = int(cfg.forward_batch_size or self.batch_size * self.group_size)
