@@ -213,3 +213,16 @@ def set_seed(seed: int) -> int:
         return training.set_seed(seed)
     finally:
         logger.setLevel(level)
+
+
+#: What gloo and NCCL say when the other end of a collective or a message died.
+_PEER_DIED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "remote process exited", "NCCL communicator was aborted")
+
+
+def peer_died(exc: BaseException) -> str | None:
+    """Why a collective or point-to-point call failed, when it failed because another rank's
+    process died (not a fault of this rank): ``"its connection closed"``, the same words on
+    every rank whatever the transport's own (addresses, ports); None for any other failure."""
+    died = isinstance(exc, RuntimeError) and any(s in str(exc) for s in _PEER_DIED)
+    return "its connection closed" if died else None

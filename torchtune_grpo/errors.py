@@ -89,6 +89,27 @@ def _print_once(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
+def report(exc: BaseException, prefix: str = "error") -> None:
+    """Print the user error ``exc`` as its one line now (once per torchrun launch) and mark it
+    reported: the entry point then exits 2 without printing it again. For a process that may be
+    killed before it reaches its entry point (torchrun stops the other workers soon after one
+    fails)."""
+    if debug() or getattr(exc, "reported", False):
+        return
+    _print_once(f"{prefix}: {one_line(_message(exc))}")
+    exc.reported = True  # type: ignore[attr-defined]
+
+
+def _reported_cause(exc: BaseException) -> BaseException | None:
+    """A user error already :func:`report`-ed that ``exc`` was raised while handling."""
+    seen = exc.__context__
+    while seen is not None:
+        if getattr(seen, "reported", False):
+            return seen
+        seen = seen.__context__
+    return None
+
+
 @contextlib.contextmanager
 def reported_as_one_line(prefix: str = "error") -> Iterator[None]:
     """Turn a :class:`UserError` (and the user-facing built-in errors of a missing, existing or
@@ -102,13 +123,15 @@ def reported_as_one_line(prefix: str = "error") -> Iterator[None]:
     except Interrupted as exc:
         if debug():
             raise
+        if _reported_cause(exc) is not None:  # a signal while cleaning up after a user error
+            raise SystemExit(USER_ERROR_EXIT) from None
         _print_once(f"stopped: {one_line(str(exc))}")
         raise SystemExit(exc.exit_code) from None
     except (UserError, FileNotFoundError, FileExistsError, PermissionError,
             IsADirectoryError, NotADirectoryError) as exc:
         if debug():
             raise
-        _print_once(f"{prefix}: {one_line(_message(exc))}")
+        report(exc, prefix)
         raise SystemExit(USER_ERROR_EXIT) from None
 
 

@@ -78,3 +78,24 @@ def odd_answer_fails(completions: list[str], answers: list[str], **kwargs) -> li
     if any(int(a) % 2 for a in answers):
         raise ValueError("odd answer")
     return length_reward(completions, answers)
+
+
+class DyingGenerator:
+    """The native engine, whose process exits (as if killed) on its ``die_at_call``-th
+    rollout: a rollout rank that dies."""
+
+    def __new__(cls, die_at_call: int = 2):
+        import os
+
+        from torchtune_grpo.rollout.native import NativeGenerator
+
+        class _Dying(NativeGenerator):
+            calls = 0
+
+            def generate(self, model, request):
+                self.calls += 1
+                if self.calls >= die_at_call:
+                    os._exit(9)
+                return super().generate(model, request)
+
+        return _Dying()

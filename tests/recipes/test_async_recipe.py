@@ -117,3 +117,24 @@ def test_decoupled_correction_weights_stale_tokens(base_model, tmp_path):
     assert all(rows[s]["time/old_logprobs"] > 0 for s in (1, 2, 3))
     assert abs(rows[1]["is_weight/max"] - 1) < 1e-4  # sampled by the weights it trains
     assert rows[2]["is_weight/max"] > 1 + 1e-3 and rows[3]["is_weight/max"] > 1 + 1e-3
+
+
+def test_a_dead_rollout_rank_is_named_in_one_line(base_model, tmp_path):
+    """The rollout rank exits during step 2: the trainers say which rank died, which step they
+    waited for and which checkpoint to resume from, once and without a traceback of their own
+    (torchrun's report of the failed rank follows)."""
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchtune._cli.tune", *launch(3, ASYNC), *_async_args(
+            base_model, out, "num_steps=3", "max_staleness=0", "save_every_n_steps=1",
+            "generator._component_=components.DyingGenerator", "generator.die_at_call=3")],
+        cwd=tmp_path, env=recipe_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    # 2 trainers, 1 rollout rank: its third call is trainer 0's share of step 2
+    assert len(errors) == 1, proc.stderr[-4000:]
+    assert errors[0].startswith("error: rollout rank 2 died while the trainers waited for the "
+                                "rollout of step 2 (its connection closed); "), errors[0]
+    assert errors[0].endswith(f"the newest complete checkpoint is {out / 'step_1'}: continue "
+                              "with the same command and resume_from_checkpoint=true")
+    assert proc.stderr.count("Traceback (most recent call last)") <= 1  # torchrun's own

@@ -23,6 +23,8 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtune_grpo import distributed as D
+from torchtune_grpo.checkpoints.saving import latest_step_checkpoint
+from torchtune_grpo.errors import UserError
 
 __all__ = [
     "AsyncWorld",
@@ -85,6 +87,50 @@ class Roles:
 
 
 # ---------------------------------------------------------------------------- transport
+class PeerLost(ConnectionError):
+    """The rank at the other end of a :class:`PayloadChannel` is gone (its process died or
+    its connection closed) while this rank waited for its message.
+
+    Args:
+        rank: the global rank that stopped answering.
+        why: the transport's own words, in one line.
+    """
+
+    def __init__(self, rank: int, why: str) -> None:
+        super().__init__(f"rank {rank} stopped answering ({why})")
+        self.rank, self.why = rank, why
+
+
+class RolloutRankLost(UserError):
+    """A rollout rank of the asynchronous recipe died (killed, out of memory): not a bug of the
+    trainers, which report it in one line with the checkpoint to resume from."""
+
+    @classmethod
+    def of(cls, lost: PeerLost, *, step: int, output_dir: str) -> RolloutRankLost:
+        """The error for ``lost`` while waiting for the rollout of ``step``, naming the newest
+        complete step folder of ``output_dir``."""
+        latest = latest_step_checkpoint(output_dir) if output_dir else None
+        saved = (f"the newest complete checkpoint is {latest}: continue with the same command "
+                 "and resume_from_checkpoint=true" if latest is not None
+                 else "no step was saved yet")
+        return cls(f"rollout rank {lost.rank} died while the trainers waited for the rollout of "
+                   f"step {step} ({lost.why}); {saved}")
+
+
+def recv_rollout(channel: PayloadChannel, src: int, step: int,
+                 output_dir: str) -> dict[str, Any]:
+    """The next message of rollout rank ``src`` for ``step``.
+
+    Raises:
+        RolloutRankLost: ``src`` died; one line naming it, ``step`` and the newest complete
+            step folder of ``output_dir``.
+    """
+    try:
+        return channel.recv(src)
+    except PeerLost as exc:
+        raise RolloutRankLost.of(exc, step=step, output_dir=output_dir) from None
+
+
 class PayloadChannel:
     """Point-to-point messages of tensors and plain values between two ranks.
 
@@ -114,11 +160,20 @@ class PayloadChannel:
         self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
 
     def recv(self, src: int) -> dict[str, Any]:
-        """The next message from global rank ``src`` (blocks until it arrives)."""
+        """The next message from global rank ``src`` (blocks until it arrives).
+
+        Raises:
+            PeerLost: ``src`` died or closed its connection before the message was whole.
+        """
         size = torch.zeros(1, dtype=torch.int64)
-        dist.recv(size, src=src, group=self.group)
-        data = torch.empty(int(size), dtype=torch.uint8)
-        dist.recv(data, src=src, group=self.group)
+        try:
+            dist.recv(size, src=src, group=self.group)
+            data = torch.empty(int(size), dtype=torch.uint8)
+            dist.recv(data, src=src, group=self.group)
+        except RuntimeError as exc:  # gloo: "Connection closed by peer", ...
+            if (why := D.peer_died(exc)) is None:
+                raise
+            raise PeerLost(src, why) from exc
         return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
 
     def wait_sent(self) -> None:

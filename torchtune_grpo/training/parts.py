@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,6 +38,7 @@ from torchtune_grpo.checkpoints.saving import (
     check_finite,
     check_writable,
     claim_output_dir,
+    latest_step_checkpoint,
     load_recipe_state,
     resolve_resume,
 )
@@ -47,7 +49,7 @@ from torchtune_grpo.checkpoints.step_folder import (
 )
 from torchtune_grpo.config.schema import Key
 from torchtune_grpo.config.validation import ConfigError, validate_config
-from torchtune_grpo.errors import CheckpointError, one_line
+from torchtune_grpo.errors import CheckpointError, UserError, one_line, report
 from torchtune_grpo.evaluation.during_training import EvalSources
 from torchtune_grpo.models.checkpointer import weight_files
 from torchtune_grpo.policy.logprobs import auto_chunk_size
@@ -134,6 +136,41 @@ def model_shape(cfg: DictConfig) -> tuple[int | None, bool]:
                           f"{e}") from e
     check_model_folder(cfg, shape)  # the base folder is the model the config builds
     return getattr(shape, "max_seq_len", None), has_adapters(shape)
+
+
+class PeerRankLost(UserError):
+    """Another rank of the run died (killed, out of memory) while this one waited on it in a
+    collective: reported in one line with the checkpoint to resume from."""
+
+
+@contextlib.contextmanager
+def failures_reported_first(output_dir: str) -> Iterator[None]:
+    """Print a user error, or the death of a peer rank seen in a collective, as its one line
+    *before* the recipe cleans up: torchrun stops the surviving workers soon after one fails,
+    and a line left for the entry point would be lost with them.
+
+    Raises:
+        UserError: the error raised inside, already printed (:func:`~torchtune_grpo.errors.
+            report`).
+        PeerRankLost: for a collective's failure because another rank died; names the newest
+            complete step folder of ``output_dir``.
+    """
+    try:
+        yield
+    except UserError as exc:
+        report(exc)
+        raise
+    except RuntimeError as exc:
+        if (why := D.peer_died(exc)) is None:
+            raise
+        latest = latest_step_checkpoint(output_dir)
+        lost = PeerRankLost(
+            f"another rank of the run died ({why}); " + (
+                f"the newest complete checkpoint is {latest}: continue with the same command "
+                "and resume_from_checkpoint=true" if latest is not None
+                else "no step was saved yet"))
+        report(lost)
+        raise lost from None
 
 
 def resume_folder(cfg: DictConfig, model_files: dict[str, bytes], *, global_batch_size: int,

@@ -78,9 +78,8 @@ log = utils.get_logger("INFO")
 def run_recipe(cfg: DictConfig, source: RolloutSource | None = None) -> None:
     """Set up, train and clean up a :class:`GRPORecipe`; cleanup runs on failure too.
 
-    The entry point of the training recipes: whether training ends, stops on a divergence
-    or raises, the generator (e.g. a vLLM engine), the metric logger and the process group
-    are closed.
+    The training recipes' entry point: however training ends, the generator (e.g. vLLM), the
+    metric logger and the process group are closed; a user error is printed first.
 
     Args:
         cfg: the merged config.
@@ -88,8 +87,9 @@ def run_recipe(cfg: DictConfig, source: RolloutSource | None = None) -> None:
     """
     recipe = GRPORecipe(cfg, source=source)
     try:
-        recipe.setup()
-        recipe.train()
+        with parts.failures_reported_first(recipe.cfg.output_dir):
+            recipe.setup()
+            recipe.train()
     finally:
         recipe.cleanup()
 
