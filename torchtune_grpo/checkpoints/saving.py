@@ -21,7 +21,11 @@ from typing import Any
 import torch
 
 from torchtune_grpo.checkpoints.run_lock import is_locked
-from torchtune_grpo.checkpoints.step_folder import RECIPE_STATE_FILE, safetensors_problem
+from torchtune_grpo.checkpoints.step_folder import (
+    RECIPE_STATE_FILE,
+    check_step_folder,
+    safetensors_problem,
+)
 from torchtune_grpo.errors import CheckpointError, UserError, one_line
 
 STEP_DIR_PATTERN = re.compile(r"^step_(\d+)$")
@@ -310,10 +314,11 @@ def _remove_step(path: Path) -> None:
 def resolve_resume(resume: bool | str | None, output_dir: str | Path) -> Path | None:
     """The step folder to resume from, or None for a fresh start.
 
-    With ``resume=True`` the newest intact step is taken (a damaged newer one, see
-    :func:`~torchtune_grpo.checkpoints.step_folder.check_step_folder`, is skipped with a
-    warning); missing model files do not count as damage (they are restored from the base
-    model folder).
+    With ``resume=True`` the newest intact step is taken (a damaged newer one is skipped with a
+    warning). Whether a step can be resumed is the ``"resume"`` verdict of
+    :func:`~torchtune_grpo.checkpoints.step_folder.check_step_folder`, as ``tune-grpo
+    check-step`` prints it: a model file the step lacks and its base model folder holds is no
+    damage (the recipe writes it into the step before loading it).
 
     Args:
         resume: ``resume_from_checkpoint``: False/None (fresh), True (the newest intact
@@ -362,11 +367,8 @@ def resolve_resume(resume: bool | str | None, output_dir: str | Path) -> Path | 
 
 
 def _resume_problems(path: Path) -> list[str]:
-    """What keeps the step folder ``path`` from being resumed, missing model files aside."""
-    from torchtune_grpo.checkpoints.step_folder import check_step_folder
-
-    return [p for p in check_step_folder(path).problems["resume"]
-            if not p.startswith(("no config.json", "config.json is not"))]
+    """What keeps the step folder ``path`` from being resumed: the folder check's verdict."""
+    return check_step_folder(path).problems["resume"]
 
 
 def load_recipe_state(checkpoint: str | Path) -> dict[str, Any]:

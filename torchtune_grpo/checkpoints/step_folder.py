@@ -4,7 +4,8 @@ A step folder is complete on its own: weights, the *model files* beside them (``
 tokenizer files, chat template, generation config; read once from the base folder by
 :func:`model_folder_files`), ``recipe_state.pt`` and the completion marker.
 :func:`check_step_folder` (``tune-grpo check-step DIR``) says, without loading a weight,
-whether a folder can be resumed, evaluated and loaded by transformers;
+whether a folder can be resumed, evaluated and loaded by transformers (resume decides with it;
+the recipes' input-file check shares its parts);
 :func:`check_model_folder` checks that a model folder fits the config's model.
 """
 
@@ -33,6 +34,20 @@ NOT_MODEL_FILES = frozenset({"CHECKPOINT_COMPLETE", "recipe_state.pt", "eval_res
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".msgpack", ".h5")
 #: Tokenizer files; a folder that can be evaluated holds at least one.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+#: The JSON files a tokenizer is read from (by ``tokenizers``, transformers' ``AutoTokenizer``,
+#: torchtune's tokenizer builders, :class:`~torchtune_grpo.models.HFTokenizer`); each one a
+#: folder holds must parse.
+TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                        "vocab.json", "added_tokens.json", "chat_template.json")
+#: Every JSON model file and the uses that read it (``generation_config.json``: the HF
+#: tokenizer of ``grpo_eval``; transformers skips a damaged one).
+JSON_MODEL_FILES: dict[str, tuple[str, ...]] = {
+    "config.json": ("resume", "evaluate", "transformers"),
+    **{name: ("evaluate", "transformers") for name in TOKENIZER_JSON_FILES},
+    "generation_config.json": ("evaluate",),
+}
+#: Weight index files: each names the weight file of every tensor.
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 #: A model file larger than this is not carried into step folders (none of a model's
 #: description is; a 262k-vocabulary ``tokenizer.json`` is about 33 MB).
 MAX_MODEL_FILE_BYTES = 512 * 2**20
@@ -50,17 +65,23 @@ def model_folder_files(folder: str | Path, *, tokenizer_cfg: Any = None) -> dict
     Returns:
         ``file name -> content``; empty when ``folder`` does not exist.
     """
-    files: dict[str, bytes] = {}
+    return {name: path.read_bytes()
+            for name, path in model_folder_paths(folder, tokenizer_cfg=tokenizer_cfg).items()}
+
+
+def model_folder_paths(folder: str | Path, *, tokenizer_cfg: Any = None) -> dict[str, Path]:
+    """Where each file :func:`model_folder_files` reads comes from (``file name -> path``)."""
+    paths: dict[str, Path] = {}
     root = Path(folder).expanduser()
-    if root.is_dir():
+    if str(folder) and root.is_dir():
         for item in sorted(root.iterdir()):
             if _is_model_file(item):
-                files[item.name] = item.read_bytes()
+                paths[item.name] = item
     for value in _strings(tokenizer_cfg):
         path = Path(value).expanduser()
         if value and path.is_file() and path.stat().st_size <= MAX_MODEL_FILE_BYTES:
-            files[path.name] = path.read_bytes()
-    return files
+            paths[path.name] = path
+    return paths
 
 
 def _is_model_file(item: Path) -> bool:
@@ -145,6 +166,50 @@ def recipe_state_problem(path: str | Path) -> str | None:
     return None
 
 
+def json_problem(path: str | Path) -> str | None:
+    """Why the JSON file ``path`` does not parse (a full parse), or None, e.g. ``"not valid
+    JSON (Unterminated string ...: line 1 column 901 (char 900)): truncated or damaged"``."""
+    try:
+        json.loads(Path(path).read_bytes())
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or exc})"
+    except (ValueError, UnicodeDecodeError) as exc:  # json.JSONDecodeError is a ValueError
+        return f"not valid JSON ({exc}): truncated or damaged"
+    return None
+
+
+def damaged_json_files(folder: str | Path, names: Any = None) -> dict[str, str]:
+    """The JSON model files of ``folder`` (``names``, default :data:`JSON_MODEL_FILES`) that
+    exist and do not parse: ``file name -> why``."""
+    root = Path(folder)
+    found = {}
+    for name in names if names is not None else JSON_MODEL_FILES:
+        if (root / name).is_file() and (why := json_problem(root / name)) is not None:
+            found[name] = why
+    return found
+
+
+def index_problems(folder: str | Path) -> list[str]:
+    """What the weight indexes of ``folder`` (:data:`WEIGHT_INDEXES`) say is wrong: an index
+    that is not one, or each weight file it names that is missing, e.g.
+    ``"model-00002-of-00002.safetensors is missing (named by model.safetensors.index.json)"``.
+    """
+    root = Path(folder)
+    problems = []
+    for index_name in WEIGHT_INDEXES:
+        index = root / index_name
+        if not index.is_file():
+            continue
+        try:
+            names = set(json.loads(index.read_bytes())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+            problems.append(f"{index_name} is not a weight index ({exc})")
+            continue
+        problems.extend(f"{name} is missing (named by {index_name})"
+                        for name in sorted(map(str, names)) if not (root / name).is_file())
+    return problems
+
+
 @dataclass
 class FolderReport:
     """What :func:`check_step_folder` found.
@@ -155,6 +220,10 @@ class FolderReport:
         problems: what makes it unusable for ``use`` -> list of reasons, for each of
             ``"resume"``, ``"evaluate"`` and ``"transformers"``.
         notes: facts that are not problems (the step, evaluation results present).
+        restored: the model files a resume writes into the folder from the base model folder
+            (those it lacks; never one it holds), sorted.
+        base_dir: the base model folder of the run that wrote the step (its saved config's
+            ``checkpointer.checkpoint_dir``), None when unknown.
     """
 
     path: Path
@@ -162,6 +231,8 @@ class FolderReport:
     problems: dict[str, list[str]] = field(default_factory=lambda: {
         "resume": [], "evaluate": [], "transformers": []})
     notes: list[str] = field(default_factory=list)
+    restored: list[str] = field(default_factory=list)
+    base_dir: Path | None = None
 
     def ok(self, use: str) -> bool:
         """Whether the folder serves ``use`` (``resume``, ``evaluate`` or ``transformers``)."""
@@ -184,16 +255,31 @@ class FolderReport:
             what = {"resume": "resume_from_checkpoint", "evaluate": "tune run grpo_eval",
                     "transformers": "transformers / vLLM"}[use]
             reasons = self.problems[use]
-            out.append(f"  {what}: " + ("ok" if not reasons else "no: " + "; ".join(reasons)))
+            verdict = "ok" if not reasons else "no: " + "; ".join(reasons)
+            if use == "resume" and not reasons and self.restored:
+                verdict += (f" ({_and(self.restored)} "
+                            f"{'is' if len(self.restored) == 1 else 'are'} restored from the "
+                            f"base model folder {self.base_dir})")
+            out.append(f"  {what}: {verdict}")
         return out
 
 
+def _and(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
 def check_step_folder(path: str | Path) -> FolderReport:
-    """Check a step folder (or a model folder) without loading a weight.
+    """Check a step folder (or a model folder) without loading a weight; the verdicts are what
+    resume (:func:`~torchtune_grpo.checkpoints.saving.resolve_resume` uses the ``"resume"``
+    one), ``grpo_eval`` and transformers then do.
 
     Looks for the completion marker and ``recipe_state.pt`` (resume), ``config.json`` (every
-    use), a tokenizer file (evaluation), and the weight files (each one the index names present,
-    each safetensors file whole). An adapters-only LoRA folder is resumable, not loadable alone.
+    use), a tokenizer file (evaluation), parses every JSON model file (:data:`JSON_MODEL_FILES`:
+    ``config.json``, the tokenizer's, the generation config), and checks the weight files (each
+    one an index names present, each safetensors file whole). A file a step lacks that the
+    base model folder (named in the step's saved config) holds is no problem for resume: the
+    recipe restores it (:func:`write_missing_files`) and it is listed in ``restored``. An
+    adapters-only LoRA folder is resumable, not loadable alone.
 
     Args:
         path: the folder.
@@ -220,24 +306,70 @@ def check_step_folder(path: str | Path) -> FolderReport:
     if (root / "eval_results.json").is_file():
         report.notes.append("evaluated")
     state = root / "recipe_state.pt"
+    saved = None
     if report.is_step:
         if not state.is_file():
             problem("no recipe_state.pt", "resume")
         elif (why := recipe_state_problem(state)) is not None:
             problem(f"recipe_state.pt is {why}", "resume")
-    config = root / "config.json"
-    if not config.is_file():
-        problem("no config.json")
-    else:
-        try:
-            json.loads(config.read_text())
-        except (ValueError, UnicodeDecodeError) as exc:
-            problem(f"config.json is not valid JSON ({exc})")
+        else:
+            saved = _saved_config(state)
+    report.base_dir, report.restored = _restorable(root, saved)
+    # the step's files a resume reads: config.json (the checkpointer), and the tokenizer's when
+    # the saved config reads it from the step itself
+    resume_reads = {"config.json", *_read_from(root, saved.get("tokenizer") if saved else None)}
+    if not (root / "config.json").is_file():
+        problem("no config.json", "evaluate", "transformers")
+    for name in sorted(resume_reads - set(report.restored)):
+        if not (root / name).is_file():
+            problem(f"no {name}" + ("" if report.base_dir is None else " (nor an intact one in "
+                                    f"the base model folder {report.base_dir})"), "resume")
+    for name, why in damaged_json_files(root).items():
+        uses = JSON_MODEL_FILES[name]
+        problem(f"{name} is {why}", *dict.fromkeys(
+            [*uses, *(["resume"] if name in resume_reads else [])]))
     if not any((root / name).is_file() for name in TOKENIZER_FILES):
         problem("no tokenizer file (" + ", ".join(TOKENIZER_FILES) + ")", "evaluate",
                 "transformers")
     _check_weights(root, problem)
     return report
+
+
+def _saved_config(state: Path) -> dict[str, Any] | None:
+    """The resolved config saved in ``recipe_state.pt`` (memory-mapped), or None."""
+    import torch
+
+    try:
+        config = torch.load(state, map_location="cpu", weights_only=True, mmap=True).get("config")
+    except Exception:  # noqa: BLE001  (a damaged file is reported by recipe_state_problem)
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def _restorable(root: Path, saved: dict[str, Any] | None) -> tuple[Path | None, list[str]]:
+    """``(base model folder, the model files of it that root lacks)`` as a resume restores them
+    (JSON ones only when they parse); ``(None, [])`` without a saved config naming the folder."""
+    checkpointer = (saved or {}).get("checkpointer")
+    if not isinstance(checkpointer, dict) or not checkpointer.get("checkpoint_dir"):
+        return None, []
+    base = Path(str(checkpointer["checkpoint_dir"])).expanduser()
+    files = model_folder_paths(base, tokenizer_cfg=(saved or {}).get("tokenizer"))
+    return base, sorted(name for name, path in files.items() if not (root / name).exists()
+                        and (name not in JSON_MODEL_FILES or json_problem(path) is None))
+
+
+def _read_from(root: Path, tokenizer_cfg: Any) -> set[str]:
+    """The files of ``root`` a tokenizer config reads: each path value inside ``root`` (a folder
+    value: its tokenizer JSON files)."""
+    names: set[str] = set()
+    where = root.resolve()
+    for value in _strings(tokenizer_cfg):
+        path = Path(value).expanduser().resolve() if value else None
+        if path == where:
+            names.update(TOKENIZER_JSON_FILES)
+        elif path is not None and path.parent == where:
+            names.add(path.name)
+    return names
 
 
 def _check_weights(root: Path, problem: Any) -> None:
@@ -246,16 +378,8 @@ def _check_weights(root: Path, problem: Any) -> None:
     weights = sorted(p for p in root.glob("*.safetensors") if not p.name.startswith("adapter"))
     bins = sorted(p for p in [*root.glob("*.bin"), *root.glob("*.pt")]  # torch-format weights
                   if not p.name.startswith("adapter") and p.name != "recipe_state.pt")
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            names = set(json.loads(index.read_text())["weight_map"].values())
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-            problem(f"model.safetensors.index.json is not a weight index ({exc})")
-            names = set()
-        for name in sorted(names):
-            if not (root / name).is_file():
-                problem(f"{name} is missing (named by model.safetensors.index.json)")
+    for reason in index_problems(root):
+        problem(reason)
     for path in weights + adapters:
         if path.suffix == ".safetensors" and (why := safetensors_problem(path)) is not None:
             problem(f"{path.name} is {why}")

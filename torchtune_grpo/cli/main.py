@@ -2,9 +2,10 @@
 
 Subcommands::
 
-    tune-grpo ls                                  # shipped configs and the recipes that run them
+    tune-grpo ls                                  # shipped configs: CPU/GPU, recipes that run them
     tune-grpo cp grpo/quickstart_cpu my.yaml      # copy one to edit it
-    tune-grpo validate --config grpo/NAME [key=value ...]   # check before launching
+    tune-grpo validate --config grpo/NAME [key=value ...] [--world-size N]
+        # check before launching: a training, asynchronous or grpo_eval config, read from its keys
     tune-grpo prepare-quickstart [--output-dir DIR]          # tiny model for grpo/quickstart_cpu
     tune-grpo prepare-quickstart --tools [--output-dir DIR]  # ... for grpo/quickstart_cpu_tools
     tune-grpo prepare-model smollm2 [--output-dir DIR] [--gguf PATH] [--overwrite]
@@ -24,30 +25,34 @@ import shutil
 import sys
 from pathlib import Path
 
-RECIPES = (
-    "grpo_full_finetune_distributed",
-    "grpo_full_finetune_single_device",
-    "async_grpo_full_finetune_distributed",
-    "grpo_eval",
-)
+
+def device_kind(device: object) -> str:
+    """``"CPU"`` or ``"GPU"`` for a config's ``device`` (``cpu``; ``cuda``, ``cuda:1``); another
+    device's name in capitals."""
+    kind = str(device).split(":")[0].lower()
+    return {"cpu": "CPU", "cuda": "GPU"}.get(kind, kind.upper())
+
+
+def config_table() -> list[tuple[str, str, str]]:
+    """``(config, device, recipes)`` of every shipped config, in name order: the recipes that
+    run it (read from its keys, :func:`~torchtune_grpo.config.schema.recipes_for`) and
+    ``CPU``/``GPU`` from its ``device`` (the key's default when it has none)."""
+    from torchtune_grpo.config.loading import list_shipped_configs, load_config
+    from torchtune_grpo.config.schema import RECIPE_KEYS, recipes_for
+
+    default = RECIPE_KEYS["device"].default  # every tree's (EvalConfig shares it)
+    rows = []
+    for name in list_shipped_configs():
+        cfg = load_config(name)
+        rows.append((name, device_kind(cfg.get("device", default)), ", ".join(recipes_for(cfg))))
+    return rows
 
 
 def _ls(_args) -> int:
-    from torchtune_grpo.config.loading import list_shipped_configs
-
-    print("RECIPE" + " " * 36 + "CONFIG")
-    names = list_shipped_configs()
-    groups = {
-        "grpo_eval": [n for n in names if "eval" in n],
-        "grpo_full_finetune_distributed": [n for n in names if "eval" not in n
-                                           and "async" not in n],
-        "grpo_full_finetune_single_device": [n for n in names if "eval" not in n
-                                             and "async" not in n],
-        "async_grpo_full_finetune_distributed": [n for n in names if "async" in n],
-    }
-    for recipe in RECIPES:
-        for i, name in enumerate(groups[recipe]):
-            print(f"{recipe if i == 0 else '':42}{name}")
+    rows = [("CONFIG", "DEVICE", "RECIPES"), *config_table()]
+    widths = [max(len(row[i]) for row in rows) for i in range(2)]
+    for name, device, recipes in rows:
+        print(f"{name:<{widths[0]}}  {device:<{widths[1]}}  {recipes}")
     return 0
 
 
@@ -77,8 +82,9 @@ def _plot(args) -> int:
 
 
 def _validate(args) -> int:
+    from torchtune_grpo.cli.memory_estimate import intended_world_size
     from torchtune_grpo.config.loading import load_config
-    from torchtune_grpo.config.schema import keys_for
+    from torchtune_grpo.config.schema import EVAL_KEYS, keys_for, recipes_for
     from torchtune_grpo.config.validation import (
         ConfigError,
         validate_async_config,
@@ -86,15 +92,27 @@ def _validate(args) -> int:
     )
 
     cfg = load_config(args.config, args.overrides)
-    schema, extra_keys = keys_for(cfg)
+    schema, extra_keys = keys_for(cfg)  # an eval, asynchronous or training config
+    world_size = args.world_size or intended_world_size(args.config)
+    if extra_keys is not None and args.world_size is None and world_size == 1:
+        rollout = cfg.get("rollout_ranks", extra_keys["rollout_ranks"].default)
+        world_size = rollout + 1 if isinstance(rollout, int) and rollout > 0 else 2
     try:
-        if extra_keys is not None:  # async_grpo_full_finetune_distributed
-            validate_async_config(cfg, world_size=args.world_size)
+        if schema is EVAL_KEYS:  # grpo_eval: each rank evaluates a share, any world size
+            validate_config(cfg, schema=EVAL_KEYS)
+        elif extra_keys is not None:  # async_grpo_full_finetune_distributed
+            validate_async_config(cfg, world_size=world_size)
         else:
-            validate_config(cfg, world_size=args.world_size, schema=schema)
+            validate_config(cfg, world_size=world_size, schema=schema)
     except ValueError as e:  # a check outside the schema (ConfigError is one too)
         raise ConfigError(str(e)) from None
-    print(f"{args.config}: config is well-formed")
+    recipes = recipes_for(cfg)
+    if schema is EVAL_KEYS:
+        where = ""
+    else:  # several processes: not the single-device recipe
+        recipes = recipes[:1] if world_size > 1 else recipes
+        where = f" on {world_size} process{'es' * (world_size > 1)}"
+    print(f"{args.config}: config is well-formed for {' or '.join(recipes)}{where}")
     return 0
 
 
@@ -158,7 +176,8 @@ def _dispatch(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="tune-grpo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("ls", help="list shipped configs").set_defaults(func=_ls)
+    sub.add_parser("ls", help="list shipped configs, each with its device and the recipes "
+                   "that run it").set_defaults(func=_ls)
     cp = sub.add_parser("cp", help="copy a shipped config")
     cp.add_argument("config")
     cp.add_argument("destination")
@@ -166,7 +185,9 @@ def _dispatch(argv: list[str] | None) -> int:
     cp.set_defaults(func=_cp)
     val = sub.add_parser("validate", help="validate a config without building anything")
     val.add_argument("--config", required=True)
-    val.add_argument("--world-size", type=int, default=1)
+    val.add_argument("--world-size", type=int, default=None,
+                     help="processes you will launch (default: --nproc_per_node in the config's "
+                     "header, else 1; an asynchronous config: rollout_ranks + 1)")
     val.add_argument("overrides", nargs="*")
     val.set_defaults(func=_validate)
     plot = sub.add_parser("plot", help="plot a run's metrics into a PNG")

@@ -29,9 +29,10 @@ from torchtune_grpo.config.settings import (
 )
 from torchtune_grpo.evaluation.settings import EvalSettings
 
-__all__ = ["ASYNC_KEYS", "EVAL_KEYS", "MAX_GROUP_SIZE", "MAX_SEQ_LEN", "RECIPE_KEYS", "REQUIRED",
-           "AsyncConfig", "EvalConfig", "Key", "RecipeConfig", "keys_for", "per_rank_batch_size",
-           "with_defaults"]
+__all__ = ["ASYNC_KEYS", "ASYNC_RECIPE", "EVAL_KEYS", "EVAL_RECIPE", "MAX_GROUP_SIZE",
+           "MAX_SEQ_LEN", "RECIPE_KEYS", "REQUIRED", "TRAINING_RECIPES", "AsyncConfig",
+           "EvalConfig", "Key", "RecipeConfig", "keys_for", "per_rank_batch_size",
+           "recipes_for", "with_defaults"]
 
 #: Sanity limits: a value above them is a typo, not a plan (they allocate at once).
 MAX_GROUP_SIZE = 4096
@@ -143,7 +144,8 @@ class RecipeConfig:
         False,
         "A resume whose config changes what the run means (``seed``, the global batch, "
         "``group_size``, ``dataset``, ``shuffle``, ``model``, ``model_dir``, ``tokenizer``, "
-        "``checkpointer``) continues anyway, and records the change in the recipe state; "
+        "the checkpointer's ``checkpoint_dir``/``checkpoint_files``/``model_type``) "
+        "continues anyway, and records the change in the recipe state; "
         "false (default): it stops, naming the key.")
     model: Component = key(REQUIRED, "torchtune model builder.")
     tokenizer: Component = key(REQUIRED, "torchtune tokenizer builder.")
@@ -325,8 +327,18 @@ class EvalConfig:
     that key's type, default, meaning and check, and the sampling keys take their defaults from
     :class:`~torchtune_grpo.evaluation.settings.EvalSettings`."""
 
-    checkpoint_dir: str = key(REQUIRED,
-                              "The checkpoint to evaluate; results are written into it.")
+    checkpoint_dir: str = key(
+        REQUIRED,
+        "The checkpoint to evaluate; results are written into it unless ``eval_output_dir`` is "
+        "set.")
+    eval_output_dir: str | None = key(
+        None,
+        "Folder for the results (``eval_results.json``, ``eval_samples.jsonl``, and while it "
+        "runs the per-rank partial files that a rerun of a stopped evaluation continues from), "
+        "created if absent; use it when ``checkpoint_dir`` is read-only or shared, or to keep "
+        "several evaluations of one checkpoint apart. An earlier evaluation's files there are "
+        "replaced, as in the checkpoint folder, and the log names them at start. null: "
+        "``checkpoint_dir``.")
     seed: int = _same_as("seed")
     device: str = _same_as("device")
     dtype: str = _same_as("dtype")
@@ -364,22 +376,52 @@ ASYNC_KEYS: dict[str, Key] = keys_of(AsyncConfig)
 EVAL_KEYS: dict[str, Key] = keys_of(EvalConfig)
 
 
+#: The recipes that run a config of :class:`RecipeConfig` (either one: same keys, same step).
+TRAINING_RECIPES = ("grpo_full_finetune_distributed", "grpo_full_finetune_single_device")
+#: The recipe of a config that sets a key of :class:`AsyncConfig`.
+ASYNC_RECIPE = "async_grpo_full_finetune_distributed"
+#: The recipe of a config of :class:`EvalConfig`.
+EVAL_RECIPE = "grpo_eval"
+
+
+def _is_eval_config(names: set[str]) -> bool:
+    """Whether top-level keys ``names`` are a ``grpo_eval`` config's: it names
+    ``checkpoint_dir``, or it has other keys only :class:`EvalConfig` has (``num_samples``,
+    ``k``) and none that only the training trees have."""
+    eval_only = set(EVAL_KEYS) - set(RECIPE_KEYS)
+    training_only = (set(RECIPE_KEYS) | set(ASYNC_KEYS)) - set(EVAL_KEYS)
+    return "checkpoint_dir" in names or bool(names & eval_only and not names & training_only)
+
+
 def keys_for(cfg: DictConfig) -> tuple[dict[str, Key], dict[str, Key] | None]:
     """Which recipe a config is for, read from the keys only that recipe has.
+
+    A key left to fill in (``checkpoint_dir: ???``) counts as present.
 
     Args:
         cfg: a loaded config.
 
     Returns:
-        ``(schema, extra_keys)``: ``(EVAL_KEYS, None)`` for a ``grpo_eval`` config (it sets
-        ``checkpoint_dir``), ``(RECIPE_KEYS, ASYNC_KEYS)`` for the asynchronous recipe (it sets
-        a key of :class:`AsyncConfig`), else ``(RECIPE_KEYS, None)``.
+        ``(schema, extra_keys)``: ``(EVAL_KEYS, None)`` for a ``grpo_eval`` config (it names
+        ``checkpoint_dir``, or ``num_samples``/``k`` and no training key), ``(RECIPE_KEYS,
+        ASYNC_KEYS)`` for the asynchronous recipe (it sets a key of :class:`AsyncConfig`), else
+        ``(RECIPE_KEYS, None)``.
     """
-    if any(name in cfg for name in ASYNC_KEYS):
-        return RECIPE_KEYS, ASYNC_KEYS
-    if "checkpoint_dir" in cfg:
+    names = {str(name) for name in cfg}  # iterating, unlike ``in``, sees ``???`` keys
+    if _is_eval_config(names):
         return EVAL_KEYS, None
+    if names & set(ASYNC_KEYS):
+        return RECIPE_KEYS, ASYNC_KEYS
     return RECIPE_KEYS, None
+
+
+def recipes_for(cfg: DictConfig) -> tuple[str, ...]:
+    """The recipes that run ``cfg`` (:func:`keys_for`): :data:`EVAL_RECIPE`,
+    :data:`ASYNC_RECIPE`, or both :data:`TRAINING_RECIPES`."""
+    schema, extra_keys = keys_for(cfg)
+    if schema is EVAL_KEYS:
+        return (EVAL_RECIPE,)
+    return (ASYNC_RECIPE,) if extra_keys is not None else TRAINING_RECIPES
 
 
 def with_defaults(cfg: DictConfig, schema: dict[str, Key] | None = None) -> DictConfig:

@@ -24,7 +24,7 @@ from torchtune_grpo.config.schema import (
     with_defaults,
 )
 from torchtune_grpo.config.settings import settings_from_config, value_fits
-from torchtune_grpo.errors import UserError
+from torchtune_grpo.errors import CheckpointError, UserError
 from torchtune_grpo.evaluation.settings import sampling_problems
 
 
@@ -376,25 +376,48 @@ _PATH_KEYS = {
 
 
 def check_input_files(cfg: DictConfig) -> None:
-    """Check that the tokenizer and checkpoint files a config names exist and are whole.
+    """Check that the tokenizer and checkpoint files a config names exist and are whole, with
+    the checks of ``tune-grpo check-step``: each JSON file (``config.json``, the tokenizer's)
+    parses, each weight file the folder's index names is there, each safetensors file is whole.
 
     Args:
         cfg: the merged config.
 
     Raises:
         FileNotFoundError: naming the config key and the missing path.
-        UserError: a truncated or foreign safetensors file in ``checkpointer.checkpoint_dir``.
+        CheckpointError: a file that is truncated or damaged (a weight, tokenizer or config
+            file), or a weight file an index names that is missing, naming the key and the file.
     """
-    missing = []
+    from torchtune_grpo.checkpoints.saving import COMPLETE_MARKER
+    from torchtune_grpo.checkpoints.step_folder import (
+        damaged_json_files,
+        index_problems,
+        json_problem,
+    )
+
+    missing: list[str] = []
+    damaged: dict[Path, str] = {}  # file -> "key: file is why", under the first key naming it
+    parsed: set[Path] = set()
     for node_name, keys in _PATH_KEYS.items():
         node = cfg.get(node_name)
-        if node is None:
-            continue
-        for key in keys:
-            value = node.get(key)
-            if value is not None and not Path(str(value)).expanduser().exists():
+        for key in keys if node is not None else ():
+            if (value := node.get(key)) is None:
+                continue
+            path = Path(str(value)).expanduser()
+            if not path.exists():
                 missing.append(f"{node_name}.{key}: {value} does not exist")
-    ckpt = cfg.get("checkpointer")
+                continue
+            if path.resolve() in parsed:  # a folder or file several keys name: parsed once
+                continue
+            parsed.add(path.resolve())
+            # a folder: its config.json and tokenizer files; a file: itself; each parsed
+            bad = (damaged_json_files(path) if path.is_dir() else
+                   {path.name: json_problem(path)} if path.suffix == ".json" else {})
+            for name, why in bad.items():
+                file = path / name if path.is_dir() else path
+                if why is not None:
+                    damaged.setdefault(file.resolve(), f"{node_name}.{key}: {file} is {why}")
+    ckpt, weights = cfg.get("checkpointer"), []
     if ckpt is not None and ckpt.get("checkpoint_dir") and Path(ckpt.checkpoint_dir).exists():
         folder = Path(ckpt.checkpoint_dir)
         files = ckpt.get("checkpoint_files")
@@ -404,10 +427,15 @@ def check_input_files(cfg: DictConfig) -> None:
                     missing.append(
                         f"checkpointer.checkpoint_files: {folder / str(name)} does not exist"
                     )
-        damaged = _damaged_weights(folder, files)
-        if damaged:
-            raise UserError(f"checkpointer.checkpoint_dir: {'; '.join(damaged)} (download the "
-                            "model again, or point checkpoint_dir at an intact copy)")
+        weights = [f"checkpointer.checkpoint_dir: {folder}/{why}"  # each why names a file
+                   for why in index_problems(folder) + _damaged_weights(folder, files)]
+    if damaged or weights:
+        in_step = ckpt is not None and (Path(str(ckpt.get("checkpoint_dir"))).expanduser()
+                                        / COMPLETE_MARKER).is_file()
+        raise CheckpointError("; ".join([*damaged.values(), *weights]) + (
+            " (use another step_N folder, or copy the damaged model files from the run's base "
+            "model folder)" if in_step else " (download the model again, or copy the files "
+            "from an intact copy of it)"))
     if missing:
         raise FileNotFoundError(
             "input files not found (download the model, or fix the paths): "
@@ -425,7 +453,7 @@ def _damaged_weights(folder: Path, files: Any) -> list[str]:
         paths = [folder / str(name) for name in files]
     else:
         paths = sorted(folder.glob("*.safetensors"))
-    return [f"{path} is {why}" for path in paths
+    return [f"{path.name} is {why}" for path in paths
             if path.suffix == ".safetensors" and path.is_file()
             and (why := safetensors_problem(path)) is not None]
 

@@ -15,6 +15,7 @@ from torchtune_grpo.datasets._prompt import (
     INVALID_ROW_POLICIES,
     PromptDataset,
     PromptTemplate,
+    check_limit,
     resolve_template,
 )
 from torchtune_grpo.errors import DataError
@@ -148,6 +149,20 @@ def _split_names(split: str) -> list[str]:
     return [part.split("[", 1)[0].strip() for part in split.split("+") if part.strip()]
 
 
+def _split_error(exc: ValueError, source: str, split: str) -> DataError | None:
+    """The one-line error for a ``datasets`` failure caused by ``split`` (a malformed slice, an
+    unknown split name), or None for any other failure."""
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    if text.startswith("Unrecognized instruction format"):
+        return DataError(
+            f"dataset {source!r}: split {split!r} is not a split expression (NAME, NAME[:N], "
+            "NAME[A:B] or NAME[:P%], joined by +); to take the first N problems set "
+            "dataset.limit=N")
+    if text.startswith("Unknown split"):
+        return DataError(f"dataset {source!r}: split {split!r}: {text}")
+    return None
+
+
 def load_rows(
     source: str,
     *,
@@ -177,10 +192,25 @@ def load_rows(
     Raises:
         FileNotFoundError: when a local file or folder does not exist.
         ValueError: when the format of local files cannot be determined, a local file is
-            empty, or a JSON Lines row does not parse (naming the file and the line).
+            empty, a JSON Lines row does not parse (naming the file and the line), or ``split``
+            is malformed or names no split (naming ``dataset.limit`` as the way to shrink).
         ConnectionError: a Hub dataset could not be reached (the message says how to use
             local files instead).
     """
+    try:
+        return _load_rows(source, data_files=data_files, split=split, name=name, **kwargs)
+    except DataError:
+        raise
+    except ValueError as exc:
+        error = _split_error(exc, str(source), str(split))
+        if error is None:
+            raise
+        raise error from None
+
+
+def _load_rows(source: str, *, data_files: Any, split: str, name: str | None,
+               **kwargs: Any) -> Any:
+    """:func:`load_rows` without the naming of split errors."""
     import datasets
 
     if not isinstance(source, str) or not source:
@@ -275,6 +305,7 @@ def build_prompt_dataset(
     load_kwargs: Mapping[str, Any] | None = None,
     difficulty_file: str | None = None,
     difficulty_band: Sequence[float] = (0.0, 1.0),
+    limit: int | None = None,
 ) -> PromptDataset:
     """Load a question/answer source and build its :class:`PromptDataset`.
 
@@ -300,6 +331,8 @@ def build_prompt_dataset(
         load_kwargs: passed to ``datasets.load_dataset``.
         difficulty_file: per-row pass rates; keep the rows strictly inside ``difficulty_band``.
         difficulty_band: ``[low, high]``; default ``(0, 1)``.
+        limit: keep only the first ``limit`` problems (rows skipped as invalid do not count;
+            the difficulty and prompt-length filters apply after); reading stops there.
 
     Returns:
         The :class:`~torchtune_grpo.datasets.PromptDataset` of ``{"tokens", "answer",
@@ -308,9 +341,10 @@ def build_prompt_dataset(
     Raises:
         ValueError: on an unknown ``invalid_rows``, an invalid template, a ``name`` that
             ``configurations`` rejects, an invalid row or too-long prompt with
-            ``invalid_rows="error"``, or no usable row.
+            ``invalid_rows="error"``, a non-positive ``limit``, or no usable row.
         FileNotFoundError: when a local source does not exist.
     """
+    check_limit(builder, limit)
     if invalid_rows not in INVALID_ROW_POLICIES:
         raise DataError(
             f"{builder}: invalid_rows must be one of {INVALID_ROW_POLICIES}, got {invalid_rows!r}"
@@ -323,11 +357,15 @@ def build_prompt_dataset(
     skipped = 0
     offset = 0
     for config in names:
+        if limit is not None and len(samples) >= limit:
+            break
         rows = load_rows(
             source, data_files=data_files, split=split, name=config, **(load_kwargs or {})
         )
         count = 0
         for local, row in enumerate(rows):
+            if limit is not None and len(samples) >= limit:
+                break
             count += 1
             try:
                 question, answer = read_row(row)

@@ -5,6 +5,7 @@ collate function.
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -21,6 +22,8 @@ __all__ = [
     "INVALID_ROW_POLICIES",
     "PromptDataset",
     "PromptTemplate",
+    "check_limit",
+    "check_split",
     "collate_prompts",
     "format_reference_completion",
     "resolve_template",
@@ -29,6 +32,42 @@ __all__ = [
 
 #: Accepted values of ``invalid_rows``: raise on the first bad row, or drop and count them.
 INVALID_ROW_POLICIES = ("error", "skip")
+
+#: ``NAME[:N]``: the split slice that ``limit`` replaces.
+_FIRST_N = re.compile(r"\s*(\w+)\s*\[\s*:\s*(\d+)\s*\]\s*")
+
+
+def check_limit(builder: str, limit: Any) -> int | None:
+    """``limit`` (keep the first ``limit`` problems) when it is a positive integer or None.
+
+    Raises:
+        DataError: another value, naming ``builder``.
+    """
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise DataError(f"{builder}: limit must be a positive integer or null, got {limit!r}")
+    return limit
+
+
+def check_split(what: str, split: Any, names: Sequence[str]) -> str:
+    """``split`` when it is one of ``names``, the splits of a generated dataset (whole: they
+    cannot be sliced as Hub and local splits can).
+
+    Raises:
+        DataError: another value, naming ``what``; a sliced split (``"test[:4]"``) is told to
+            use ``dataset.limit``.
+    """
+    if isinstance(split, str) and split in names:
+        return split
+    quoted = [repr(name) for name in names]
+    listed = ", ".join(quoted[:-1]) + f" {{}} {quoted[-1]}" if len(quoted) > 1 else quoted[0]
+    if isinstance(split, str) and "[" in split:
+        first = _FIRST_N.fullmatch(split)
+        how = (f"the first {first[2]} problems set dataset.split={first[1]} "
+               f"dataset.limit={first[2]}" if first and first[1] in names
+               else "the first N problems set dataset.limit=N")
+        raise DataError(f"{what}: split {split!r} cannot be sliced (its splits are "
+                        f"{listed.format('and')}); to take {how}")
+    raise DataError(f"{what}: split must be {listed.format('or')}, got {split!r}")
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,12 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from torchtune_grpo.datasets._prompt import PromptDataset, PromptTemplate
-from torchtune_grpo.errors import DataError
+from torchtune_grpo.datasets._prompt import (
+    PromptDataset,
+    PromptTemplate,
+    check_limit,
+    check_split,
+)
 
 #: The second operand of every problem.
 ADDEND = 1111
@@ -36,8 +40,9 @@ def addition_operands(split: str) -> list[int]:
         split: ``"train"``, ``"test"`` or ``"warmup"``.
 
     Raises:
-        ValueError: on an unknown split.
+        ValueError: on an unknown or sliced split.
     """
+    check_split("addition", split, ("train", "test", "warmup"))
     numbers = [int("".join(d)) for d in itertools.product(OPERAND_DIGITS, repeat=NUM_DIGITS)]
     random.Random(SPLIT_SEED).shuffle(numbers)
     n_test, n_warm = SPLIT_SIZES["test"], SPLIT_SIZES["warmup"]
@@ -46,8 +51,6 @@ def addition_operands(split: str) -> list[int]:
         "warmup": numbers[n_test : n_test + n_warm],
         "train": numbers[n_test + n_warm :],
     }
-    if split not in ranges:
-        raise DataError(f"split must be one of {sorted(ranges)}, got {split!r}")
     return ranges[split]
 
 
@@ -76,12 +79,16 @@ def addition_dataset(
     Args:
         tokenizer: a torchtune tokenizer.
         split: ``"train"``, ``"test"`` or ``"warmup"``.
-        limit: keep only the first ``limit`` problems of the split.
+        limit: keep only the first ``limit`` problems of the split (its splits are whole:
+            ``limit``, not ``split="test[:N]"``).
         difficulty_file, difficulty_band: keep only the rows whose pass rate in this
             ``tune-grpo difficulty`` file lies strictly inside ``[low, high]`` (default
             ``[0, 1]``); ``None``: every row.
+
+    Raises:
+        ValueError: on an unknown or sliced split, or a non-positive ``limit``.
     """
-    problems = addition_problems(split)[:limit]
+    problems = addition_problems(split)[:check_limit("addition_dataset", limit)]
     samples = [(q, a, i) for i, (q, a) in enumerate(problems)]
     return PromptDataset(samples, tokenizer, ADDITION_TEMPLATE, name=f"addition[{split}]",
                          difficulty_file=difficulty_file, difficulty_band=difficulty_band)

@@ -11,7 +11,12 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from torchtune_grpo.datasets._prompt import PromptDataset, PromptTemplate
+from torchtune_grpo.datasets._prompt import (
+    PromptDataset,
+    PromptTemplate,
+    check_limit,
+    check_split,
+)
 from torchtune_grpo.errors import DataError
 
 __all__ = [
@@ -87,10 +92,9 @@ def arithmetic_problems(
         so every operation comes equally often.
 
     Raises:
-        ValueError: on an unknown split or operation.
+        ValueError: on an unknown or sliced split, or an unknown operation.
     """
-    if split not in ("train", "test"):
-        raise DataError(f"arithmetic: split must be 'train' or 'test', got {split!r}")
+    check_split("arithmetic", split, ("train", "test"))
     if style not in QUESTION_STYLES:
         raise DataError(f"arithmetic: style must be one of {sorted(QUESTION_STYLES)}, got "
                         f"{style!r}")
@@ -129,17 +133,17 @@ def arithmetic_dataset(
         operations: which of ``"add"``, ``"sub"``, ``"mul"`` to include.
         style: ``"question"`` (``"What is 47 + 38?"``) or ``"equation"`` (``"47 + 38 ="``).
         template: the prompt template (``None``: :data:`ARITHMETIC_TEMPLATE`).
-        limit: keep only the first ``limit`` problems of the split.
+        limit: keep only the first ``limit`` problems of the split (its splits are whole:
+            ``limit``, not ``split="test[:N]"``).
         difficulty_file, difficulty_band: keep only the rows whose pass rate in this
             ``tune-grpo difficulty`` file lies strictly inside ``[low, high]`` (default
             ``[0, 1]``); ``None``: every row.
 
     Raises:
-        ValueError: on an unknown split or operation, or a non-positive ``limit``.
+        ValueError: on an unknown or sliced split, an unknown operation, or a non-positive
+            ``limit``.
     """
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise DataError(f"arithmetic_dataset: limit must be a positive integer or null, "
-                         f"got {limit!r}")
+    check_limit("arithmetic_dataset", limit)
     problems = arithmetic_problems(split, operations, style)[:limit]
     samples = [(q, a, i) for i, (q, a) in enumerate(problems)]
     return PromptDataset(samples, tokenizer, template if template is not None

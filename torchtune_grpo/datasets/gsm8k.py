@@ -72,6 +72,7 @@ def gsm8k_dataset(
     invalid_rows: str = "error",
     difficulty_file: str | None = None,
     difficulty_band: Sequence[float] = (0.0, 1.0),
+    limit: int | None = None,
     **load_kwargs: Any,
 ) -> PromptDataset:
     """GSM8K prompts with their gold final answers (the text after ``####``, without commas).
@@ -90,6 +91,8 @@ def gsm8k_dataset(
         difficulty_file, difficulty_band: keep only the rows whose pass rate in this
             ``tune-grpo difficulty`` file lies strictly inside ``[low, high]`` (default
             ``[0, 1]``); ``None``: every row.
+        limit: keep only the first ``limit`` problems (of the whole split, or slice; rows
+            skipped as invalid do not count); ``None``: every one.
         **load_kwargs: passed to ``datasets.load_dataset``.
 
     Returns:
@@ -105,4 +108,4 @@ def gsm8k_dataset(
         tokenizer, builder="gsm8k_dataset", read_row=_read_row, default_template=GSM8K_TEMPLATE,
         source=source, split=split, data_files=data_files, name=name, template=template,
         max_prompt_tokens=max_prompt_tokens, invalid_rows=invalid_rows, load_kwargs=load_kwargs,
-        difficulty_file=difficulty_file, difficulty_band=difficulty_band)
+        difficulty_file=difficulty_file, difficulty_band=difficulty_band, limit=limit)

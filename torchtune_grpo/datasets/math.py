@@ -158,6 +158,7 @@ def math_dataset(
     invalid_rows: str = "error",
     difficulty_file: str | None = None,
     difficulty_band: Sequence[float] = (0.0, 1.0),
+    limit: int | None = None,
     **load_kwargs: Any,
 ) -> PromptDataset:
     """MATH problems with their gold answers (:func:`math_gold_answer`).
@@ -175,6 +176,8 @@ def math_dataset(
         difficulty_file, difficulty_band: keep only the rows whose pass rate in this
             ``tune-grpo difficulty`` file lies strictly inside ``[low, high]`` (default
             ``[0, 1]``); ``None``: every row.
+        limit: keep only the first ``limit`` problems (of the whole split, or slice; rows
+            skipped as invalid do not count); ``None``: every one.
         **load_kwargs: passed to ``datasets.load_dataset``.
 
     Returns:
@@ -191,7 +194,7 @@ def math_dataset(
         source=source, split=split, data_files=data_files, name=name,
         configurations=partial(_subjects, source=source, data_files=data_files), template=template,
         max_prompt_tokens=max_prompt_tokens, invalid_rows=invalid_rows, load_kwargs=load_kwargs,
-        difficulty_file=difficulty_file, difficulty_band=difficulty_band)
+        difficulty_file=difficulty_file, difficulty_band=difficulty_band, limit=limit)
 
 
 def deepscaler_dataset(
@@ -205,6 +208,7 @@ def deepscaler_dataset(
     invalid_rows: str = "error",
     difficulty_file: str | None = None,
     difficulty_band: Sequence[float] = (0.0, 1.0),
+    limit: int | None = None,
     **load_kwargs: Any,
 ) -> PromptDataset:
     """Problems in the DeepScaleR format (``problem``, ``answer``, ``solution``).
@@ -220,6 +224,8 @@ def deepscaler_dataset(
         difficulty_file, difficulty_band: keep only the rows whose pass rate in this
             ``tune-grpo difficulty`` file lies strictly inside ``[low, high]`` (default
             ``[0, 1]``); ``None``: every row.
+        limit: keep only the first ``limit`` problems (of the whole split, or slice; rows
+            skipped as invalid do not count); ``None``: every one.
         **load_kwargs: passed to ``datasets.load_dataset``.
 
     Returns:
@@ -235,4 +241,4 @@ def deepscaler_dataset(
         default_template=MATH_TEMPLATE, source=source, split=split, data_files=data_files,
         template=template, max_prompt_tokens=max_prompt_tokens, invalid_rows=invalid_rows,
         load_kwargs=load_kwargs,
-        difficulty_file=difficulty_file, difficulty_band=difficulty_band)
+        difficulty_file=difficulty_file, difficulty_band=difficulty_band, limit=limit)

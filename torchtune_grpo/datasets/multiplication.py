@@ -12,8 +12,12 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from torchtune_grpo.datasets._prompt import PromptDataset, PromptTemplate
-from torchtune_grpo.errors import DataError
+from torchtune_grpo.datasets._prompt import (
+    PromptDataset,
+    PromptTemplate,
+    check_limit,
+    check_split,
+)
 
 #: Range of the first (two-digit) operand, inclusive.
 FIRST_OPERAND = (10, 99)
@@ -37,8 +41,9 @@ def multiplication_operands(split: str) -> list[tuple[int, int]]:
         split: ``"train"``, ``"test"`` or ``"warmup"``.
 
     Raises:
-        ValueError: on an unknown split.
+        ValueError: on an unknown or sliced split.
     """
+    check_split("multiplication", split, ("train", "test", "warmup"))
     pairs = [(a, b) for a in range(FIRST_OPERAND[0], FIRST_OPERAND[1] + 1)
              for b in range(SECOND_OPERAND[0], SECOND_OPERAND[1] + 1)]
     random.Random(SPLIT_SEED).shuffle(pairs)
@@ -48,8 +53,6 @@ def multiplication_operands(split: str) -> list[tuple[int, int]]:
         "warmup": pairs[n_test : n_test + n_warm],
         "train": pairs[n_test + n_warm :],
     }
-    if split not in ranges:
-        raise DataError(f"split must be one of {sorted(ranges)}, got {split!r}")
     return ranges[split]
 
 
@@ -83,12 +86,16 @@ def multiplication_dataset(
     Args:
         tokenizer: a torchtune tokenizer.
         split: ``"train"``, ``"test"`` or ``"warmup"``.
-        limit: keep only the first ``limit`` problems of the split.
+        limit: keep only the first ``limit`` problems of the split (its splits are whole:
+            ``limit``, not ``split="test[:N]"``).
         difficulty_file, difficulty_band: keep only the rows whose pass rate in this
             ``tune-grpo difficulty`` file lies strictly inside ``[low, high]`` (default
             ``[0, 1]``); ``None``: every row.
+
+    Raises:
+        ValueError: on an unknown or sliced split, or a non-positive ``limit``.
     """
-    problems = multiplication_problems(split)[:limit]
+    problems = multiplication_problems(split)[:check_limit("multiplication_dataset", limit)]
     samples = [(q, a, i) for i, (q, a) in enumerate(problems)]
     return PromptDataset(samples, tokenizer, MULTIPLICATION_TEMPLATE,
                          name=f"multiplication[{split}]", difficulty_file=difficulty_file,

@@ -11,7 +11,12 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from torchtune_grpo.datasets._prompt import PromptDataset, PromptTemplate
+from torchtune_grpo.datasets._prompt import (
+    PromptDataset,
+    PromptTemplate,
+    check_limit,
+    check_split,
+)
 from torchtune_grpo.errors import DataError
 
 __all__ = [
@@ -121,10 +126,9 @@ def word_problems(split: str) -> list[dict[str, Any]]:
         order.
 
     Raises:
-        ValueError: on an unknown split.
+        ValueError: on an unknown or sliced split.
     """
-    if split not in SPLIT_SEEDS:
-        raise DataError(f"word_problems: split must be 'train' or 'test', got {split!r}")
+    check_split("word_problems", split, tuple(SPLIT_SEEDS))
     rng = random.Random(SPLIT_SEEDS[split])
     train_questions = ({p["question"] for p in word_problems("train")}
                        if split == "test" else set())
@@ -162,22 +166,22 @@ def word_problem_dataset(
         tokenizer: a torchtune tokenizer (with a chat template for the default template).
         split: ``"train"`` or ``"test"``.
         template: the prompt template (``None``: :data:`WORD_PROBLEM_TEMPLATE`).
-        limit: keep only the first ``limit`` problems of the split (after ``operations``).
+        limit: keep only the first ``limit`` problems of the split (after ``operations``; its
+            splits are whole: ``limit``, not ``split="test[:N]"``).
         operations: which of ``add``, ``sub``, ``mul``, ``div`` to keep.
         difficulty_file, difficulty_band: keep only the rows whose pass rate in this
             ``tune-grpo difficulty`` file lies strictly inside ``[low, high]`` (default
             ``[0, 1]``); ``None``: every row.
 
     Raises:
-        ValueError: on an unknown split or operation, or a non-positive ``limit``.
+        ValueError: on an unknown or sliced split, an unknown operation, or a non-positive
+            ``limit``.
     """
     ops = [operations] if isinstance(operations, str) else list(operations)
     if not ops or any(op not in TEMPLATES for op in ops):
         raise DataError(f"word_problem_dataset: operations must be names from "
                          f"{list(OPERATIONS)}, got {list(ops)!r}")
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise DataError(f"word_problem_dataset: limit must be a positive integer or null, "
-                         f"got {limit!r}")
+    check_limit("word_problem_dataset", limit)
     rows = [(p["question"], p["answer"], i) for i, p in enumerate(word_problems(split))
             if p["operation"] in ops][:limit]
     return PromptDataset(rows, tokenizer, template if template is not None

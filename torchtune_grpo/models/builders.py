@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from torchtune_grpo.errors import CheckpointError
 from torchtune_grpo.models.families import (
     FAMILY_MODULES,
     HF_MODEL_TYPES,
@@ -62,7 +63,7 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: the folder or its ``config.json`` is missing.
-        ValueError: ``config.json`` is not valid JSON.
+        CheckpointError: (a ``ValueError``) ``config.json`` is not valid JSON.
     """
     folder = Path(model_dir).expanduser()
     path = folder / "config.json"
@@ -74,8 +75,10 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
                                 "with a config.json")
     try:
         return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc}): the file is truncated or "
+                              "damaged; copy it from an intact copy of the model, or download "
+                              "the model again") from None
 
 
 @dataclass(frozen=True)

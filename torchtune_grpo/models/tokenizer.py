@@ -18,6 +18,7 @@ import jinja2
 from tokenizers import Tokenizer
 from torchtune.data import Message
 
+from torchtune_grpo.errors import CheckpointError
 from torchtune_grpo.models.chat_template import (
     compile_chat_template,
     find_chat_template,
@@ -35,6 +36,9 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 GENERATION_CONFIG = "generation_config.json"
 
+#: What to do about a damaged tokenizer file.
+RESTORE_HINT = "copy it from an intact copy of the model, or download the model again"
+
 #: The special-token names read from the tokenizer config and passed to chat templates.
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
 
@@ -47,9 +51,11 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path} is not valid JSON ({exc}); fix or delete the file") from exc
+        raise CheckpointError(f"{path} is not valid JSON ({exc}): the file is truncated or "
+                              f"damaged; {RESTORE_HINT}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+        raise CheckpointError(f"{path} must hold a JSON object, got {type(data).__name__}; "
+                              f"{RESTORE_HINT}")
     return data
 
 
@@ -110,8 +116,9 @@ class HFTokenizer:
 
     Raises:
         FileNotFoundError: when there is no ``tokenizer.json`` at ``path``.
-        ValueError: on an unreadable config file, a template that does not compile, or a
-            folder without an EOS token.
+        CheckpointError: (a ``ValueError``) a tokenizer file that does not parse (truncated or
+            damaged), naming it.
+        ValueError: a template that does not compile, or a folder without an EOS token.
 
     Attributes:
         path: the folder the files were read from.
@@ -150,10 +157,10 @@ class HFTokenizer:
         try:
             self._tokenizer = Tokenizer.from_file(str(tokenizer_file))
         except Exception as exc:  # tokenizers raises its own Exception type
-            raise ValueError(
-                f"{tokenizer_file} could not be read by `tokenizers` ({exc}); it must be a "
-                "Hugging Face fast-tokenizer file"
-            ) from exc
+            raise CheckpointError(
+                f"{tokenizer_file} could not be read by `tokenizers` ({exc}): it must be a "
+                f"whole Hugging Face fast-tokenizer file; {RESTORE_HINT}"
+            ) from None
         # a tokenizer.json may carry truncation/padding settings; never apply them silently
         self._tokenizer.no_truncation()
         self._tokenizer.no_padding()

@@ -52,11 +52,17 @@ def _base_folder(tmp_path: Path) -> Path:
     return base
 
 
-def _save(out: Path, step: int, files: dict[str, bytes] | None, keep: int | None = None) -> Path:
+def _save(out: Path, step: int, files: dict[str, bytes] | None, keep: int | None = None,
+          base: Path | None = None) -> Path:
+    """A step folder as the recipe writes it; its saved config names ``base`` (the base model
+    folder a resume restores missing model files from)."""
+    config = {"checkpointer": {"checkpoint_dir": str(base or out / "no_base")},
+              "tokenizer": {"_component_": "x.y", "max_seq_len": 8}}
     return save_step_checkpoint(
         output_dir=out, step=step, checkpointer=WeightsOnlyCheckpointer(out),
         checkpoint={"model": {"w": torch.full((4,), float(step))}},
-        recipe_state={"step": step, "seed": 0}, keep_last_n=keep, model_files=files)
+        recipe_state={"step": step, "seed": 0, "config": config}, keep_last_n=keep,
+        model_files=files)
 
 
 def test_model_files_are_the_folders_description_not_its_weights(tmp_path):
@@ -131,12 +137,82 @@ def test_resume_skips_a_damaged_newest_step_and_says_so(tmp_path, caplog):
     (out / "step_1" / "recipe_state.pt").write_bytes(b"PK\x03\x04 cut")
     with pytest.raises(UserError, match="every step folder .* is damaged"):
         resolve_resume(True, out)
-    # a folder that only lacks its model files is resumable: the recipe restores them
-    old = _save(tmp_path / "old", 1, None)
+    # a folder that only lacks its model files is resumable: the recipe restores them from the
+    # base model folder its saved config names; the check says which (the very files written)
+    old = _save(tmp_path / "old", 1, None, base=base)
     assert resolve_resume(True, tmp_path / "old") == old
-    assert write_missing_files(old, files) == sorted(files)
+    report = check_step_folder(old)
+    assert report.ok("resume") and report.restored == sorted(files) and report.base_dir == base
+    assert not report.ok("evaluate") and not report.ok("transformers")  # not restored there
+    assert write_missing_files(old, files) == report.restored
     assert write_missing_files(old, files) == []  # never overwrites
-    assert check_step_folder(old).damaged() == []
+    assert check_step_folder(old).damaged() == [] and check_step_folder(old).restored == []
+
+
+def test_resume_verdict_is_what_the_base_folder_can_restore(tmp_path):
+    """No string filtering: a step without config.json is resumable only while its base model
+    folder holds an intact one; a damaged config.json in the step is never restored (it is not
+    missing), so it stops the resume, as torchtune's checkpointer would."""
+    base = _base_folder(tmp_path)
+    out = tmp_path / "run"
+    step = _save(out, 1, model_folder_files(base), base=base)
+    (step / "config.json").unlink()
+    assert check_step_folder(step).restored == ["config.json"]
+    assert resolve_resume(str(step), out) == step
+    (base / "config.json").write_text('{"architectures": ["Llama')  # truncated in the base too
+    report = check_step_folder(step)
+    assert report.restored == [] and not report.ok("resume")
+    assert report.problems["resume"] == [
+        f"no config.json (nor an intact one in the base model folder {base})"]
+    with pytest.raises(UserError, match=r"step_1 is damaged \(no config.json \(nor an intact"):
+        resolve_resume(str(step), out)
+    (base / "config.json").unlink()
+    assert not check_step_folder(step).ok("resume")
+    (step / "config.json").write_text("{")  # present but damaged: not restored, not resumable
+    (base / "config.json").write_text("{}")
+    report = check_step_folder(step)
+    assert report.restored == []
+    assert report.problems["resume"] == report.problems["transformers"] == [
+        report.problems["evaluate"][0]]
+    assert report.problems["resume"][0].startswith("config.json is not valid JSON (")
+    with pytest.raises(UserError, match="config.json is not valid JSON"):
+        resolve_resume(str(step), out)
+
+
+def test_a_truncated_tokenizer_file_is_damage_for_the_uses_that_read_it(tmp_path):
+    """``grpo_eval`` and transformers read a step's tokenizer files; resume reads them only
+    where the saved tokenizer config points into the step."""
+    base = _base_folder(tmp_path)
+    (base / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
+    step = _save(tmp_path / "run", 1, model_folder_files(base), base=base)
+    assert check_step_folder(step).damaged() == []
+    tokenizer = step / "tokenizer.json"
+    tokenizer.write_bytes(tokenizer.read_bytes()[:-2])
+    report = check_step_folder(step)
+    assert report.ok("resume") and not report.ok("evaluate") and not report.ok("transformers")
+    (reason,) = report.problems["evaluate"]
+    assert reason.startswith("tokenizer.json is not valid JSON (") and "truncated" in reason
+    assert report.problems["transformers"] == [reason]
+    (step / "tokenizer_config.json").write_text("")
+    assert [p.split(" ")[0] for p in check_step_folder(step).problems["evaluate"]] == [
+        "tokenizer.json", "tokenizer_config.json"]
+    (step / "generation_config.json").write_text("{")  # read by grpo_eval's HF tokenizer only
+    report = check_step_folder(step)
+    assert "generation_config.json" in " ".join(report.problems["evaluate"])
+    assert "generation_config.json" not in " ".join(report.problems["transformers"])
+    # a model folder (no marker) is checked the same way
+    (base / "vocab.json").write_text('{"a": 1,')
+    assert any(p.startswith("vocab.json is not valid JSON")
+               for p in check_step_folder(base).problems["evaluate"])
+    # resume reads the tokenizer from the step when the saved config points there
+    inside = _save(tmp_path / "run2", 1, model_folder_files(base), base=base)
+    state = torch.load(inside / "recipe_state.pt", weights_only=True)
+    state["config"]["tokenizer"]["path"] = str(inside / "tokenizer.json")
+    torch.save(state, inside / "recipe_state.pt")
+    assert check_step_folder(inside).ok("resume")
+    (inside / "tokenizer.json").write_text('{"model"')
+    assert any(p.startswith("tokenizer.json is not valid JSON")
+               for p in check_step_folder(inside).problems["resume"])
 
 
 def _hold(folder: str, ready: mp.Event) -> None:
@@ -180,6 +256,21 @@ def test_check_step_command_reports_and_exits_1_on_damage(tmp_path, capsys):
     assert main(["check-step", str(step), str(base)]) == 1
     out = capsys.readouterr().out
     assert "resume_from_checkpoint: no: no config.json" in out and f"{base}: model folder" in out
+    # the same folder of a run whose base model folder holds config.json: resume restores it
+    restorable = _save(tmp_path / "run2", 2, model_folder_files(base), base=base)
+    (restorable / "config.json").unlink()
+    assert main(["check-step", str(restorable)]) == 1
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        "  resume_from_checkpoint: ok (config.json is restored from the base model folder "
+        f"{base})", "  tune run grpo_eval: no: no config.json",
+        "  transformers / vLLM: no: no config.json"]
+    tokenizer = restorable / "tokenizer.json"
+    tokenizer.write_text(tokenizer.read_text()[:5])
+    assert main(["check-step", str(restorable)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("  resume_from_checkpoint: ok (config.json is restored")
+    assert lines[2].startswith("  tune run grpo_eval: no: no config.json; tokenizer.json is not "
+                               "valid JSON (")
 
 
 def test_plot_of_a_folder_that_is_not_a_run_is_one_line(tmp_path, capsys):

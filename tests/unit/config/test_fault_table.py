@@ -148,3 +148,91 @@ def test_tune_grpo_errors_are_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("error: ") for line in err)
     assert "Did you mean 'num_steps'?" in err[1]
+
+
+def _copy(folder, target):
+    target.mkdir()
+    for item in folder.iterdir():
+        if item.is_file():
+            (target / item.name).write_bytes(item.read_bytes())
+    return target
+
+
+def test_a_truncated_tokenizer_file_is_named_before_it_is_read(base, tmp_path, capsys,
+                                                                monkeypatch):
+    """torchtune's tokenizer builder raised a bare JSONDecodeError naming no file; now the
+    recipes parse the tokenizer files the config names (and those of the model folder) first."""
+    cut = _copy(base, tmp_path / "cut")
+    tokenizer = cut / "tokenizer.json"
+    tokenizer.write_bytes(tokenizer.read_bytes()[:-40])
+    code, err = _train(capsys, monkeypatch, cut, tmp_path / "run")
+    line = _one_error(code, err, f"tokenizer.special_tokens_path: {tokenizer} is not valid JSON (",
+                      "truncated or damaged", "download the model again")
+    assert line.count("tokenizer.json") == 1  # named once, under the first key that names it
+    code, err = _run(grpo_eval, capsys, monkeypatch, "--config", "grpo/eval_quickstart",
+                     f"checkpoint_dir={cut}")
+    _one_error(code, err, f"{tokenizer} is not valid JSON (", "download the model again")
+    (cut / "CHECKPOINT_COMPLETE").write_text("1\n")  # a step folder: what to do differs
+    code, err = _run(grpo_eval, capsys, monkeypatch, "--config", "grpo/eval_quickstart",
+                     f"checkpoint_dir={cut}")
+    _one_error(code, err, f"{tokenizer} is not valid JSON (", "use another step_N folder, or "
+               "copy the damaged model files from the run's base model folder")
+    (cut / "CHECKPOINT_COMPLETE").unlink()
+    # a model folder's other tokenizer files are copied into every step folder: checked too
+    tokenizer.write_bytes((base / "tokenizer.json").read_bytes())
+    (cut / "tokenizer_config.json").write_text('{"eos_token": ')
+    code, err = _train(capsys, monkeypatch, cut, tmp_path / "run")
+    _one_error(code, err, f"checkpointer.checkpoint_dir: {cut / 'tokenizer_config.json'} is not "
+               "valid JSON (")
+
+
+def test_an_index_naming_a_missing_shard_names_the_file(base, tmp_path, capsys, monkeypatch):
+    """A sharded folder lacking a shard the index names: the recipe listed the parameters the
+    model then missed; now it names the file, as ``tune-grpo check-step`` does."""
+    sharded = _copy(base, tmp_path / "sharded")
+    tensors = load_file(str(sharded / "model.safetensors"))
+    (sharded / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for shard, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, str(sharded / shard), metadata={"format": "pt"})
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: shard for shard, keys in shards.items() for k in keys}}))
+    (sharded / "model-00002-of-00002.safetensors").unlink()
+    every_shard = ["checkpointer._component_=torchtune_grpo.models.hf_checkpointer",
+                   "~checkpointer.checkpoint_files"]
+    code, err = _train(capsys, monkeypatch, sharded, tmp_path / "run", *every_shard)
+    _one_error(code, err, f"checkpointer.checkpoint_dir: {sharded}/model-00002-of-00002."
+               "safetensors is missing (named by model.safetensors.index.json)")
+    code, err = _run(grpo_eval, capsys, monkeypatch, "--config", "grpo/eval_quickstart",
+                     f"checkpoint_dir={sharded}")
+    _one_error(code, err, "model-00002-of-00002.safetensors is missing (named by model.")
+    assert tune_grpo(["check-step", str(sharded)]) == 1
+    assert ("model-00002-of-00002.safetensors is missing (named by model.safetensors.index."
+            "json)") in capsys.readouterr().out
+
+
+def _odd_reward(on_error: str) -> str:
+    return "rewards=" + json.dumps([{"_component_": "tests.recipes.components.odd_answer_fails",
+                                     "success": True, "success_threshold": 3.0,
+                                     "on_error": on_error}])
+
+
+def test_a_reward_component_that_raises_is_one_line(base, tmp_path, capsys, monkeypatch):
+    code, err = _train(capsys, monkeypatch, base, tmp_path / "run", "num_steps=1",
+                       _odd_reward("raise"))
+    _one_error(code, err, "reward component 'odd_answer_fails' raised ValueError: odd answer",
+               "on_error: zero", "TUNE_GRPO_DEBUG=1")
+
+
+def test_reward_failures_scored_zero_are_counted_on_the_console(base, tmp_path, capsys,
+                                                                  monkeypatch, caplog):
+    code, err = _train(capsys, monkeypatch, base, tmp_path / "run", "num_steps=2",
+                       "batch_size=4", "group_size=4", _odd_reward("zero"))
+    assert code in (0, None), err
+    warned = [r.getMessage() for r in caplog.records
+              if "reward components failed and scored 0" in r.getMessage()]
+    assert len(warned) == 2, warned  # one line per step, each counting the failed samples
+    counts = [int(line.split("odd_answer_fails on ")[1].split()[0]) for line in warned]
+    assert all(0 < n < 16 and n % 4 == 0 for n in counts), warned

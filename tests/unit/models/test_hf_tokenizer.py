@@ -20,6 +20,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from torchtune.data import Message
 
 from torchtune_grpo.datasets._prompt import PromptTemplate, tokenize_prompt
+from torchtune_grpo.errors import UserError
 from torchtune_grpo.models.tokenizer import HFTokenizer, hf_tokenizer
 from torchtune_grpo.token_rules import allowed_token_mask
 
@@ -606,6 +607,18 @@ def test_missing_files_and_no_template_errors(folders, tmp_path):
     )
     (bare / "tokenizer_config.json").write_text("{not json")
     with pytest.raises(ValueError, match="tokenizer_config.json is not valid JSON"):
+        HFTokenizer(bare)
+    # a truncated tokenizer file is a one-line user error naming it, not a bare JSONDecodeError
+    (bare / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    whole = (bare / "tokenizer.json").read_bytes()
+    (bare / "tokenizer.json").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(UserError, match=rf"{re.escape(str(bare / 'tokenizer.json'))} could not "
+                       "be read by `tokenizers` .*download the model again") as info:
+        HFTokenizer(bare)
+    assert "\n" not in str(info.value)
+    (bare / "tokenizer.json").write_bytes(whole)
+    (bare / "generation_config.json").write_text('{"eos_token_id": [1, ')
+    with pytest.raises(UserError, match="generation_config.json is not valid JSON .*truncated"):
         HFTokenizer(bare)
 
 
