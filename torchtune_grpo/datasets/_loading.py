@@ -18,7 +18,7 @@ from torchtune_grpo.datasets._prompt import (
     check_limit,
     resolve_template,
 )
-from torchtune_grpo.errors import DataError
+from torchtune_grpo.errors import DataError, UserError, one_line
 
 __all__ = ["LOCAL_FORMATS", "InvalidRow", "RowReader", "build_prompt_dataset", "load_rows",
            "required_text"]
@@ -128,8 +128,17 @@ def _check_local_contents(files: list[str]) -> None:
                         f"{type(row).__name__}, not an object with named fields")
 
 
+class HubUnreachable(UserError, ConnectionError):
+    """A Hub dataset could not be downloaded (no network, the Hub down) and is not cached: a
+    user error, one line naming the ``source`` key and the local alternative."""
+
+
 def _load_hub(source: str, name: str | None, split: str, **kwargs: Any) -> Any:
-    """``datasets.load_dataset`` of a Hub id; a connection failure says how to use local files."""
+    """``datasets.load_dataset`` of a Hub id; a connection failure says how to use local files.
+
+    Raises:
+        HubUnreachable: the Hub could not be reached and no cached copy serves.
+    """
     import datasets
 
     try:
@@ -137,11 +146,13 @@ def _load_hub(source: str, name: str | None, split: str, **kwargs: Any) -> Any:
     except (ConnectionError, OSError, TimeoutError) as exc:
         if isinstance(exc, FileNotFoundError) and "doesn't exist on the Hub" in str(exc):
             raise
-        raise ConnectionError(
-            f"could not load the Hub dataset {source!r} ({type(exc).__name__}: "
-            f"{str(exc)[:200]}). Without Hub access, point the dataset at local files: "
-            f"source=/path/to/folder (with train.jsonl and test.jsonl) or source=FILE.jsonl"
-        ) from exc
+        why = one_line(str(exc))[:160]
+        raise HubUnreachable(
+            f"dataset.source (or eval_dataset.source): could not download the Hub dataset "
+            f"{source!r} ({type(exc).__name__}: {why}). Without Hub access, set source to local "
+            "files: source=/path/to/folder (with train.jsonl and test.jsonl) or "
+            "source=FILE.jsonl; with a cached copy, set HF_DATASETS_OFFLINE=1"
+        ) from None
 
 
 def _split_names(split: str) -> list[str]:
