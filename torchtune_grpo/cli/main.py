@@ -3,6 +3,8 @@
 Subcommands::
 
     tune-grpo ls                                  # shipped configs: CPU/GPU, recipes that run them
+    tune-grpo init MODEL_DIR [--task gsm8k|math|arithmetic] [--out my.yaml] [--device cpu|cuda]
+        # a training and an eval config for any supported HF folder (family from config.json)
     tune-grpo cp grpo/quickstart_cpu my.yaml      # copy one to edit it
     tune-grpo validate --config grpo/NAME [key=value ...] [--world-size N]
         # check before launching: a training, asynchronous or grpo_eval config, read from its keys
@@ -67,6 +69,17 @@ def _cp(args) -> int:
         raise FileExistsError(f"{dest} exists; pass --force to overwrite")
     shutil.copyfile(src, dest)
     print(f"copied {src} to {dest}")
+    return 0
+
+
+def _init(args) -> int:
+    from torchtune_grpo.cli.init_config import write_configs
+
+    train, evaluation = write_configs(args.model_dir, task=args.task, out=args.out,
+                                      device=args.device, overwrite=args.overwrite)
+    print(f"wrote {train} (training) and {evaluation} (evaluation); first:")
+    print(f"  tune-grpo validate --config {train}")
+    print(f"  tune run grpo_eval --config {evaluation}      # the base model's score")
     return 0
 
 
@@ -178,6 +191,15 @@ def _dispatch(argv: list[str] | None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("ls", help="list shipped configs, each with its device and the recipes "
                    "that run it").set_defaults(func=_ls)
+    init = sub.add_parser("init", help="write a training and an eval config for a model folder")
+    init.add_argument("model_dir", metavar="MODEL_DIR", help="a supported Hugging Face folder")
+    init.add_argument("--task", default="gsm8k", help="gsm8k (default), math or arithmetic")
+    init.add_argument("--out", default=None, help="training config path (default "
+                      "grpo_<folder>_<task>.yaml); the eval config goes beside it as *_eval.yaml")
+    init.add_argument("--device", default=None, help="cuda or cpu (default: cuda when torch "
+                      "sees a GPU)")
+    init.add_argument("--overwrite", action="store_true", help="replace existing files")
+    init.set_defaults(func=_init)
     cp = sub.add_parser("cp", help="copy a shipped config")
     cp.add_argument("config")
     cp.add_argument("destination")
