@@ -437,10 +437,24 @@ def check_input_files(cfg: DictConfig) -> None:
             "model folder)" if in_step else " (download the model again, or copy the files "
             "from an intact copy of it)"))
     if missing:
-        raise FileNotFoundError(
-            "input files not found (download the model, or fix the paths): "
-            + "; ".join(missing)
-        )
+        raise FileNotFoundError(_missing_message(cfg, missing))
+
+
+def _missing_message(cfg: DictConfig, missing: list[str]) -> str:
+    """What to do about ``missing`` input files: download the model only when its folder is
+    absent; in a folder that exists, set the keys (or read the folder whatever its layout)."""
+    ckpt = cfg.get("checkpointer")
+    folder = Path(str(ckpt.get("checkpoint_dir") or "")).expanduser() if ckpt else Path("")
+    listing = "; ".join(missing)
+    if not str(folder) or str(folder) == "." or not folder.is_dir():
+        where = f"the model folder {folder} does not exist" if str(folder) not in ("", ".") \
+            else "the model is not there"
+        return (f"input files not found: {where} (download the model, e.g. `tune download "
+                f"ORG/NAME --output-dir {folder}`, or set model_dir): {listing}")
+    return (f"input files not found in the model folder {folder}: {listing}. Set these keys to "
+            "the folder's files, or use a config that reads any Hugging Face folder whatever "
+            "its layout (torchtune_grpo.models.hf_model, hf_tokenizer, hf_checkpointer): "
+            f"`tune-grpo init {folder}` writes one")
 
 
 def _damaged_weights(folder: Path, files: Any) -> list[str]:

@@ -236,3 +236,20 @@ def test_reward_failures_scored_zero_are_counted_on_the_console(base, tmp_path, 
     assert len(warned) == 2, warned  # one line per step, each counting the failed samples
     counts = [int(line.split("odd_answer_fails on ")[1].split()[0]) for line in warned]
     assert all(0 < n < 16 and n % 4 == 0 for n in counts), warned
+
+
+def test_missing_files_say_download_only_when_the_folder_is_absent(base, tmp_path, capsys,
+                                                                   monkeypatch):
+    """A folder that is there but laid out otherwise gets the keys to set and `tune-grpo init`,
+    not "download the model"."""
+    other = tmp_path / "other"
+    _copy(base, other)
+    (other / "tokenizer.model").unlink()
+    code, err = _train(capsys, monkeypatch, other, tmp_path / "a", "num_steps=1")
+    line = _one_error(code, err, f"input files not found in the model folder {other}",
+                      f"tokenizer.path: {other}/tokenizer.model does not exist",
+                      f"tune-grpo init {other}")
+    assert "download" not in line
+    code, err = _train(capsys, monkeypatch, tmp_path / "absent", tmp_path / "b", "num_steps=1")
+    _one_error(code, err, f"the model folder {tmp_path / 'absent'} does not exist (download "
+               "the model")
