@@ -451,7 +451,9 @@ def check_model_folder(cfg: DictConfig, model: Any, folder: str | Path | None = 
     if differ:
         raise CheckpointError(
             f"model folder {folder} ({arch}) does not match the model the config builds, "
-            f"{builds}: " + ", ".join(differ) + "; fix the `model` block or the folder")
+            f"{builds}: " + ", ".join(differ) + "; fix the `model` block or the folder, or "
+            f"use model._component_=torchtune_grpo.models.hf_model with model.model_dir={folder} "
+            "(it reads the folder's shape)")
 
 
 def _model_dims(model: Any) -> dict[str, int | None]:

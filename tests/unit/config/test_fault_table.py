@@ -111,7 +111,8 @@ def test_another_architectures_folder_under_an_explicit_builder(base, tmp_path, 
                "checkpointer.model_type=LLAMA3_2)")
     (other / "config.json").write_text(json.dumps({**config, "hidden_size": 128}))
     code, err = _train(capsys, monkeypatch, other, tmp_path / "b")
-    _one_error(code, err, "hidden_size 128 (config.json) vs 64")
+    _one_error(code, err, "hidden_size 128 (config.json) vs 64",
+               f"model._component_=torchtune_grpo.models.hf_model with model.model_dir={other}")
     # grpo_eval with the quickstart's eval config on that folder: before the tokenizer
     code, err = _run(grpo_eval, capsys, monkeypatch, "--config", "grpo/eval_quickstart",
                      f"checkpoint_dir={other}")
