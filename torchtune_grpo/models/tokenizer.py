@@ -18,7 +18,7 @@ import jinja2
 from tokenizers import Tokenizer
 from torchtune.data import Message
 
-from torchtune_grpo.errors import CheckpointError
+from torchtune_grpo.errors import CheckpointError, UserError
 from torchtune_grpo.models.chat_template import (
     compile_chat_template,
     find_chat_template,
@@ -94,6 +94,10 @@ def _resolve_paths(path: str | os.PathLike[str]) -> tuple[Path, Path]:
 
 
 # ---------------------------------------------------------------------------- the tokenizer
+
+class ConfigKeyError(UserError, ValueError):
+    """A tokenizer setting the model folder cannot honour (one line naming the key)."""
+
 class HFTokenizer:
     """A Hugging Face ``tokenizer.json`` plus the folder's chat template, as a torchtune tokenizer.
 
@@ -109,8 +113,9 @@ class HFTokenizer:
             never).
         chat_template: a jinja chat template that replaces the folder's, or the path of a file
             holding one.
-        enable_thinking: passed to the chat template as ``enable_thinking`` (Qwen3's switch);
-            ``None``: not passed.
+        enable_thinking: passed to the chat template as ``enable_thinking`` (Qwen3's and
+            SmolLM3's switch); ``None``: not passed. Set for a template that does not read it
+            (a family without a thinking mode), it is a config error.
         stop_strings: texts that also end a completion: every token whose text contains one of
             them is a stop token.
 
@@ -224,6 +229,12 @@ class HFTokenizer:
         self.chat_template_source: str | None = source
         self._named_templates = named
         self._compiled: jinja2.Template | None = compile_chat_template(template, source)
+        if enable_thinking is not None and "enable_thinking" not in (template or ""):
+            raise ConfigKeyError(
+                f"tokenizer.enable_thinking: the chat template of {folder} "
+                f"({source or 'none'}) does not read enable_thinking (this family has no "
+                "thinking mode): remove the key, and think_tag from the rewards (a config "
+                "written for Qwen3 or SmolLM3?)")
         #: variables every rendering gets (``enable_thinking``); ``apply_chat_template``'s
         #: keyword arguments override them
         self.template_variables: dict[str, Any] = (

@@ -135,3 +135,22 @@ def test_math_equivalence_reads_after_the_reasoning():
                    "<think>\\boxed{\\frac{1}{2}}</think> \\boxed{3}",
                    "<think>\\boxed{\\frac{1}{2}}"]
     assert grader(completions, ["\\frac{1}{2}"] * 3) == [1.0, 0.0, 0.0]
+
+
+def test_enable_thinking_on_a_template_without_it_is_a_config_error(tmp_path):
+    """A Qwen3 config carried over to a family with no thinking mode: one line naming the key
+    (it would otherwise be ignored without a word, and think_tag would read no answer)."""
+    from torchtune_grpo.errors import UserError
+
+    tok = _train(CHATML_SPECIALS, lambda t: processors.ByteLevel(trim_offsets=False))
+    config = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+              "unk_token": None}
+    plain = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    folder = _write(tmp_path / "plain", tok, config, {"chat_template.jinja": plain})
+    HFTokenizer(folder)  # without the key: fine
+    for value in (True, False):
+        with pytest.raises(UserError, match=r"^tokenizer.enable_thinking: the chat template of "
+                                            r".* does not read enable_thinking") as info:
+            HFTokenizer(folder, enable_thinking=value)
+        assert "\n" not in str(info.value)
