@@ -120,14 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         world_size = args.world_size or intended_world_size(name)
         cfg = load_config(name, args.overrides if args.config else [])
-        folder = cfg.get("model", {}).get("model_dir")
-        if len(names) > 1 and folder is not None and not Path(str(folder)).is_dir():
-            # an hf_model config reads its dimensions from the model's folder
-            print(f"skipped {name}: its model folder {folder} does not exist (for SmolLM2: "
-                  "tune-grpo prepare-model smollm2)", file=sys.stderr)
-            continue
-        estimates.append(estimate_memory(cfg, world_size, prompt_tokens=args.prompt_tokens,
-                                         name=name))
+        try:  # a folder not downloaded yet is sized from its model's known shape
+            estimates.append(estimate_memory(cfg, world_size, prompt_tokens=args.prompt_tokens,
+                                             name=name))
+        except FileNotFoundError as exc:  # neither a config.json nor a known shape
+            if len(names) == 1:
+                raise
+            print(f"skipped {name}: {exc}", file=sys.stderr)
     if len(estimates) == 1:
         print(estimates[0].table())
     else:

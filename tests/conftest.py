@@ -58,7 +58,28 @@ def check_instantiates_offline(cfg, min_params: float) -> None:
     assert rewards.success_name in rewards.names
     params = [torch.nn.Parameter(torch.zeros(2))]
     optimizer = tt_config.instantiate(cfg.optimizer, params)
-    scheduler = tt_config.instantiate(cfg.lr_scheduler, optimizer=optimizer,
-                                      num_training_steps=cfg.num_steps)
-    assert scheduler is not None
+    if cfg.get("lr_scheduler") is not None:  # null: a constant learning rate
+        scheduler = tt_config.instantiate(cfg.lr_scheduler, optimizer=optimizer,
+                                          num_training_steps=cfg.num_steps)
+        assert scheduler is not None
     assert cfg.checkpointer.checkpoint_dir == cfg.model_dir
+
+
+def config_json_alone(cfg, root: Path) -> Path:
+    """A folder holding only the released ``config.json`` of the model ``cfg`` names (its
+    ``model_dir``, else ``checkpoint_dir``), as before a download: ``root/<folder name>``.
+
+    The shape comes from :data:`torchtune_grpo.cli.known_shapes.KNOWN_SHAPES`; load the config
+    again with ``model_dir=<returned folder>`` to build its model offline.
+    """
+    import json
+
+    from torchtune_grpo.cli.known_shapes import known_shape
+
+    folder = str(cfg.get("model_dir") or cfg.get("checkpoint_dir"))
+    found = known_shape(folder)
+    assert found is not None, f"no known shape for {folder}"
+    out = root / Path(folder).name
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(found[1]))
+    return out

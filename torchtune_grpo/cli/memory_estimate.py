@@ -4,7 +4,8 @@
 static state (weights, optimizer state, reference model, reward models) and the largest of the
 phases (load on CPU, rollout, reference, rewards, update). ``docs/memory.md`` gives every
 component's formula; the estimate leaves out allocator fragmentation, the CUDA context and
-communication buffers.
+communication buffers. A model read from a folder that is not downloaded yet is built from its
+released shape (:mod:`torchtune_grpo.cli.known_shapes`), and the estimate says so.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from torchtune_grpo.cli.known_shapes import config_text, model_node
 from torchtune_grpo.cli.memory_rewards import DTYPE_BYTES, by_device, learned_reward_memory
 from torchtune_grpo.policy.logprobs import auto_chunk_size
 
@@ -55,6 +57,9 @@ class ModelDims:
         vocab_size: rows of the output projection ``V``.
         max_seq_len: the model's context length.
         is_lora: the config builds LoRA/DoRA adapters.
+        source: ``None`` when the shape is the config's or its folder's ``config.json``; the
+            HF repo id whose released shape (:data:`~.known_shapes.KNOWN_SHAPES`) stood in for
+            a folder without one (not downloaded yet).
     """
 
     num_params: int
@@ -70,18 +75,30 @@ class ModelDims:
     vocab_size: int
     max_seq_len: int
     is_lora: bool
+    source: str | None = None
 
 
-def model_dims(cfg_model: DictConfig) -> ModelDims:
-    """Instantiate ``cfg_model`` on the meta device and read its dimensions (no allocation)."""
+def model_dims(cfg_model: DictConfig, *, header: str | None = None) -> ModelDims:
+    """Instantiate ``cfg_model`` on the meta device and read its dimensions (no allocation).
+
+    A model read from a folder (``model_dir``) without a ``config.json`` is built from the
+    released shape of the model the folder is for (:func:`~.known_shapes.known_shape`; the
+    config file's text ``header`` names its repo), and ``source`` names that repo.
+    """
     from torchtune import config
+
+    with model_node(cfg_model, header) as (node, source), torch.device("meta"):
+        model = config.instantiate(node)
+    return _read_dims(model, source)
+
+
+def _read_dims(model: torch.nn.Module, source: str | None) -> ModelDims:
+    """The :class:`ModelDims` of a model built on the meta device."""
     from torchtune.modules.peft import get_adapter_params
 
     from torchtune_grpo.policy.kv_cache import attention_modules
     from torchtune_grpo.policy.model import output_vocab_size
 
-    with torch.device("meta"):
-        model = config.instantiate(cfg_model)
     adapters = get_adapter_params(model)
     params = dict(model.named_parameters())  # de-duplicates tied weights
     attn = attention_modules(model)[0]
@@ -114,6 +131,7 @@ def model_dims(cfg_model: DictConfig) -> ModelDims:
         vocab_size=output_vocab_size(model),
         max_seq_len=int(getattr(model, "max_seq_len", 0) or 0),
         is_lora=bool(adapters),
+        source=source,
     )
 
 
@@ -172,8 +190,10 @@ class MemoryEstimate:
              f"V={dims.vocab_size}"),
             (f"  rows per rank={s['rows']} (micro-batch {s['micro_batch']}), "
              f"P={s['prompt_tokens']}, T={s['max_generated_tokens']}"),
-            f"  {'component':<18}{'GiB':>10}",
         ]
+        if s.get("shape_note"):
+            lines.append(f"  shape: {s['shape_note']}")
+        lines.append(f"  {'component':<18}{'GiB':>10}")
         for name, value in self.components.items():
             lines.append(f"  {name:<18}{value / GIB:>10.2f}")
         lines.append(f"  {'phase':<18}{'GiB':>10}")
@@ -255,7 +275,7 @@ def estimate_memory(cfg: DictConfig, world_size: int = 1, *,
         # weights, a small extra not counted; a rollout rank holds the whole model and its KV
         # cache, about the one-rank estimate's rollout phase)
         world_size = max(1, world_size - int(cfg.rollout_ranks))
-    dims = model_dims(cfg.model)
+    dims = model_dims(cfg.model, header=config_text(name))
     dtype = str(cfg.get("dtype", "bf16"))
     b = DTYPE_BYTES[dtype]
     device = str(cfg.get("device", "cuda"))
@@ -403,6 +423,11 @@ def estimate_memory(cfg: DictConfig, world_size: int = 1, *,
             "prompt_tokens": p, "max_generated_tokens": t_gen, "logprob_chunk_size": chunk,
             "optimizer_states_per_param": states, "kv_positions": kv_positions,
             "learned_rewards": [asdict(r) for r in learned], "not_counted": not_counted,
+            "shape_note": None if dims.source is None else (
+                f"the released config.json of {dims.source} (known shapes, "
+                f"torchtune_grpo/cli/known_shapes.py): model_dir {cfg.model.model_dir} has no "
+                "config.json yet; after the download, run again to check it against the "
+                "folder's own"),
         },
         dims=dims,
     )

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import memory_estimate
-from tests.conftest import check_instantiates_offline
+from tests.conftest import check_instantiates_offline, config_json_alone
 from torchtune_grpo.cli.memory_estimate import (
     DEFAULT_PROMPT_TOKENS,
     FUSED_LOGIT_COPIES,
@@ -40,13 +40,14 @@ def _quickstart(*overrides: str):
 
 # ---------------------------------------------------------------------------- configs
 @pytest.mark.parametrize("name", sorted(BUDGET_CONFIGS))
-def test_budget_configs_validate_and_instantiate(name):
+def test_budget_configs_validate_and_instantiate(name, tmp_path):
     cfg = load_config(name)
     validate_config(cfg)
-    check_instantiates_offline(cfg, min_params=4e8)
-    files = list(cfg.checkpointer.checkpoint_files)
-    assert files == (["model.safetensors"] if "3B" not in name else
-                     ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"])
+    folder = config_json_alone(cfg, tmp_path)  # the model comes from its config.json
+    check_instantiates_offline(load_config(name, [f"model_dir={folder}"]), min_params=4e8)
+    # the weight files and the model type are read from the folder, not named
+    assert cfg.checkpointer._component_ == "torchtune_grpo.models.hf_checkpointer"
+    assert "checkpoint_files" not in cfg.checkpointer and "model_type" not in cfg.checkpointer
 
 
 @pytest.mark.parametrize("name,budget_gb", sorted(BUDGET_CONFIGS.items()))
@@ -189,12 +190,13 @@ def test_benchmark_script_estimates_every_training_config(tmp_path, capsys):
     out = tmp_path / "mem.json"
     assert memory_estimate.main(["--all", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())
-    # a config is left out only when it reads its dimensions from a model folder that is absent
-    absent = {n for n in training_configs()
-              if not Path(str(load_config(n).model.get("model_dir") or ".")).is_dir()}
-    assert {r["config"] for r in rows} == set(training_configs()) - absent
-    # the configs that name their dimensions (the 3B and quickstart families) are always sized
-    assert "grpo/qwen2_5_3B_full" in {r["config"] for r in rows}
+    # every one is sized: from its folder's config.json, else (not downloaded) from the model's
+    # known shape, which the row names
+    assert {r["config"] for r in rows} == set(training_configs())
+    for row in rows:
+        folder = load_config(row["config"]).model.get("model_dir")
+        absent = folder is not None and not (Path(str(folder)) / "config.json").is_file()
+        assert (row["dims"]["source"] is not None) == absent, row["config"]
     assert all(r["peak_bytes"] > 0 for r in rows)
     assert "| grpo/qwen2_5_3B_full | 8 |" in capsys.readouterr().out
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torchtune import config as tt_config
 
-from tests.conftest import check_instantiates_offline, shared_data
+from tests.conftest import check_instantiates_offline, config_json_alone, shared_data
 from torchtune_grpo.config.loading import load_config
 from torchtune_grpo.config.schema import EVAL_KEYS
 from torchtune_grpo.config.validation import validate_config
@@ -197,21 +197,26 @@ TRAIN_CONFIGS = ["grpo/qwen2_5_3B_math_full", "grpo/qwen2_5_3B_deepscaler_full"]
 
 
 @pytest.mark.parametrize("name", TRAIN_CONFIGS)
-def test_math_train_configs_validate_and_instantiate(name):
+def test_math_train_configs_validate_and_instantiate(name, tmp_path):
     pytest.importorskip("math_verify")
     cfg = load_config(name)
     validate_config(cfg, world_size=8)
+    folder = config_json_alone(cfg, tmp_path)  # the model comes from its config.json
+    cfg = load_config(name, [f"model_dir={folder}"])
     check_instantiates_offline(cfg, min_params=2.5e9)
     assert cfg.eval_dataset._component_ == "torchtune_grpo.datasets.math_dataset"
 
 
-def test_eval_math500_config():
+def test_eval_math500_config(tmp_path):
     pytest.importorskip("math_verify")
     from torchtune_grpo.rewards.build import build_reward_set
 
     cfg = load_config("grpo/eval_math500", ["checkpoint_dir=/x"])
     validate_config(cfg, schema=EVAL_KEYS)
     assert cfg.dataset.source == "HuggingFaceH4/MATH-500" and cfg.dataset.split == "test"
+    # the model comes from the step folder's config.json (a Qwen2.5-3B one here)
+    cfg = load_config("grpo/eval_math500", [f"checkpoint_dir={tmp_path / 'Qwen2.5-3B-Instruct'}"])
+    config_json_alone(cfg, tmp_path)
     with torch.device("meta"):
         model = tt_config.instantiate(cfg.model)
     assert sum(p.numel() for p in model.parameters()) > 2.5e9

@@ -39,7 +39,7 @@ def test_splits_are_disjoint_fixed_and_cover_every_pair():
         a, b = question.removeprefix("What is ").removesuffix("?").split("*")
         assert 10 <= int(a) <= 99 and 100 <= int(b) <= 999
         assert int(answer) == int(a) * int(b)
-    with pytest.raises(ValueError, match="split must be one of"):
+    with pytest.raises(ValueError, match="split must be .train., .test. or .warmup., got .dev."):
         multiplication_problems("dev")
 
 
