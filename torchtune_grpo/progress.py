@@ -2,9 +2,10 @@
 
 A :class:`Progress` holds the current phase of rank 0's work (``rollout``, ``update``,
 ``eval``, ...) and its counters. The code doing the work only writes a few attributes (no I/O,
-no device sync), cheap enough for a decode loop. A reporter thread reads them: it logs one line
-per ``every_s`` seconds (30 by default) once a phase has run that long, with an estimate of the
-time left from the units done, and keeps a terminal's progress bar's postfix current.
+no device sync), cheap enough for a decode loop. A reporter thread reads them: once the work
+has gone ``every_s`` seconds (30 by default) without a line (:meth:`Progress.mark` says one was
+printed elsewhere, e.g. a step's), it logs the phase in flight, with an estimate of the time
+left from the units done, and it keeps a terminal's progress bar's postfix current.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ class Progress:
 
     Args:
         show: report at all (False: the counters are kept and nothing is shown; other ranks).
-        every_s: seconds between the lines of one phase (a phase shorter than that prints
-            nothing); default :data:`REPORT_EVERY_S`.
+        every_s: the most seconds without a line while a phase runs (work that prints
+            more often, e.g. short steps, gets no extra line); default :data:`REPORT_EVERY_S`.
         emit: where lines go (default: the ``torchtune_grpo`` logger at INFO).
         prefix: called for each line's prefix (e.g. ``"step 3/60"``), or None.
     """
@@ -69,7 +70,7 @@ class Progress:
         self.phase, self.total, self.unit = phase, total, unit
         self.done = self.already = already
         self.token = self.max_tokens = self.batch = self.batches = 0
-        self.started = self.last_line = time.monotonic()
+        self.started = time.monotonic()
 
     def advance(self, units: int = 1) -> None:
         """``units`` more of the phase are done."""
@@ -79,15 +80,20 @@ class Progress:
         """A generation call is at decode step ``step`` of at most ``max_tokens``."""
         self.token, self.max_tokens = step, max_tokens
 
-    def decode_batch(self, index: int, count: int) -> None:
-        """A generation call decodes its rows in ``count`` sequential batches; ``index`` (from 1)
-        is under way."""
+    def decode_batch(self, index: int, count: int, max_tokens: int = 0) -> None:
+        """A generation call decodes its rows in ``count`` sequential batches of up to
+        ``max_tokens`` tokens; ``index`` (from 1) is under way, its prompts' forward first."""
         self.batch, self.batches = index, count
-        self.token = 0
+        self.token, self.max_tokens = 0, max_tokens or self.max_tokens
 
     def end(self) -> None:
         """The phase is over (nothing is reported until the next :meth:`begin`)."""
         self.phase = None
+
+    def mark(self) -> None:
+        """A line about this work was just printed elsewhere (a step's): the next report is
+        due ``every_s`` from now."""
+        self.last_line = time.monotonic()
 
     # ---------------------------------------------------------------- the reporting side
     def describe(self, now: float | None = None) -> str | None:
@@ -104,8 +110,9 @@ class Progress:
             parts.append(f"{self.done} {self.unit}".rstrip())
         if self.batches > 1:
             parts.append(f"batch {self.batch}/{self.batches}")
-        if self.max_tokens:
-            parts.append(f"token {self.token}/{self.max_tokens}")
+        if self.max_tokens:  # token 0: the prompts' forward pass (prefill) is running
+            parts.append(f"token {self.token}/{self.max_tokens}" if self.token else
+                         f"prefill, up to {self.max_tokens} tokens")
         text = ", ".join(parts) + f" ({duration(elapsed)}"
         new = self.done - self.already
         if self.total and new > 0 and self.done < self.total:
@@ -116,8 +123,8 @@ class Progress:
         return f"{prefix}: {text}" if prefix else text
 
     def due(self, now: float | None = None) -> str | None:
-        """The line to log now, if one is due (the phase has run ``every_s`` since it began or
-        since its last line), else None; marks it logged."""
+        """The line to log now, if one is due (a phase runs and no line was printed for
+        ``every_s``), else None; marks it logged."""
         now = time.monotonic() if now is None else now
         if self.phase is None or now - self.last_line < self.every_s:
             return None
@@ -138,6 +145,7 @@ class Progress:
 
     def __enter__(self) -> Progress:
         """Start the reporter thread (when shown)."""
+        self.mark()
         if self.show and self._thread is None:
             self._stopping.clear()
             self._thread = threading.Thread(target=self._run, name="progress", daemon=True)

@@ -23,7 +23,8 @@ def test_a_line_names_the_phase_counts_and_time_left():
     p.begin("eval", total=100, unit="problems", already=20)
     t0 = p.started
     p.advance(20)  # 20 new problems in 60 s: 60 left take 180 s
-    p.decode_batch(2, 3)
+    p.decode_batch(2, 3, 512)
+    assert "batch 2/3, prefill, up to 512 tokens" in p.describe(t0 + 60)
     p.decode_step(17, 512)
     assert p.describe(t0 + 60) == ("step 3/60: eval, 40/100 problems, batch 2/3, token 17/512 "
                                    "(1 min 00 s, about 3 min 00 s left)")
@@ -40,6 +41,28 @@ def test_a_line_is_due_every_every_s_and_never_between_phases():
     assert p.due(t0 + 50) is None and p.due(t0 + 62) is not None
     p.end()
     assert p.due(t0 + 1000) is None
+
+
+def test_short_phases_of_long_work_are_reported_and_a_step_line_resets_the_clock(monkeypatch):
+    """A step whose phases each take less than every_s still gets a line once it runs longer;
+    a line printed elsewhere (the step's own) restarts the 30 s."""
+    import torchtune_grpo.progress as progress_module
+
+    clock = [1000.0]
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: clock[0])
+    p = Progress(show=False, every_s=30)
+    p.begin("rollout of 64 rows")
+    clock[0] += 20
+    assert p.due() is None
+    p.begin("update", total=8, unit="micro-batches")  # a new phase does not restart the clock
+    clock[0] += 11
+    assert p.due() == "update, 0/8 micro-batches (11 s)"
+    clock[0] += 5
+    p.mark()  # the step's own line
+    clock[0] += 29
+    assert p.due() is None
+    clock[0] += 1
+    assert p.due() is not None
 
 
 def test_the_reporter_thread_prints_long_phases_only():

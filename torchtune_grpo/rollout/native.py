@@ -286,7 +286,8 @@ def generate_trajectory(
     with backend.decode_weights(model, packed_weights and compiled_step is None):
         for i in range(0, tokens.shape[0], rows):
             if request.progress is not None:
-                request.progress.decode_batch(i // rows + 1, -(-tokens.shape[0] // rows))
+                request.progress.decode_batch(i // rows + 1, -(-tokens.shape[0] // rows),
+                                              int(request.max_generated_tokens))
             parts.append(generate_micro_batch(
                 model, dataclasses.replace(request, prompt_tokens=tokens[i : i + rows],
                                            prompt_mask=mask[i : i + rows], group_size=1,

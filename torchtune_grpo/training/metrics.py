@@ -22,6 +22,7 @@ from torchtune import utils
 from torchtune_grpo import distributed as D
 from torchtune_grpo.algorithm.advantages import AdvantageOutput
 from torchtune_grpo.algorithm.trajectory import Trajectory
+from torchtune_grpo.progress import Progress
 from torchtune_grpo.rewards.reward_set import RewardOutput
 from torchtune_grpo.rollout.tool_trajectory import ToolStats
 
@@ -188,13 +189,17 @@ class StepProgress:
         step: the steps finished before the loop starts.
         show: display anything at all.
         warn: warn of the step's reward-component failures (rank 0).
+        work: the run's :class:`~torchtune_grpo.progress.Progress`, told of each step's line so
+            that its own lines come only while a step runs long.
     """
 
-    def __init__(self, num_steps: int, step: int, *, show: bool, warn: bool = False) -> None:
+    def __init__(self, num_steps: int, step: int, *, show: bool, warn: bool = False,
+                 work: Progress | None = None) -> None:
         from tqdm import tqdm
 
         self.num_steps = num_steps
         self.warn = warn
+        self.work = work
         self.lines = show and not sys.stderr.isatty()
         self.bar = None if self.lines else tqdm(total=num_steps, initial=step, disable=not show)
 
@@ -207,6 +212,8 @@ class StepProgress:
 
     def update(self, step: int, metrics: dict[str, float]) -> None:
         """Show that ``step`` finished with ``metrics``."""
+        if self.work is not None:
+            self.work.mark()
         failed = reward_errors(metrics)
         note = f", {sum(failed.values())} reward errors" if failed else ""
         if self.bar is not None:

@@ -402,7 +402,7 @@ class GRPORecipe:
                 self.evaluation.run_at_start()
         show = self.is_rank_zero and self.cfg.progress_bar
         with StepProgress(self.cfg.num_steps, self.step, show=show,
-                          warn=self.is_rank_zero) as self._progress, \
+                          warn=self.is_rank_zero, work=self.work) as self._progress, \
                 self.stop.deferred(), self.work:
             bar = self._progress.bar  # a terminal's bar shows the phase; else lines every 30 s
             self.work.bar = bar if bar is not None and not bar.disable else None
