@@ -189,6 +189,16 @@ def latest_step_checkpoint(output_dir: str | Path) -> Path | None:
     return found[-1][1] if found else None
 
 
+def resume_hint(output_dir: str | Path) -> str:
+    """Where a run stopped by a failure continues from: the newest complete step folder of
+    ``output_dir`` and the command, or that no step was saved yet."""
+    latest = latest_step_checkpoint(output_dir) if str(output_dir) else None
+    if latest is None:
+        return "no step was saved yet"
+    return (f"the newest complete checkpoint is {latest}: continue with the same command and "
+            "resume_from_checkpoint=true")
+
+
 def _fsync_tree(path: Path) -> None:
     for root, _, files in os.walk(path):
         for name in files:

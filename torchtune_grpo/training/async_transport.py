@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtune_grpo import distributed as D
-from torchtune_grpo.checkpoints.saving import latest_step_checkpoint
+from torchtune_grpo.checkpoints.saving import resume_hint
 from torchtune_grpo.errors import UserError
 
 __all__ = [
@@ -109,12 +109,8 @@ class RolloutRankLost(UserError):
     def of(cls, lost: PeerLost, *, step: int, output_dir: str) -> RolloutRankLost:
         """The error for ``lost`` while waiting for the rollout of ``step``, naming the newest
         complete step folder of ``output_dir``."""
-        latest = latest_step_checkpoint(output_dir) if output_dir else None
-        saved = (f"the newest complete checkpoint is {latest}: continue with the same command "
-                 "and resume_from_checkpoint=true" if latest is not None
-                 else "no step was saved yet")
         return cls(f"rollout rank {lost.rank} died while the trainers waited for the rollout of "
-                   f"step {step} ({lost.why}); {saved}")
+                   f"step {step} ({lost.why}); {resume_hint(output_dir)}")
 
 
 def recv_rollout(channel: PayloadChannel, src: int, step: int,

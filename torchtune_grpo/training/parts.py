@@ -38,9 +38,9 @@ from torchtune_grpo.checkpoints.saving import (
     check_finite,
     check_writable,
     claim_output_dir,
-    latest_step_checkpoint,
     load_recipe_state,
     resolve_resume,
+    resume_hint,
 )
 from torchtune_grpo.checkpoints.step_folder import (
     check_model_folder,
@@ -163,12 +163,7 @@ def failures_reported_first(output_dir: str) -> Iterator[None]:
     except RuntimeError as exc:
         if (why := D.peer_died(exc)) is None:
             raise
-        latest = latest_step_checkpoint(output_dir)
-        lost = PeerRankLost(
-            f"another rank of the run died ({why}); " + (
-                f"the newest complete checkpoint is {latest}: continue with the same command "
-                "and resume_from_checkpoint=true" if latest is not None
-                else "no step was saved yet"))
+        lost = PeerRankLost(f"another rank of the run died ({why}); {resume_hint(output_dir)}")
         report(lost)
         raise lost from None
 
