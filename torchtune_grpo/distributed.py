@@ -84,11 +84,18 @@ class Ranks:
             dist.all_reduce(tensor, op=ops[op], group=self.group)
         return tensor
 
-    def all_ranks_true(self, flag: bool, device: torch.device) -> bool:
-        """True when ``flag`` is True on every rank (a collective: call it on all)."""
+    def all_ranks_true(self, flag: bool | torch.Tensor, device: torch.device) -> bool:
+        """True when ``flag`` is True on every rank (a collective: call it on all).
+
+        ``flag`` may be a one-element bool tensor on ``device`` (a decode loop's "all my rows
+        stopped"): it is reduced where it is, and the answer costs one host read in all.
+        """
         if self.size() <= 1:
-            return flag
-        t = torch.tensor([0 if flag else 1], device=device)
+            return bool(flag)
+        if isinstance(flag, torch.Tensor):
+            t = (~flag.reshape(1).to(device=device, dtype=torch.bool)).long()
+        else:
+            t = torch.tensor([0 if flag else 1], device=device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return int(t.item()) == 0
 
@@ -197,6 +204,53 @@ def gathered_for_inference(*models: nn.Module | None, enabled: bool = True) -> I
             for group, mesh_info in groups:
                 group.post_forward_mesh_info = mesh_info
 
+
+
+def fully_unsharded(model: nn.Module) -> bool:
+    """Whether every FSDP2 module inside ``model`` holds its gathered (unsharded) parameters,
+    as inside :func:`gathered_for_inference` (True for a model that is not sharded)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+    for module in _fsdp_modules((model,)):
+        for group in _param_groups(module._get_fsdp_state()):
+            if any(p.sharded_state != ShardedState.UNSHARDED for p in group.fsdp_params):
+                return False
+    return True
+
+
+def hook_free_view(model: nn.Module) -> nn.Module:
+    """The module tree of ``model`` without forward hooks, for no-grad work on gathered weights.
+
+    Each module is a shallow copy that shares its original's parameter and buffer dicts (so
+    FSDP2's swap of sharded for gathered parameters, done in place on those dicts, shows in
+    the view too), with its children replaced by their views and no forward hooks. Inside
+    :func:`gathered_for_inference` FSDP2's hooks have nothing left to do, and a compiled
+    forward cannot trace them (they are ``torch._dynamo``-disabled): the view runs the same
+    arithmetic on the same tensors, as one graph. Run it only where :func:`fully_unsharded`
+    holds. Attributes set on the view later (a rollout's KV caches) stay off the original.
+
+    Args:
+        model: a module, FSDP2-sharded or not.
+
+    Returns:
+        The view, built once: keep it, do not rebuild it per call.
+    """
+    from collections import OrderedDict
+
+    def view(module: nn.Module) -> nn.Module:
+        clone = object.__new__(type(module))  # not copy.copy: FSDPModule.__new__ re-inits
+        clone.__dict__.update(module.__dict__)
+        for name in ("_forward_pre_hooks", "_forward_hooks"):
+            object.__setattr__(clone, name, OrderedDict())
+        for name in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
+                     "_forward_hooks_always_called"):
+            object.__setattr__(clone, name, {})
+        object.__setattr__(clone, "_modules", {
+            name: None if child is None else view(child)
+            for name, child in module._modules.items()})
+        return clone
+
+    return view(model)
 
 
 def set_seed(seed: int) -> int:

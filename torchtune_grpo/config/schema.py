@@ -91,6 +91,22 @@ class RecipeConfig:
         None,
         "Sequences per generation / forward micro-batch; must divide ``batch_size * "
         "group_size``. Null: the whole rank batch at once.", _optional_positive)
+    rollout_batch_size: int | None = key(
+        None,
+        "Rows the native engine decodes at once (one KV cache of this many rows, counted by "
+        "``tune-grpo estimate-memory``); must divide the rows of one rollout call, ``batch_size "
+        "* group_size / gradient_accumulation_steps`` per rank. Null: all of them on CUDA (one "
+        "decode batch for the whole rollout: every decode step a large matmul); "
+        "``forward_batch_size`` on CPU (where smaller batches that shed stopped rows are "
+        "faster).", _optional_positive)
+    stop_check_interval: int | None = key(
+        None,
+        "Decode steps between the native engine's checks of whether every row has stopped: "
+        "the loop's only host reads and, with several ranks, its only collective; stopped rows "
+        "decode padding in between, and the trajectory is the same for any value. Null: 1 on "
+        "CPU (a check costs nothing there and lets the batch shed stopped rows early), 16 on "
+        "CUDA (a sync per token would stall the GPU's queue; 16 wastes at most 15 padding "
+        "steps per rollout).", _optional_positive)
     max_generated_tokens: int = key(REQUIRED, "Most tokens generated per completion.",
                                     _at_least(1))
     temperature: float = key(1.0, "Sampling temperature (> 0).", _positive)

@@ -237,6 +237,12 @@ def _batch_errors(cfg: DictConfig, world_size: int) -> list[str]:
             f"config key 'forward_batch_size' ({fbs}) must divide batch_size * group_size "
             f"({rows}) per rank"
         )
+    rbs = cfg.get("rollout_batch_size")
+    if rbs is not None and (rows // accum) % rbs:
+        errors.append(
+            f"config key 'rollout_batch_size' ({rbs}) must divide the {rows // accum} rows of "
+            f"one rollout call per rank (batch_size * group_size / gradient_accumulation_steps)"
+        )
     return errors
 
 

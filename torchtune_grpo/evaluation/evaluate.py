@@ -20,6 +20,7 @@ from torchtune import utils
 
 from torchtune_grpo import distributed as D
 from torchtune_grpo.algorithm.trajectory import prompt_mask
+from torchtune_grpo.backends import backend_for
 from torchtune_grpo.datasets import collate_prompts
 from torchtune_grpo.errors import Interrupted
 from torchtune_grpo.evaluation.metrics import compute_metrics
@@ -338,6 +339,7 @@ def _evaluate_chunk(
     request = GenerationRequest(
         tokens, prompt_mask(tokens, batch["prompt_lengths"]), group_size=n,
         forward_batch_size=min(settings.forward_batch_size, len(chunk) * n),
+        stop_check_interval=backend_for(device).stop_check_interval,
         prompt_seeds=mix_seeds(settings.seed, batch["indices"]),
         max_generated_tokens=settings.max_generated_tokens,
         temperature=settings.temperature, top_k=settings.top_k, stop_tokens=stop_tokens,

@@ -143,7 +143,10 @@ class SpanKVCache(nn.Module):
 
 def _derived(store: dict, key: str, source: torch.Tensor,
              make: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """``make()``, computed once per ``source`` tensor (and version) and kept in ``store[key]``."""
+    """``make()``, computed once per ``source`` tensor (and version) and kept in ``store[key]``;
+    inside a compiled graph always ``make()`` (the compiler shares the work between layers)."""
+    if torch.compiler.is_compiling():
+        return make()
     memo = store.get(key)
     if memo is None or memo[0] is not source or memo[1] != source._version:
         memo = (source, source._version, make())

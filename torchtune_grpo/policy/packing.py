@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +16,7 @@ __all__ = [
     "SharedPrefixSegments",
     "install_packed_attention",
     "shared_prompt_layout",
+    "suffix_masks",
 ]
 
 
@@ -40,21 +41,39 @@ class SharedPrefixSegments:
 
     Attributes:
         blocks: ``(prefix_length, (suffix_length, ...))`` per block, in order.
+        suffix_masks: ``[max suffix, max prefix + max suffix]`` bool on the device, ``j <= i +
+            max prefix`` (:func:`suffix_masks`): every response's mask is a view of it, so
+            every layer, and the recompute under activation checkpointing, reuses the one
+            tensor built with the layout (None: each attention call builds it on its device).
     """
 
     blocks: tuple[tuple[int, tuple[int, ...]], ...]
+    suffix_masks: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
-@functools.lru_cache(maxsize=256)
-def _suffix_mask(prefix: int, length: int) -> torch.Tensor:
-    """``[length, prefix + length]`` bool: all of the prefix, then causal over the suffix."""
-    return torch.ones(length, prefix + length, dtype=torch.bool).tril(diagonal=prefix)
+def suffix_masks(blocks: tuple[tuple[int, tuple[int, ...]], ...],
+                 device: torch.device | str) -> torch.Tensor:
+    """The masks of every response of ``blocks`` in one tensor, built on ``device`` (no host
+    copy): ``[Lmax, Pmax + Lmax]`` bool, True where column ``j <= i + Pmax`` (``Pmax``,
+    ``Lmax``: the longest prefix and suffix). A suffix of length ``L`` after a prefix of length
+    ``p`` attends with ``masks[:L, Pmax - p : Pmax + L]``: all of the prefix, then causally.
+    """
+    max_prefix = max((prefix for prefix, _ in blocks), default=0)
+    max_suffix = max((n for _, suffixes in blocks for n in suffixes), default=0)
+    rows = torch.arange(max_suffix, device=device)
+    columns = torch.arange(max_prefix + max_suffix, device=device)
+    return columns[None, :] <= rows[:, None] + max_prefix
 
 
-def _shared_prefix_attention(q, k, v, blocks, dropout_p=0.0,
+def _shared_prefix_attention(q, k, v, segments: SharedPrefixSegments, dropout_p=0.0,
                              sdpa=F.scaled_dot_product_attention):
     """``sdpa`` for a :class:`SharedPrefixSegments` row; ``q, k, v``: ``[1, heads, S,
-    head_dim]``."""
+    head_dim]``. Each response's mask is a view of ``segments.suffix_masks``."""
+    blocks = segments.blocks
+    masks = segments.suffix_masks
+    if masks is None or masks.device != q.device:
+        masks = suffix_masks(blocks, q.device)
+    max_prefix = masks.shape[1] - masks.shape[0]
     sizes = [n for prefix, suffixes in blocks for n in (prefix, *suffixes)]
     parts = list(zip(*(x.split(sizes, dim=2) for x in (q, k, v))))
     outs, i = [], 0
@@ -63,7 +82,7 @@ def _shared_prefix_attention(q, k, v, blocks, dropout_p=0.0,
         outs.append(sdpa(q_p, k_p, v_p, dropout_p=dropout_p, is_causal=True))
         for j, length in enumerate(suffixes, start=i + 1):
             q_s, k_s, v_s = parts[j]
-            mask = _suffix_mask(prefix, length).to(q.device)
+            mask = masks[:length, max_prefix - prefix: max_prefix + length]
             outs.append(sdpa(
                 q_s, torch.cat([k_p, k_s], dim=2), torch.cat([v_p, v_s], dim=2),
                 attn_mask=mask, dropout_p=dropout_p))
@@ -77,7 +96,7 @@ def _segment_attention(original, q, k, v, mask=None, dropout_p=0.0, is_causal=Tr
     by the module's kernel ``sdpa``; any other mask goes to ``original``.
     """
     if isinstance(mask, SharedPrefixSegments):
-        return _shared_prefix_attention(q, k, v, mask.blocks, dropout_p=dropout_p, sdpa=sdpa)
+        return _shared_prefix_attention(q, k, v, mask, dropout_p=dropout_p, sdpa=sdpa)
     if not isinstance(mask, PackedSegments):
         return original(q, k, v, mask=mask, dropout_p=dropout_p, is_causal=is_causal)
     if len(mask.lengths) == 1:
@@ -116,7 +135,8 @@ def shared_prompt_layout(
 
     Returns:
         ``(keep [n, P + T] bool, packed_index [n, P + T] long, segments)``: the tokens laid out,
-        every real token's position in the packed row (-1 elsewhere), and the block lengths.
+        every real token's position in the packed row (-1 elsewhere), and the block lengths
+        with their masks (:func:`suffix_masks`, on ``tokens``' device).
     """
     n, prompt_len = prompt_mask.shape
     keep = torch.zeros(n, tokens.shape[1], dtype=torch.bool, device=tokens.device)
@@ -147,4 +167,6 @@ def shared_prompt_layout(
                 offset += length
                 suffixes.append(length)
         blocks.append((plen, tuple(suffixes)))
-    return keep, packed_index, SharedPrefixSegments(tuple(blocks))
+    layout = tuple(blocks)
+    # the responses' masks, built once on the device for every layer and recompute
+    return keep, packed_index, SharedPrefixSegments(layout, suffix_masks(layout, tokens.device))

@@ -20,7 +20,12 @@ import torch
 from torch import nn
 
 from torchtune_grpo.algorithm.trajectory import Trajectory
-from torchtune_grpo.rollout.protocol import GenerationContext, GenerationRequest, Generator
+from torchtune_grpo.rollout.protocol import (
+    GenerationContext,
+    GenerationRequest,
+    Generator,
+    global_max,
+)
 from torchtune_grpo.rollout.seeding import mix_seeds
 from torchtune_grpo.rollout.tool_trajectory import ToolRow, ToolStats, rows_to_trajectory
 from torchtune_grpo.rollout.tools.base import Tool, is_error
@@ -41,37 +46,6 @@ _CHARS_PER_TOKEN_CAP = 64
 
 def _local(local_done: bool) -> bool:
     return local_done
-
-
-def global_max(value: int, all_done: Callable[[bool], bool] | None) -> int:
-    """The maximum of a non-negative int over ranks, from ``all_done(value <= k)`` questions
-    (an exponential then a binary search, the same questions on every rank).
-
-    Args:
-        value: this rank's value, ``>= 0``.
-        all_done: the recipe's ``all_done`` collective (None: this rank alone).
-
-    Returns:
-        The largest ``value`` over ranks.
-
-    Raises:
-        ValueError: a negative ``value``.
-    """
-    if value < 0:
-        raise ValueError(f"global_max needs a non-negative value, got {value}")
-    if all_done is None:
-        return value
-    high = 1
-    while not all_done(value <= high):
-        high *= 2
-    low = 0
-    while low < high:
-        mid = (low + high) // 2
-        if all_done(value <= mid):
-            high = mid
-        else:
-            low = mid + 1
-    return low
 
 
 class ToolUseGenerator(Generator):

@@ -27,7 +27,7 @@ from torchtune_grpo.progress import Progress
 from torchtune_grpo.rollout.seeding import mix_seeds
 from torchtune_grpo.rollout.tool_trajectory import ToolStats
 
-__all__ = ["GenerationContext", "GenerationRequest", "Generator"]
+__all__ = ["GenerationContext", "GenerationRequest", "Generator", "global_max"]
 
 
 @dataclasses.dataclass
@@ -80,8 +80,15 @@ class GenerationRequest:
             rows' own seeds are :meth:`sample_seeds`.
         forward_batch_size: rows per forward pass of an engine that batches on the policy
             (None: all ``B * G`` rows at once).
-        all_done: given whether this rank's rows have all stopped, says whether every rank's
-            have (a collective in distributed runs); None: this rank alone.
+        rollout_batch_size: rows a step-by-step engine decodes at once, one KV cache of that
+            many rows (None: ``forward_batch_size``).
+        stop_check_interval: a step-by-step engine asks whether every row has stopped (a host
+            read, and a collective with ``all_done``) only every this many decode steps;
+            stopped rows decode padding in between. The trajectory is the same for any
+            interval.
+        all_done: given whether this rank's rows have all stopped (a bool, or a one-element
+            bool tensor on the device), says whether every rank's have (a collective in
+            distributed runs); None: this rank alone.
         cache_dtype: dtype of a KV cache the engine allocates (None: the policy's).
         progress: where an engine that decodes step by step reports its decode step and the
             rows it finished (:class:`~torchtune_grpo.progress.Progress`; attribute writes
@@ -89,8 +96,8 @@ class GenerationRequest:
 
     Raises:
         ValueError: ``prompt_tokens`` not ``[B, P]``, a ``prompt_mask`` of another shape,
-            ``prompt_seeds`` not ``[B]``, or ``group_size``, ``max_generated_tokens`` or
-            ``forward_batch_size`` below 1.
+            ``prompt_seeds`` not ``[B]``, or ``group_size``, ``max_generated_tokens``,
+            ``forward_batch_size``, ``rollout_batch_size`` or ``stop_check_interval`` below 1.
     """
 
     prompt_tokens: torch.Tensor
@@ -105,7 +112,9 @@ class GenerationRequest:
     logit_bias: torch.Tensor | None = None
     prompt_seeds: torch.Tensor | None = None
     forward_batch_size: int | None = None
-    all_done: Callable[[bool], bool] | None = None
+    rollout_batch_size: int | None = None
+    stop_check_interval: int = 1
+    all_done: Callable[[bool | torch.Tensor], bool] | None = None
     cache_dtype: torch.dtype | None = None
     progress: Progress | None = None
 
@@ -121,7 +130,8 @@ class GenerationRequest:
                 self.num_prompts,):
             raise ValueError(f"GenerationRequest.prompt_seeds must be [{self.num_prompts}], got "
                              f"shape {tuple(self.prompt_seeds.shape)}")
-        for name in ("group_size", "max_generated_tokens", "forward_batch_size"):
+        for name in ("group_size", "max_generated_tokens", "forward_batch_size",
+                     "rollout_batch_size", "stop_check_interval"):
             value = getattr(self, name)
             if value is not None and int(value) < 1:
                 raise ValueError(f"GenerationRequest.{name} must be >= 1, got {value!r}")
@@ -140,6 +150,11 @@ class GenerationRequest:
     def rows_per_forward(self) -> int:
         """``forward_batch_size``, or ``N`` when it is None."""
         return int(self.forward_batch_size or self.num_rows)
+
+    @property
+    def rows_per_decode(self) -> int:
+        """``rollout_batch_size``, else :attr:`rows_per_forward`."""
+        return int(self.rollout_batch_size or self.rows_per_forward)
 
     def sample_seeds(self) -> torch.Tensor | None:
         """``[N]`` int64 on the CPU: row ``b * G + g``'s seed ``mix_seeds(prompt_seeds[b],
@@ -239,3 +254,34 @@ class Generator(Protocol):
     def close(self) -> None:
         """Release the engine's resources; called once, when the recipe cleans up."""
         ...
+
+
+def global_max(value: int, all_done: Callable[[bool], bool] | None) -> int:
+    """The maximum of a non-negative int over ranks, from ``all_done(value <= k)`` questions
+    (an exponential then a binary search, the same questions on every rank).
+
+    Args:
+        value: this rank's value, ``>= 0``.
+        all_done: a request's ``all_done`` collective (None: this rank alone).
+
+    Returns:
+        The largest ``value`` over ranks.
+
+    Raises:
+        ValueError: a negative ``value``.
+    """
+    if value < 0:
+        raise ValueError(f"global_max needs a non-negative value, got {value}")
+    if all_done is None:
+        return value
+    high = 1
+    while not all_done(value <= high):
+        high *= 2
+    low = 0
+    while low < high:
+        mid = (low + high) // 2
+        if all_done(value <= mid):
+            high = mid
+        else:
+            low = mid + 1
+    return low

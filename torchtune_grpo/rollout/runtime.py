@@ -15,6 +15,7 @@ from torch import nn
 
 from torchtune_grpo import distributed as D
 from torchtune_grpo.algorithm.trajectory import Trajectory, prompt_mask
+from torchtune_grpo.backends import backend_for
 from torchtune_grpo.policy.model import TokenRules
 from torchtune_grpo.progress import SILENT, Progress
 from torchtune_grpo.rollout.protocol import GenerationContext, GenerationRequest, Generator
@@ -32,7 +33,9 @@ class RolloutRuntime:
     Args:
         generator: the engine.
         cfg: the recipe's config after ``with_defaults`` (``max_generated_tokens``,
-            ``temperature``, ``top_k``, ``rollout_gather_weights``).
+            ``temperature``, ``top_k``, ``rollout_gather_weights``, ``rollout_batch_size``,
+            ``stop_check_interval``; a null one takes the device's default from
+            :func:`~torchtune_grpo.backends.backend_for`).
         rules: the token rules of the tokenizer for the policy's vocabulary.
         ranks: the ranks that roll out together (each calls :meth:`rollout` as often as the
             others).
@@ -61,6 +64,13 @@ class RolloutRuntime:
         self.temperature = cfg.temperature
         self.top_k = cfg.top_k
         self.gather_weights = cfg.rollout_gather_weights
+        backend = backend_for(device)
+        #: decode steps between stop checks
+        self.stop_check_interval = int(cfg.get("stop_check_interval")
+                                       or backend.stop_check_interval)
+        #: rows decoded at once (None: every row of a rollout call)
+        self.rollout_batch_size = cfg.get("rollout_batch_size") or (
+            None if backend.decode_all_rows else forward_batch_size)
 
     def rollout(self, model: nn.Module, batch: dict[str, Any], *, step: int,
                 draw: int = 0) -> Trajectory:
@@ -81,6 +91,8 @@ class RolloutRuntime:
         request = GenerationRequest(
             tokens, prompt_mask(tokens, batch["prompt_lengths"]),
             group_size=self.group_size, forward_batch_size=self.forward_batch_size,
+            rollout_batch_size=self.rollout_batch_size or tokens.shape[0] * self.group_size,
+            stop_check_interval=self.stop_check_interval,
             max_generated_tokens=self.max_generated_tokens, temperature=self.temperature,
             top_k=self.top_k, stop_tokens=rules.stop_tokens, pad_id=rules.pad_id,
             logit_bias=rules.logit_bias,

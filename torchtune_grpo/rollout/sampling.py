@@ -33,6 +33,7 @@ def sample_next_token(
     logit_bias: torch.Tensor | None = None,
     seeds: torch.Tensor | None = None,
     counter: int = 0,
+    uniform: torch.Tensor | None = None,
     inplace: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row by inverse-CDF sampling with counter-based random numbers.
@@ -42,8 +43,11 @@ def sample_next_token(
         temperature: ``> 0`` samples from ``softmax(logits / temperature)``; ``0`` is greedy.
         top_k: keep only the ``top_k`` most likely ids when sampling (None: all).
         logit_bias: ``[V]`` additive bias (``-inf`` forbids an id).
-        seeds: ``[n]`` int64 per-row seeds (required when sampling).
+        seeds: ``[n]`` int64 per-row seeds (required when sampling without ``uniform``).
         counter: decode step, so that each step draws fresh numbers.
+        uniform: ``[n]`` float64 numbers already drawn on the logits' device (column
+            ``counter`` of :func:`~torchtune_grpo.rollout.seeding.decode_uniforms`); replaces
+            ``seeds`` and ``counter``, and no number is copied from the host.
         inplace: ``logits`` (float32) may be overwritten with the tempered, biased scores.
 
     Returns:
@@ -51,7 +55,7 @@ def sample_next_token(
         the whole allowed vocabulary, whether or not ``top_k`` truncated the sampling.
 
     Raises:
-        ValueError: ``temperature > 0`` without ``seeds``.
+        ValueError: ``temperature > 0`` without ``seeds`` or ``uniform``.
     """
     own = inplace and logits.dtype == torch.float32
     scores = logits.float()
@@ -64,8 +68,8 @@ def sample_next_token(
         logprobs = torch.log_softmax(scores, dim=-1)
         tokens = logprobs.argmax(dim=-1)
         return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    if seeds is None:
-        raise ValueError("sampling with temperature > 0 needs per-row `seeds`")
+    if seeds is None and uniform is None:
+        raise ValueError("sampling with temperature > 0 needs per-row `seeds` or `uniform`")
     # One softmax serves both the sampling and the log-prob: log(p[token]) of a sampled token
     # (p > 0, in practice far above float32's smallest normal) agrees with log_softmax to an
     # ulp, and saves a pass over [n, V]. softmax rather than exp(): exp() of the very negative
@@ -75,7 +79,9 @@ def sample_next_token(
     if top_k is not None and top_k < scores.shape[-1]:
         kth = torch.topk(probs, top_k, dim=-1).values[:, -1:]
         sample_probs = probs.masked_fill(probs < kth, 0.0)
-    tokens = inverse_cdf_sample(sample_probs, counter_uniform(seeds, counter).to(probs.device))
+    if uniform is None:
+        uniform = counter_uniform(seeds, counter).to(probs.device)
+    tokens = inverse_cdf_sample(sample_probs, uniform)
     return tokens, probs.gather(1, tokens.unsqueeze(1)).squeeze(1).log()
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["counter_uniform", "hash32", "mix_seeds", "rollout_seeds"]
+__all__ = ["counter_uniform", "decode_uniforms", "hash32", "mix_seeds", "rollout_seeds"]
 
 _MASK32 = 0xFFFFFFFF
 
@@ -58,6 +58,24 @@ def counter_uniform(seeds: torch.Tensor, counter: int) -> torch.Tensor:
         ``[n]`` float64.
     """
     bits = mix_seeds(seeds, counter)
+    return (bits.double() + 0.5) / 2.0**32
+
+
+def decode_uniforms(seeds: torch.Tensor, steps: int, device: torch.device | str) -> torch.Tensor:
+    """Every uniform number of a rollout, drawn on ``device`` up front: column ``t`` equals
+    ``counter_uniform(seeds, t)`` exactly (the same integer hash), so the decode loop reads a
+    column per step instead of copying fresh numbers from the host each token.
+
+    Args:
+        seeds: ``[n]`` int64 seeds (any device).
+        steps: the most decode steps.
+        device: where the numbers are made and kept.
+
+    Returns:
+        ``[n, steps]`` float64 on ``device``.
+    """
+    counters = torch.arange(steps, dtype=torch.long, device=device)
+    bits = mix_seeds(seeds.to(device=device, dtype=torch.long).unsqueeze(1), counters)
     return (bits.double() + 0.5) / 2.0**32
 
 

@@ -236,8 +236,10 @@ class AsyncRolloutSource:
 
     def generator(self, engine: Generator, cfg: DictConfig) -> Generator:
         """:class:`RemoteRollouts`; the engine itself (``generator:``) is built on the rollout
-        ranks, only asked here whether its log-probs can serve as the sampling policy's."""
-        needs_policy_logprobs = bool(engine.needs_policy_logprobs(top_k=cfg.top_k))
+        ranks, only asked here whether its log-probs can serve as the sampling policy's (never
+        outside float32: the rollout ranks' decode rounds differently from the update)."""
+        needs_policy_logprobs = (bool(engine.needs_policy_logprobs(top_k=cfg.top_k))
+                                 or cfg.dtype != "fp32")
         engine.close()
         self.remote = RemoteRollouts(self.world, self.versions,
                                      max_staleness=self.max_staleness, num_steps=self.num_steps,
