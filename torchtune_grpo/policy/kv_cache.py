@@ -294,6 +294,10 @@ def attached(storage: KVCacheStorage, rows: int,
             if write_pos is not None:  # static decode reads every position: no garbage (NaN)
                 k.zero_()
                 v.zero_()
+                # written in place by a compiled step: a fixed address lets CUDA graphs
+                # replay over it (no guard: new storage re-records a graph, never recompiles)
+                torch._dynamo.mark_static_address(k, guard=False)
+                torch._dynamo.mark_static_address(v, guard=False)
             cache = SpanKVCache(k, v, rows, write_pos, step_memo)
             attn.kv_cache = cache
             attn.cache_enabled = True

@@ -155,3 +155,72 @@ def test_hook_free_view_runs_the_same_arithmetic_without_hooks(model):
         assert not hasattr(model.layers[0].attn, "kv_cache_marker")
     finally:
         handle.remove()
+
+
+def _compiled_fsdp_worker(rank: int, port: int, state_path: str, out_dir: str) -> None:
+    import os
+
+    from omegaconf import OmegaConf
+    from torch._dynamo.utils import counters
+
+    from torchtune_grpo.policy.model import build_model
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    D.init_distributed(torch.device("cpu"))
+    try:
+        model = build_model(OmegaConf.create({"_component_":
+                                              "torchtune_grpo.quickstart.tiny.tiny_llama"}),
+                            torch.load(state_path), device=torch.device("cpu"),
+                            dtype=torch.float32, world_size=2, trainable=True).eval()
+        engine = NativeGenerator(compile_decode=True)
+        engine.setup(GenerationContext(model_dir="", model_type="LLAMA3_2", hf_config={},
+                                       device=torch.device("cpu"), dtype=torch.float32,
+                                       world_size=2, rank=rank, max_len=64,
+                                       allowed_tokens=torch.ones(8, dtype=torch.bool)))
+        request = _request(12, 4, stops=range(5, 40), temperature=40.0,
+                           all_done=lambda flag: D.WORLD.all_ranks_true(flag,
+                                                                        torch.device("cpu")))
+        request = GenerationRequest(request.prompt_tokens + rank, request.prompt_mask,
+                                    **{f: getattr(request, f) for f in (
+                                        "group_size", "prompt_seeds", "max_generated_tokens",
+                                        "temperature", "stop_tokens", "pad_id",
+                                        "stop_check_interval", "all_done")})
+        with D.gathered_for_inference(model):
+            eager = generate_trajectory(model, request, packed_weights=False)
+            counters.clear()
+            compiled = engine.generate(model, request)
+        refused = None
+        try:  # outside the gathered block the view would run on shards
+            engine.generate(model, request)
+        except ValueError as e:
+            refused = str(e)
+        torch.save({"eager": eager.tokens, "compiled": compiled.tokens,
+                    "graphs": counters["stats"]["unique_graphs"],
+                    "breaks": dict(counters["graph_break"]), "refused": refused},
+                   f"{out_dir}/rank{rank}.pt")
+        D.WORLD.barrier()
+    finally:
+        D.destroy()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_compiled_decode_runs_on_two_fsdp_ranks_on_gathered_weights(tmp_path):
+    """Two FSDP2 ranks (gloo): the compiled decode step runs as one graph (FSDP2's own hooks,
+    which dynamo cannot trace, are not in the view it runs on) and decodes the eager tokens;
+    outside ``gathered_for_inference`` the engine refuses in one line."""
+    import torch.multiprocessing as mp
+
+    from tests.recipes._helpers import free_port
+
+    torch.manual_seed(0)
+    torch.save(tiny_llama().state_dict(), tmp_path / "state.pt")
+    mp.spawn(_compiled_fsdp_worker, args=(free_port(), str(tmp_path / "state.pt"),
+                                          str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert torch.equal(got["compiled"], got["eager"])
+        assert got["graphs"] == 1 and not got["breaks"]
+        assert "rollout_gather_weights: true" in got["refused"]
