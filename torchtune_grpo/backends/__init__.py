@@ -30,6 +30,9 @@ class Backend:
     #: Whether a rollout decodes all its rows as one batch (``rollout_batch_size: null``): on an
     #: accelerator a larger batch costs little more per step than a small one.
     decode_all_rows = True
+    #: Whether the decode batch sheds its stopped rows at a check (two more host reads and a
+    #: copy of the cache rows that stay): a smaller batch is hardly faster on an accelerator.
+    shrink_finished_rows = False
 
     def configure_process(self, keep_freed_memory: bool = True) -> bool:
         """Process-wide settings, before the model and the step's tensors are allocated.
@@ -65,6 +68,8 @@ class CpuBackend(Backend):
     stop_check_interval = 1
     #: Step time grows with the rows: ``forward_batch_size`` rows at a time, shedding stopped ones.
     decode_all_rows = False
+    #: Step time is proportional to the rows: shedding stopped ones pays.
+    shrink_finished_rows = True
 
     def configure_process(self, keep_freed_memory: bool = True) -> bool:
         """:func:`~torchtune_grpo.backends.allocator.keep_freed_memory` when asked."""

@@ -286,7 +286,7 @@ def generate_trajectory(
     *,
     packed_weights: bool = True,
     compiled_step: Callable[..., torch.Tensor] | None = None,
-    shrink_finished: bool = True,
+    shrink_finished: bool | None = None,
     kv_storage: KVCacheStorage | None = None,
 ) -> Trajectory:
     """Sample ``request.group_size`` completions per prompt, ``rollout_batch_size`` rows at a time
@@ -302,7 +302,8 @@ def generate_trajectory(
         packed_weights: on CPU, decode on oneDNN-reordered weights made once per rollout
             (not with ``compiled_step``).
         compiled_step: see :func:`generate_micro_batch`.
-        shrink_finished: see :func:`generate_micro_batch`.
+        shrink_finished: see :func:`generate_micro_batch`; None: where it pays, the device's
+            backend's ``shrink_finished_rows`` (the CPU).
         kv_storage: preallocated cache storage (allocated here when None).
 
     Returns:
@@ -321,6 +322,8 @@ def generate_trajectory(
             device=tokens.device,
         )
     backend = backend_for(tokens.device)
+    if shrink_finished is None:
+        shrink_finished = backend.shrink_finished_rows
     parts = []
     with backend.decode_weights(model, packed_weights and compiled_step is None):
         for i in range(0, tokens.shape[0], rows):
