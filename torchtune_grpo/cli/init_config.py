@@ -184,8 +184,8 @@ def training_config(folder: Folder, task: str, *, device: str,
         "rewards": blocks["rewards"],
         "loss": {"_component_": "torchtune_grpo.algorithm.loss.GRPOLoss", "epsilon_low": 0.2,
                  "epsilon_high": 0.28, "aggregation": "token_mean", "kl_coeff": 0.0},
-        "optimizer": ({"_component_": "torchao.optim._AdamW", "lr": 1e-6, "weight_decay": 0.0,
-                       "bf16_stochastic_round": True} if gpu else
+        "optimizer": ({"_component_": "torchtune_grpo.optim.AdamW", "lr": 1e-6,
+                       "weight_decay": 0.0} if gpu else
                       {"_component_": "torch.optim.AdamW", "lr": 1e-5, "weight_decay": 0.0,
                        "fused": True}),
         "lr_scheduler": ({"_component_": "torchtune.training.lr_schedulers."
@@ -245,7 +245,7 @@ def _header(folder: Folder, task: str, device: str, train_path: Path, eval_path:
     lines = [
         f"# GRPO on {task} for {folder.path.name} ({folder.architecture}, "
         f"{_count(folder.num_params)} parameters), written by `tune-grpo init`.",
-        f"# Device: {device}" + (" (bf16, torchao's AdamW with stochastic rounding)"
+        f"# Device: {device}" + (" (bf16, AdamW with stochastic rounding)"
                                  if device == "cuda" else " (fp32, a small batch)") + ".",
     ]
     if folder.thinking:

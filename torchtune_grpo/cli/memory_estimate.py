@@ -1,11 +1,12 @@
 """Estimate the peak memory of a GRPO config on one rank, before launching it.
 
 :func:`estimate_memory` builds the model on the ``meta`` device and adds up, in bytes, the
-static state (weights, optimizer state, reference model, reward models) and the largest of the
+static state (weights, optimizer state, reference model, reward models, and on CUDA the
+context and NCCL buffers of :mod:`~torchtune_grpo.cli.memory_terms`) and the largest of the
 phases (load on CPU, rollout, reference, rewards, update). ``docs/memory.md`` gives every
-component's formula; the estimate leaves out allocator fragmentation, the CUDA context and
-communication buffers. A model read from a folder that is not downloaded yet is built from its
-released shape (:mod:`torchtune_grpo.cli.known_shapes`), and the estimate says so.
+component's formula; the estimate leaves out allocator fragmentation. A model read from a
+folder that is not downloaded yet is built from its released shape
+(:mod:`torchtune_grpo.cli.known_shapes`), and the estimate says so.
 """
 
 from __future__ import annotations
@@ -19,6 +20,15 @@ from omegaconf import DictConfig
 
 from torchtune_grpo.cli.known_shapes import config_text, model_node
 from torchtune_grpo.cli.memory_rewards import DTYPE_BYTES, by_device, learned_reward_memory
+from torchtune_grpo.cli.memory_terms import (
+    activation_bytes_per_token,
+    component_notes,
+    fp32_output_weight_bytes,
+    head_weight_grad_bytes,
+    optimizer_states,
+    rollout_rows,
+    runtime_bytes,
+)
 from torchtune_grpo.policy.logprobs import auto_chunk_size
 
 #: Prompt tokens assumed when the dataset sets no ``max_prompt_tokens`` (GSM8K prompts with a
@@ -57,6 +67,10 @@ class ModelDims:
         vocab_size: rows of the output projection ``V``.
         max_seq_len: the model's context length.
         is_lora: the config builds LoRA/DoRA adapters.
+        root_params: parameters outside the transformer layers (embedding, final norm, an
+            untied output projection): FSDP2's root module, which torchtune's per-layer shard
+            conditions leave to the root's own (unsharded during forward and backward) group.
+        root_trainable: the trainable ones among them.
         source: ``None`` when the shape is the config's or its folder's ``config.json``; the
             HF repo id whose released shape (:data:`~.known_shapes.KNOWN_SHAPES`) stood in for
             a folder without one (not downloaded yet).
@@ -76,6 +90,8 @@ class ModelDims:
     max_seq_len: int
     is_lora: bool
     source: str | None = None
+    root_params: int = 0
+    root_trainable: int = 0
 
 
 def model_dims(cfg_model: DictConfig, *, header: str | None = None) -> ModelDims:
@@ -105,6 +121,8 @@ def _read_dims(model: torch.nn.Module, source: str | None) -> ModelDims:
     layers = list(getattr(model, "layers", []))
     layer_params = max((sum(p.numel() for p in layer.parameters()) for layer in layers),
                        default=0)
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    root = [(n, p) for n, p in params.items() if id(p) not in in_layers]
     hidden_dim = 0
     for name, p in params.items():
         if name.endswith(("mlp.w1.weight", "mlp.w1.base_weight")):
@@ -132,6 +150,8 @@ def _read_dims(model: torch.nn.Module, source: str | None) -> ModelDims:
         max_seq_len=int(getattr(model, "max_seq_len", 0) or 0),
         is_lora=bool(adapters),
         source=source,
+        root_params=sum(p.numel() for _, p in root),
+        root_trainable=sum(p.numel() for n, p in root if not adapters or n in adapters),
     )
 
 
@@ -144,7 +164,8 @@ class MemoryEstimate:
         world_size: ranks the estimate is for.
         components: device bytes by component (``weights``, ``gradients``,
             ``optimizer_state``, ``reference_model``, ``kv_cache``, ``activations``, ``logits``,
-            ``gathered_weights``, ``other``).
+            ``head_weight_grad``, ``fsdp_root``, ``gathered_weights``, ``fp32_output_weight``,
+            ``cuda_runtime``, ``other``, ...); ``settings["notes"]`` says what each counts.
         phases: device bytes at the peak of each phase (``load`` only on CPU).
         peak_bytes: the largest phase.
         peak_phase: which phase it is.
@@ -171,6 +192,12 @@ class MemoryEstimate:
         """The peak in GiB."""
         return self.peak_bytes / GIB
 
+    @property
+    def allocated_peak_bytes(self) -> int:
+        """The peak without the CUDA context and NCCL buffers: what PyTorch's allocator holds
+        (``torch.cuda.max_memory_allocated`` measures this)."""
+        return self.peak_bytes - self.components.get("cuda_runtime", 0)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (bytes and GiB)."""
         out = asdict(self)
@@ -188,14 +215,16 @@ class MemoryEstimate:
             (f"  model: {dims.num_params / 1e9:.3f}B params, "
              f"{dims.trainable_params / 1e6:.1f}M trainable, {dims.num_layers} layers, "
              f"V={dims.vocab_size}"),
-            (f"  rows per rank={s['rows']} (micro-batch {s['micro_batch']}), "
-             f"P={s['prompt_tokens']}, T={s['max_generated_tokens']}"),
+            (f"  rows per rank={s['rows']} ({s['generation_rows']} decoded at once, update "
+             f"micro-batch {s['micro_batch']}), P={s['prompt_tokens']}, "
+             f"T={s['max_generated_tokens']}"),
         ]
         if s.get("shape_note"):
             lines.append(f"  shape: {s['shape_note']}")
-        lines.append(f"  {'component':<18}{'GiB':>10}")
+        lines.append(f"  {'component':<18}{'GiB':>10}  what it counts")
+        notes = s.get("notes", {})
         for name, value in self.components.items():
-            lines.append(f"  {name:<18}{value / GIB:>10.2f}")
+            lines.append(f"  {name:<18}{value / GIB:>10.2f}  {notes.get(name, '')}".rstrip())
         lines.append(f"  {'phase':<18}{'GiB':>10}")
         for name, value in self.phases.items():
             mark = "  <- peak" if name == self.peak_phase else ""
@@ -207,37 +236,6 @@ class MemoryEstimate:
                   for device, value in self.other_devices.items()]
         lines += [f"  not counted: {note}" for note in s.get("not_counted", [])]
         return "\n".join(lines)
-
-
-def optimizer_states(cfg_optimizer: DictConfig | None) -> float:
-    """Per-parameter states the optimizer keeps (in the parameter's dtype)."""
-    if cfg_optimizer is None:
-        return 2.0
-    name = str(cfg_optimizer.get("_component_", "")).rsplit(".", 1)[-1].lower()
-    if name == "sgd":
-        return 1.0 if float(cfg_optimizer.get("momentum", 0.0) or 0.0) else 0.0
-    if name in ("adamw", "adam"):
-        return 3.0 if cfg_optimizer.get("amsgrad", False) else 2.0
-    if "8bit" in name:
-        return 0.5  # two 8-bit states at 2 bytes/param -> about half of two bf16 states
-    return 2.0
-
-
-def activation_bytes_per_token(dims: ModelDims, dtype_bytes: int) -> dict[str, float]:
-    """Bytes autograd saves per token: per transformer layer and once after the last layer.
-
-    Per layer: each RMSNorm saves its float32 input and its normalised output (``4 + b``
-    bytes per value); RoPE saves float32 q and k; SDPA saves q, the (GQA-expanded) k and v and
-    its output, and the output projection its input (``5 D`` values); the SwiGLU MLP saves
-    ``w1(x)``, ``silu``, ``w3(x)`` and their product (``4 F``).
-    """
-    d, f = dims.embed_dim, dims.hidden_dim
-    kv = dims.num_kv_heads * dims.head_dim
-    q = dims.num_heads * dims.head_dim
-    b = dtype_bytes
-    norm = (4 + b) * d
-    layer = 2 * norm + 4 * (q + kv) + b * (4 * q + d) + 4 * b * f
-    return {"layer": float(layer), "final": float(norm + b * d)}
 
 
 def _prompt_tokens(cfg: DictConfig, default: int) -> int:
@@ -291,7 +289,7 @@ def estimate_memory(cfg: DictConfig, world_size: int = 1, *,
     rows = per_rank_batch_size(cfg, world_size) * int(cfg.group_size)
     accum = int(cfg.get("gradient_accumulation_steps", 1) or 1)
     fbs = int(cfg.get("forward_batch_size") or rows)
-    gen_rows = min(fbs, rows // accum)
+    gen_rows = rollout_rows(cfg, rows // accum, device)  # one KV cache of this many rows
     micro = min(fbs, rows)
     group = int(cfg.group_size)
     t_gen = int(cfg.max_generated_tokens)
@@ -305,10 +303,14 @@ def estimate_memory(cfg: DictConfig, world_size: int = 1, *,
     shard = world_size if fsdp else 1
     weights = dims.num_params * b / shard
     # FSDP2 gathers the layer it computes (and prefetches the next); without resharding the
-    # gathered layers stay until the backward.
-    gathered = 0.0
+    # gathered layers stay until the backward. torchtune's shard conditions shard per layer:
+    # the rest (embedding, final norm, untied output) is the root's group, gathered from the
+    # forward's start to the backward's end, with its unsharded gradient in the backward.
+    gathered = root = root_grad = 0.0
     if fsdp:
-        gathered = (2 if reshard else dims.num_layers) * dims.layer_params * b
+        root = dims.root_params * b
+        root_grad = dims.root_trainable * b
+        gathered = (2 if reshard else dims.num_layers) * dims.layer_params * b + root
     grads = dims.trainable_params * b / shard
     states = optimizer_states(cfg.get("optimizer"))
     optimizer = dims.trainable_params * b * states / shard
@@ -343,7 +345,10 @@ def estimate_memory(cfg: DictConfig, world_size: int = 1, *,
             and not bool(gen_cfg.get("compile_decode", False))):
         body = 0 if dims.is_lora else dims.num_layers * dims.layer_params
         packed = (body + dims.vocab_size * dims.embed_dim) * b
-    generation = kv_cache + prefill + sampling + rollout_gathered + packed
+    # a low-precision model's float32 output projection on CPU: float32 copies of the hidden
+    # rows and of a block of the weight per log-prob call (decode steps, reference, update)
+    upcast = fp32_output_weight_bytes(vocab, d, b, device, max(chunk, gen_rows))
+    generation = kv_cache + prefill + sampling + rollout_gathered + packed + upcast
 
     # ---- update: one micro-batch of `micro` rows of `seq` tokens
     tokens = micro * seq
@@ -368,22 +373,29 @@ def estimate_memory(cfg: DictConfig, world_size: int = 1, *,
         logits += kept * vocab * 4
     # rollout buffers kept through the update: the [N, S, S] bool mask, tokens, log-probs
     buffers = rows * seq * seq + rows * seq * 8 + rows * t_gen * 4 * 4 + micro * seq * seq
-    update = grads + max(activations + logits, opt_temp) + buffers + gathered
+    # the log-prob backward runs first, beside every saved activation: the output weight's
+    # float32 gradient accumulator (and its chunk products); later the layers' backward holds
+    # the root's unsharded gradient instead (FSDP2 reduce-scatters it at the backward's end)
+    head_grad = head_weight_grad_bytes(vocab, d, b, fused=fused,
+                                       trainable=not dims.is_lora)
+    backward = activations + gathered + max(logits + head_grad + upcast, root_grad)
+    update = grads + max(backward, opt_temp) + buffers
     ref_logits = (block * 4 + low) if fused else 3 * block * 4  # no grad: one block when fused
-    reference_pass = (act["layer"] * tokens + mask_layer + ref_logits + buffers
+    reference_pass = (act["layer"] * tokens + mask_layer + ref_logits + upcast + buffers
                       + reference_gathered) if kl else 0.0
 
     host = 0.0
     if offload:  # FSDP keeps shards, gradients and optimizer state on the host
         host = weights + grads + optimizer + reference
         weights = grads = optimizer = reference = 0.0
-        update = max(activations + logits, 0.0) + buffers + gathered
+        update = backward + buffers
 
     learned, not_counted = learned_reward_memory(cfg)
     local, other_devices = by_device(learned, device)
     reward_models = float(sum(r.weights for r in local))
 
-    static = weights + optimizer + reference + reward_models
+    runtime = runtime_bytes(device, world_size)  # CUDA context and NCCL: every phase
+    static = weights + optimizer + reference + reward_models + runtime
     phases = {"rollout": static + generation}
     if kl:
         phases["reference"] = static + reference_pass
@@ -401,11 +413,18 @@ def estimate_memory(cfg: DictConfig, world_size: int = 1, *,
         "kv_cache": kv_cache,
         "activations": activations,
         "logits": logits,
+        "head_weight_grad": head_grad,
+        "fsdp_root": root + root_grad,
         "gathered_weights": full_copy if native or kl else 0.0,
         "packed_weights": packed,
+        "fp32_output_weight": upcast,
         "reward_models": reward_models,
-        "other": buffers + gathered + sampling + prefill,
+        "cuda_runtime": runtime,
+        "other": buffers + gathered - root + sampling + prefill,
     }
+    notes = component_notes(
+        rows=gen_rows, positions=kv_positions, micro=micro, seq=seq, chunk=chunk, vocab=vocab,
+        dim=d, dtype=dtype, fused=fused, world_size=world_size, states=states)
     estimate = MemoryEstimate(
         config=name,
         world_size=world_size,
@@ -423,6 +442,7 @@ def estimate_memory(cfg: DictConfig, world_size: int = 1, *,
             "prompt_tokens": p, "max_generated_tokens": t_gen, "logprob_chunk_size": chunk,
             "optimizer_states_per_param": states, "kv_positions": kv_positions,
             "learned_rewards": [asdict(r) for r in learned], "not_counted": not_counted,
+            "notes": {k: notes[k] for k in components},
             "shape_note": None if dims.source is None else (
                 f"the released config.json of {dims.source} (known shapes, "
                 f"torchtune_grpo/cli/known_shapes.py): model_dir {cfg.model.model_dir} has no "
@@ -446,9 +466,10 @@ def training_configs() -> list[str]:
 def summary_table(estimates: list[MemoryEstimate]) -> str:
     """One Markdown row per estimate: the components and the peak, in GiB."""
     cols = ["weights", "gradients", "optimizer_state", "reference_model", "kv_cache",
-            "activations", "logits", "gathered_weights", "packed_weights", "other"]
-    short = ["weights", "grads", "optim", "ref", "KV", "acts", "logits", "gathered", "packed",
-             "other"]
+            "activations", "logits", "head_weight_grad", "fsdp_root", "gathered_weights",
+            "packed_weights", "cuda_runtime", "other"]
+    short = ["weights", "grads", "optim", "ref", "KV", "acts", "logits", "head grad", "root",
+             "gathered", "packed", "runtime", "other"]
     head = "| config | ranks | " + " | ".join(short) + " | peak (phase) |"
     lines = [head, "|" + "---|" * (len(cols) + 3)]
     for e in estimates:

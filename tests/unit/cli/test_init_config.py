@@ -66,7 +66,7 @@ def test_thinking_keys_only_where_the_template_takes_them(folders, tmp_path):
     cfg = _load(train)
     assert cfg["tokenizer"]["enable_thinking"] is True
     assert cfg["rewards"][0]["think_tag"] == "think"
-    assert (cfg["dtype"], cfg["optimizer"]["_component_"]) == ("bf16", "torchao.optim._AdamW")
+    assert (cfg["dtype"], cfg["optimizer"]["_component_"]) == ("bf16", "torchtune_grpo.optim.AdamW")
     assert "--nproc_per_node 8" in train.read_text()
     other, _ = write_configs(folders / "llama", task="gsm8k", out=tmp_path / "l.yaml",
                              device="cuda")

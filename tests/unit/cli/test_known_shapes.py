@@ -196,3 +196,25 @@ def test_cli_estimates_the_shipped_qwen3_configs_before_the_download(name, tmp_p
     assert "PEAK" in out and f"released config.json of Qwen/{shipped.name}" in out
     assert main(["estimate-memory", "--config", name, f"model_dir={absent}", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["dims"]["source"] == f"Qwen/{shipped.name}"
+
+
+def test_cli_estimates_every_shipped_training_config_before_the_download(tmp_path, capsys):
+    """``tune-grpo estimate-memory`` on every shipped training config with its ``model_dir``
+    at a folder that does not exist (named as the shipped one): each gives a figure, from its
+    model's known shape; the quickstart configs (a model built from the config's own numbers)
+    as shipped."""
+    from torchtune_grpo.cli.main import main
+
+    names = training_configs()
+    assert len(names) >= 20
+    for name in names:
+        cfg = load_config(name)
+        shipped = cfg.get("model_dir")
+        absent = None if shipped is None else tmp_path / "absent" / Path(str(shipped)).name
+        args = ["estimate-memory", "--config", name, "--json"]
+        assert main(args + ([] if absent is None else [f"model_dir={absent}"])) == 0, name
+        data = json.loads(capsys.readouterr().out)
+        assert data["peak_bytes"] > 0 and data["peak_phase"] in data["phases"], name
+        if cfg.model.get("model_dir") is not None:  # read from the (absent) folder
+            assert not absent.exists()
+            assert data["dims"]["source"] in KNOWN_SHAPES, name

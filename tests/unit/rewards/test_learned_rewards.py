@@ -335,7 +335,8 @@ def test_memory_estimate_counts_the_learned_reward_models(name, tmp_path):
         want += rows * hf["num_hidden_layers"] * 2 * hf["num_key_value_heads"] * head_dim * 4
         want += fn.batch_size * hf["vocab_size"] * 16
     assert entry["scoring"] == want
-    assert est.phases["update"] == before.phases["update"] + 4 * built  # now static state
+    on_cpu = estimate_memory(load_config(name, ["device=cpu"]))  # the folder still unread
+    assert est.phases["update"] == on_cpu.phases["update"] + 4 * built  # now static state
     assert est.other_devices == {}
     assert "reward_models" in est.table()
 

@@ -214,7 +214,7 @@ def test_bf16_embedding_and_norms_bitwise(folder, tmp_path):
 
 def test_shipped_1b_config_validates_and_fits_eight_gpus(tmp_path):
     """``grpo/gemma3_1B_full``: validates, builds the 1.0B model offline, and its estimate fits
-    an 80 GB GPU per rank on 8 ranks with room to spare."""
+    an 80 GB GPU per rank on 8 ranks, with headroom (at most 70 GiB)."""
     from tests.conftest import check_instantiates_offline
     from torchtune_grpo.cli.memory_estimate import GIB, estimate_memory
     from torchtune_grpo.config.loading import load_config
@@ -225,4 +225,4 @@ def test_shipped_1b_config_validates_and_fits_eight_gpus(tmp_path):
     validate_config(cfg)
     check_instantiates_offline(cfg, min_params=0.95e9)
     estimate = estimate_memory(cfg, 8, name="gemma3_1B_full")
-    assert estimate.peak_bytes < 0.5 * 80 * GIB, estimate.table()
+    assert estimate.peak_bytes < 70 * GIB, estimate.table()

@@ -221,7 +221,7 @@ QWEN3_4B = {**QWEN3_0_6B, "hidden_size": 2560, "intermediate_size": 9728,
 
 def test_shipped_4b_config_validates_and_fits_eight_gpus(tmp_path):
     """``grpo/qwen3_4B_full``: validates, builds a 4.0B model offline, and its estimate fits an
-    80 GB GPU per rank on 8 ranks with room to spare."""
+    80 GB GPU per rank on 8 ranks, with headroom (at most 70 GiB)."""
     from tests.conftest import check_instantiates_offline
     from torchtune_grpo.cli.memory_estimate import GIB, estimate_memory, model_dims
     from torchtune_grpo.config.loading import load_config
@@ -233,4 +233,4 @@ def test_shipped_4b_config_validates_and_fits_eight_gpus(tmp_path):
     check_instantiates_offline(cfg, min_params=3.9e9)
     assert model_dims(cfg.model).num_layers == 36
     estimate = estimate_memory(cfg, 8, name="qwen3_4B_full")
-    assert estimate.peak_bytes < 0.5 * 80 * GIB, estimate.table()
+    assert estimate.peak_bytes < 70 * GIB, estimate.table()
