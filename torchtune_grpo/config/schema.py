@@ -278,6 +278,17 @@ class RecipeConfig:
         "glibc malloc variable (``MALLOC_*_``, ``GLIBC_TUNABLES``). No effect on GPU devices.")
     fsdp_cpu_offload: bool = key(False, "Keep FSDP parameters and optimizer state on CPU.")
     fsdp_reshard_after_forward: bool = key(True, "FSDP2 ``reshard_after_forward``.")
+    fsdp_reduce_dtype: str = key(
+        "fp32",
+        "Several ranks (FSDP2): the dtype in which each backward reduce-scatters (sums and "
+        "averages) the ranks' gradients, FSDP2's ``MixedPrecisionPolicy(param_dtype=dtype, "
+        "reduce_dtype=...)``. ``fp32``: a bf16 model's gradients are upcast, summed over the "
+        "ranks in float32 and rounded to bf16 once (a reduce-scatter buffer twice as big, one "
+        "layer at a time); ``bf16``: summed in bf16, rounded at every step of the reduction. "
+        "The reduced shard is stored in the parameters' dtype and the update reduces at every "
+        "micro-batch, so gradients accumulate over micro-batches in ``dtype``. No effect with "
+        "``dtype: fp32`` or on one device.",
+        lambda v: None if v in ("fp32", "bf16") else "must be fp32 or bf16")
     rollout_gather_weights: bool = key(
         True,
         "Several ranks (FSDP2): all-gather the policy's weights once for the whole rollout "

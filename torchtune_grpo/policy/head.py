@@ -1,7 +1,9 @@
 """The policy's output head and the requests it answers: torchtune's logits (``None``), the last
 position's logits (:data:`LAST_POSITION`), or response log-probs (:class:`ResponseLogProbs`,
 :class:`PackedLogProbs`) without full ``[N, P + T, V]`` logits. An optional final-logit
-soft-cap applies to the float32 logits first.
+soft-cap applies to the float32 logits first. A plain linear output projection of a bf16 model
+gives float32 logits that were never rounded to bf16
+(:func:`~torchtune_grpo.policy.logprobs.float_logits`), in the engine and the trainer alike.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from torchtune_grpo.policy.logprobs import chunked_token_logprobs
+from torchtune_grpo.policy.logprobs import chunked_token_logprobs, float_logits
 
 __all__ = [
     "LAST_POSITION",
@@ -87,8 +89,8 @@ OutputRequest = LastPosition | ResponseLogProbs | PackedLogProbs | None
 
 
 class SoftCappedProjection:
-    """``cap * tanh(project(h).float() / cap)``: an output projection with a final-logit soft-cap,
-    in float32 (not linear: log-probs take the checkpointed chunks).
+    """``cap * tanh(float_logits(project, h) / cap)``: an output projection with a final-logit
+    soft-cap, in float32 (not linear: log-probs take the checkpointed chunks).
     """
 
     def __init__(self, project: Callable[[torch.Tensor], torch.Tensor], cap: float) -> None:
@@ -96,7 +98,7 @@ class SoftCappedProjection:
         self.cap = cap
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        return soft_cap(self.project(h).float(), self.cap)
+        return soft_cap(float_logits(self.project, h), self.cap)
 
 
 def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
@@ -129,8 +131,13 @@ class OutputHead:
                            else SoftCappedProjection(output, self.final_logit_softcap))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """``[b, s, V]`` float32 logits of the hidden states ``h [b, s, D]`` (soft-capped)."""
-        logits = self.output(self.norm(h)).float()
+        """``[b, s, V]`` float32 logits of the hidden states ``h [b, s, D]`` (soft-capped).
+
+        A plain linear ``output`` of bf16/fp16 states is computed in float32 without rounding
+        (:func:`~torchtune_grpo.policy.logprobs.float_logits`); LoRA/DoRA outputs give their
+        own logits (rounded to the model's dtype) cast to float32.
+        """
+        logits = float_logits(self.output, self.norm(h))
         if self.final_logit_softcap is not None:
             logits = soft_cap(logits, self.final_logit_softcap)
         return logits

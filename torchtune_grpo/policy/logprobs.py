@@ -2,7 +2,10 @@
 
 :func:`chunked_token_logprobs` projects the hidden states chunk by chunk (checkpointed, or a
 fused autograd function for a plain linear projection); :func:`naive_token_logprobs` is the
-reference on full logits.
+reference on full logits. A plain linear projection of bf16/fp16 hidden states gives float32
+logits that are never rounded to the hidden states' dtype (:func:`float_matmul`,
+:func:`float_logits`); any other projection (LoRA/DoRA, a linear with a bias) gives its own
+output, cast to float32.
 """
 
 
@@ -14,7 +17,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-__all__ = ["auto_chunk_size", "chunked_token_logprobs", "naive_token_logprobs"]
+__all__ = ["auto_chunk_size", "chunked_token_logprobs", "float_logits", "float_matmul",
+           "naive_token_logprobs"]
 
 #: Float32 logits per chunk that :func:`auto_chunk_size` aims for (``2**25``: 128 MiB).
 CHUNK_LOGITS_BUDGET = 2**25
@@ -57,20 +61,98 @@ def _linear_weight(project: Callable[[Tensor], Tensor]) -> Tensor | None:
     return None
 
 
-def _chunk_scores(h: Tensor, weight: Tensor, temperature: float, bias: Tensor | None,
-                  out: Tensor, low: Tensor | None) -> Tensor:
-    """``out[:m] = (h @ W.T).float() / temperature + bias`` written into reused buffers.
+#: Weight elements that the upcasting path of :func:`float_matmul` turns into float32 at a time
+#: (``2**22``: a 16 MiB block of rows, instead of a float32 copy of the whole weight).
+UPCAST_BLOCK_ELEMENTS = 2**22
 
-    ``h [m, D]``, ``weight [V, D]``, ``out [>= m, V]`` float32, ``low [>= m, V]`` in ``h``'s dtype
-    (None for float32). Returns the ``[m, V]`` view.
+
+def float_matmul(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
+    """``a @ b.T`` in float32, accumulated in float32 and never rounded to ``a``'s dtype.
+
+    Chosen by dtype and device type alone (no host sync): float32 inputs take ``torch.mm``
+    (bitwise the plain product); bf16/fp16 on CUDA ``torch.mm(a, b.T, out_dtype=float32)``,
+    the tensor-core product written in float32 (no extra memory); bf16/fp16 elsewhere (the CPU
+    has no such kernel) upcast ``a`` once and ``b`` a block of rows at a time
+    (:data:`UPCAST_BLOCK_ELEMENTS`; a whole float32 copy of a 151k x 2048 weight would be
+    1.2 GB), each block multiplied into its columns of ``out``: a float32 matmul, several
+    times slower than the bf16 one on a CPU with AVX512-BF16/AMX.
+
+    Args:
+        a (Tensor): ``[m, k]``.
+        b (Tensor): ``[n, k]``, same dtype and device as ``a``.
+        out (Tensor | None): ``[m, n]`` float32 with unit column stride (a row-major block or
+            its column slice); None allocates it.
+
+    Returns:
+        Tensor: ``out``, ``[m, n]`` float32. Not differentiable (see :func:`float_logits`).
+    """
+    if out is None:
+        out = a.new_empty((a.shape[0], b.shape[0]), dtype=torch.float32)
+    if a.dtype == torch.float32:
+        return torch.mm(a, b.t(), out=out)
+    if a.device.type == "cuda" and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(a, b.t(), out_dtype=torch.float32, out=out)
+    a32 = a.float()
+    rows = max(1, UPCAST_BLOCK_ELEMENTS // max(1, b.shape[1]))
+    for r in range(0, b.shape[0], rows):
+        torch.mm(a32, b[r : r + rows].float().t(), out=out[:, r : r + rows])
+    return out
+
+
+class _FloatLinear(torch.autograd.Function):
+    """``float_matmul(hidden, weight)``: float32 logits ``[M, V]`` of low-precision ``hidden
+    [M, D]`` and ``weight [V, D]``, with ``F.linear``'s gradients (the float32 output gradient
+    rounded to ``hidden``'s dtype; gradients in the inputs' dtypes)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight):
+        ctx.save_for_backward(hidden, weight)
+        return float_matmul(hidden, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight = ctx.saved_tensors
+        low = grad.to(hidden.dtype)
+        grad_h = low @ weight if ctx.needs_input_grad[0] else None
+        grad_w = low.t() @ hidden if ctx.needs_input_grad[1] else None
+        return grad_h, grad_w
+
+
+def float_logits(project: Callable[[Tensor], Tensor], h: Tensor) -> Tensor:
+    """``project(h)`` as float32 logits ``[..., V]``, differentiable.
+
+    A plain linear ``project`` (``nn.Linear`` without bias, torchtune's ``TiedLinear``) of
+    bf16/fp16 ``h`` is computed by :func:`float_matmul`: the logits are never rounded to
+    ``h``'s dtype (bf16 spacing is 0.125 at ``|logit|`` 16-32). Float32 ``h`` and any other
+    projection return ``project(h).float()`` (bitwise today's result); for LoRA/DoRA output
+    projections that means logits rounded to the model's dtype before the cast.
+
+    Args:
+        project (Callable[[Tensor], Tensor]): ``[..., D]`` -> ``[..., V]``.
+        h (Tensor): ``[..., D]`` hidden states.
+
+    Returns:
+        Tensor: ``[..., V]`` float32 logits.
+    """
+    weight = _linear_weight(project)
+    if weight is None or h.dtype == torch.float32 or weight.dtype != h.dtype:
+        return project(h).float()
+    flat = h.reshape(-1, h.shape[-1])
+    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+        z = _FloatLinear.apply(flat, weight)
+    else:
+        z = float_matmul(flat, weight)
+    return z.view(*h.shape[:-1], weight.shape[0])
+
+
+def _chunk_scores(h: Tensor, weight: Tensor, temperature: float, bias: Tensor | None,
+                  out: Tensor) -> Tensor:
+    """``out[:m] = float_matmul(h, W) / temperature + bias`` written into a reused buffer.
+
+    ``h [m, D]``, ``weight [V, D]``, ``out [>= m, V]`` float32. Returns the ``[m, V]`` view.
     """
     m = h.shape[0]
-    z = out[:m]
-    if low is None:
-        torch.mm(h, weight.t(), out=z)
-    else:
-        torch.mm(h, weight.t(), out=low[:m])
-        z.copy_(low[:m])
+    z = float_matmul(h, weight, out=out[:m])
     if temperature != 1.0:
         z.div_(temperature)
     if bias is not None:
@@ -79,7 +161,9 @@ def _chunk_scores(h: Tensor, weight: Tensor, temperature: float, bias: Tensor | 
 
 
 class _FusedLinearLogProbs(torch.autograd.Function):
-    """Log-probs of ``targets`` under ``softmax((h @ W.T) / temperature + bias)``, chunked.
+    """Log-probs of ``targets`` under ``softmax((h @ W.T) / temperature + bias)``, chunked, the
+    product in float32 (:func:`float_matmul`); the backward rounds the logits' gradient to
+    ``h``'s dtype for its two matmuls, as ``F.linear`` would.
 
     Forward inputs: ``hidden [M, D]``, ``weight [V, D]``, ``targets [M]``, ``bias [V]`` float32
     (finite; forbidden ids at ``_FORBIDDEN_LOGIT``) or None, ``temperature``, ``chunk_size``,
@@ -98,14 +182,13 @@ class _FusedLinearLogProbs(torch.autograd.Function):
         m_total, v = hidden.shape[0], weight.shape[0]
         rows = min(chunk_size, m_total)
         buf = hidden.new_empty((rows, v), dtype=torch.float32)
-        low = None if hidden.dtype == torch.float32 else hidden.new_empty((rows, v))
         probs = hidden.new_empty((rows, v), dtype=torch.float32) if want_entropy else None
         logp = hidden.new_empty(m_total, dtype=torch.float32)
         entropy = hidden.new_empty(m_total if want_entropy else 0, dtype=torch.float32)
         kept: list[Tensor] = []
         for s in range(0, m_total, chunk_size):
             e = min(s + chunk_size, m_total)
-            z = _chunk_scores(hidden[s:e], weight, temperature, bias, buf, low)
+            z = _chunk_scores(hidden[s:e], weight, temperature, bias, buf)
             y = targets[s:e].unsqueeze(1)
             if s == len(kept) * chunk_size and e * v <= keep_probs:
                 # softmax kept for the backward; log p_y = z_y - logsumexp(z), the logsumexp
@@ -159,7 +242,7 @@ class _FusedLinearLogProbs(torch.autograd.Function):
                 p = kept[i]
                 kept[i] = None  # freed as soon as this chunk is done
             else:
-                z = _chunk_scores(hidden[s:e], weight, temperature, bias, buf, low)
+                z = _chunk_scores(hidden[s:e], weight, temperature, bias, buf)
                 p = probs[: e - s]
                 torch._softmax(z, 1, False, out=p)
             gs = g[s:e]
@@ -310,8 +393,9 @@ def chunked_token_logprobs(
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs computed chunk by chunk from the final hidden states.
 
-    Each chunk is projected (in ``hidden``'s dtype), cast to float32, divided by ``temperature``,
-    biased, log-softmaxed and gathered; peak memory holds one ``[chunk_size, V]`` block.
+    Each chunk is projected to float32 logits (:func:`float_logits`: a plain linear projection
+    is never rounded to ``hidden``'s dtype), divided by ``temperature``, biased,
+    log-softmaxed and gathered; peak memory holds one ``[chunk_size, V]`` block.
 
     Args:
         hidden (Tensor): ``[N, T, D]`` final hidden states at the positions that predict
@@ -366,7 +450,8 @@ def chunked_token_logprobs(
         return logp.view(n, t), (ent.view(n, t) if return_entropy else None)
 
     def chunk_fn(h: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-        logp, ent = _logprobs_from_logits(project(h), y, temperature, logit_bias, return_entropy)
+        logp, ent = _logprobs_from_logits(float_logits(project, h), y, temperature, logit_bias,
+                                          return_entropy)
         # checkpoint() needs tensor outputs; an empty placeholder stands in for "no entropy".
         return logp, ent if ent is not None else logp.new_empty(0)
 
@@ -374,7 +459,7 @@ def chunked_token_logprobs(
         # entropy only as a metric: computed once, without a graph, and skipped when the
         # checkpoint recomputes the chunk in the backward pass (it saves no tensors, so the
         # recomputation stays consistent).
-        z = _scores(project(h), temperature, logit_bias)
+        z = _scores(float_logits(project, h), temperature, logit_bias)
         logp_all = torch.log_softmax(z, dim=-1)
         logp = logp_all.gather(-1, y.unsqueeze(-1)).squeeze(-1)
         if first[0]:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
 from omegaconf import DictConfig
 from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torchtune import config, modules, training
 from torchtune.modules.peft import (
     DoRALinear,
@@ -76,6 +76,7 @@ def build_model(
     reshard_after_forward: bool = True,
     adapter_state_dict: dict[str, torch.Tensor] | None = None,
     dp_mesh: Any = None,
+    reduce_dtype: torch.dtype = torch.float32,
 ) -> PolicyDecoder:
     """Instantiate ``cfg_model`` as a :class:`~torchtune_grpo.policy.decoder.PolicyDecoder`, load
     ``state_dict`` and prepare it for GRPO (LoRA/DoRA: only the adapters train).
@@ -92,6 +93,8 @@ def build_model(
         reshard_after_forward: FSDP2 ``reshard_after_forward``.
         adapter_state_dict: LoRA adapter weights to resume from.
         dp_mesh: the FSDP2 ``DeviceMesh`` to shard over (None: the default process group).
+        reduce_dtype: FSDP2 gradient reduce-scatter dtype (the config's ``fsdp_reduce_dtype``;
+            see :func:`shard_policy`).
     """
     checkpointing = trainable and activation_checkpointing
     if world_size > 1:
@@ -105,13 +108,8 @@ def build_model(
             training.set_activation_checkpointing(
                 model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
             )
-        training.shard_model(
-            model=model,
-            shard_conditions=[partial(training.get_shard_conditions, names_to_match=None)],
-            cpu_offload=fsdp_cpu_offload,
-            reshard_after_forward=reshard_after_forward,
-            dp_mesh=dp_mesh,
-        )
+        shard_policy(model, dtype=dtype, reduce_dtype=reduce_dtype, cpu_offload=fsdp_cpu_offload,
+                     reshard_after_forward=reshard_after_forward, dp_mesh=dp_mesh)
         with training.set_default_dtype(dtype), device:
             for module in model.modules():
                 if isinstance(module, (LoRALinear, DoRALinear)):
@@ -144,6 +142,46 @@ def build_model(
         model.eval()
         model.requires_grad_(False)
     return model
+
+
+def shard_policy(model: nn.Module, *, dtype: torch.dtype, reduce_dtype: torch.dtype,
+                 cpu_offload: bool = False, reshard_after_forward: bool = True,
+                 dp_mesh: Any = None) -> None:
+    """FSDP2-shard ``model`` in place as torchtune's ``training.shard_model`` does (every
+    ``layers.i``, then the root; it takes no mixed-precision policy), each with
+    ``MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)``.
+
+    The parameters (built in ``dtype``) are gathered and used in ``dtype``; every backward
+    reduce-scatters the gradients in ``reduce_dtype``: with bf16 parameters and a float32
+    ``reduce_dtype`` each rank's bf16 gradient is upcast, the ranks' sum (and the average) is
+    taken in float32 and rounded to bf16 once, instead of bf16 partial sums rounded at every
+    hop of the reduction (one rounding per rank on NCCL's ring). The reduce-scatter's buffer
+    is twice as big in float32 (one FSDP unit, a transformer layer, at a time). The reduced
+    shard is then cast to the parameters' dtype and added to the sharded ``.grad`` in it:
+    the update syncs at every micro-batch's backward (it never calls
+    ``set_requires_gradient_sync(False)``), so gradients accumulate over micro-batches in
+    ``dtype``. A float32 model is unaffected (FSDP2 drops casts to the same dtype).
+
+    Args:
+        model: the policy decoder (on the meta device or materialised).
+        dtype: parameter (and compute) dtype.
+        reduce_dtype: gradient reduce-scatter dtype.
+        cpu_offload: FSDP2 ``CPUOffloadPolicy``.
+        reshard_after_forward: FSDP2 ``reshard_after_forward``.
+        dp_mesh: the ``DeviceMesh`` to shard over (None: the default process group).
+    """
+    kwargs: dict[str, Any] = dict(
+        reshard_after_forward=reshard_after_forward, mesh=dp_mesh,
+        mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype))
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    layers = [m for n, m in reversed(list(model.named_modules()))
+              if training.get_shard_conditions(n, m, names_to_match=None)]
+    if not layers:
+        raise ValueError("no transformer layer (`layers.i`) to shard in the model")
+    for module in layers:
+        fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
 
 
 def output_vocab_size(model: nn.Module) -> int:

@@ -53,7 +53,7 @@ from torchtune_grpo.errors import CheckpointError, UserError, one_line, report
 from torchtune_grpo.evaluation.during_training import EvalSources
 from torchtune_grpo.models.checkpointer import weight_files
 from torchtune_grpo.policy.logprobs import auto_chunk_size
-from torchtune_grpo.policy.model import build_model, has_adapters, meta_model
+from torchtune_grpo.policy.model import DTYPES, build_model, has_adapters, meta_model
 from torchtune_grpo.rollout.multiturn import ToolUseGenerator
 from torchtune_grpo.rollout.native import NativeGenerator
 from torchtune_grpo.rollout.protocol import Generator
@@ -223,7 +223,8 @@ def build_policy(cfg: DictConfig, resume_dir: Path | None, *, is_lora: bool,
             trainable=trainable, adapter_state_dict=adapters,
             activation_checkpointing=cfg.enable_activation_checkpointing,
             fsdp_cpu_offload=cfg.fsdp_cpu_offload,
-            reshard_after_forward=cfg.fsdp_reshard_after_forward, dp_mesh=dp_mesh)
+            reshard_after_forward=cfg.fsdp_reshard_after_forward, dp_mesh=dp_mesh,
+            reduce_dtype=DTYPES[cfg.fsdp_reduce_dtype])
 
     model = build(state_dict, True, adapter_state)
     if cfg.compile:
