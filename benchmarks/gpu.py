@@ -45,13 +45,19 @@ Usage::
     python benchmarks/gpu.py --out gpu.json                 # one GPU, ~6-7 min
     python benchmarks/gpu.py --shapes 0.5b --out gpu.json   # one shape
     python benchmarks/gpu.py --device cpu --tiny --out t.json   # 2 layers, dim 64: the test
+
+``--check-part NAME`` runs one part of ``scripts/gpu_check.sh`` instead (``check_optimizer``,
+``check_decode``, ``check_grpo_step``, ``check_fsdp_gather``; ``benchmarks/gpu_check.py`` drives
+them), writing its figures to ``--out`` as they come.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
+import math
 import platform
 import subprocess
 import sys
@@ -229,20 +235,15 @@ def hf_qwen2_config(dims: dict, dtype_name: str) -> dict:
     }
 
 
-def write_random_qwen2(dims: dict, directory: Path, device, dtype_name: str) -> int:
-    """Build a random-weight ``qwen2(**dims)`` on ``device`` in ``dtype`` and write it as an HF
-    folder (safetensors, ``config.json``, the tiny tokenizer); returns its parameter count.
+def random_qwen2(dims: dict, device, dtype_name: str):
+    """A random-weight ``qwen2(**dims)`` on ``device`` in ``dtype`` (``torch.manual_seed(0)``).
 
     Matrices are drawn from ``N(0, 0.02)`` (HF's ``initializer_range``), so the tied output
     projection gives logits of a realistic scale; norms keep their ones, biases their init.
     """
     import torch
-    from safetensors.torch import save_file
     from torchtune.models.qwen2 import qwen2
-    from torchtune.models.qwen2._convert_weights import qwen2_tune_to_hf
     from torchtune.training import set_default_dtype
-
-    from torchtune_grpo.quickstart.tiny import write_tiny_tokenizer
 
     torch.manual_seed(0)
     with set_default_dtype(_dtype(dtype_name)), torch.device(device):
@@ -251,6 +252,18 @@ def write_random_qwen2(dims: dict, directory: Path, device, dtype_name: str) -> 
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.02)
+    return model
+
+
+def write_random_qwen2(dims: dict, directory: Path, device, dtype_name: str) -> int:
+    """:func:`random_qwen2` written as an HF folder (safetensors, ``config.json``, the tiny
+    tokenizer); returns its parameter count."""
+    from safetensors.torch import save_file
+    from torchtune.models.qwen2._convert_weights import qwen2_tune_to_hf
+
+    from torchtune_grpo.quickstart.tiny import write_tiny_tokenizer
+
+    model = random_qwen2(dims, device, dtype_name)
     params = sum(p.numel() for p in model.parameters())
     state = qwen2_tune_to_hf({k: v.detach().cpu() for k, v in model.state_dict().items()},
                              num_heads=dims["num_heads"], num_kv_heads=dims["num_kv_heads"],
@@ -448,6 +461,359 @@ def bench_vllm(model_dir: Path, name: str, w: Workload, dims: dict, args,
     return json.loads(out.read_text())
 
 
+# ---------------------------------------------------------------------------- the GPU check
+#: The shipped config whose settings the check's GRPO step runs (with random weights).
+CHECK_CONFIG = "grpo/qwen2_5_3B_full"
+#: Rows of the decode measurement (one prompt of 16 samples, then four).
+DECODE_ROWS = (16, 64)
+
+
+class CheckPart:
+    """One part of ``scripts/gpu_check.sh`` in this process: its figures go to ``out`` (JSON,
+    rewritten after each figure, so that a part killed at its timeout still leaves what it had
+    measured) and :attr:`result` is what it has measured so far."""
+
+    def __init__(self, name: str, args) -> None:
+        import torch
+
+        self.args, self.out = args, args.out
+        self.cuda = torch.device(args.device).type == "cuda"
+        self.result: dict = {"part": name, "device": args.device, "dtype": args.dtype,
+                             "tiny": args.tiny, "torch": torch.__version__}
+
+    def record(self, **figures) -> None:
+        """Add ``figures`` to the result and write it."""
+        self.result.update(figures)
+        if self.out:
+            harness.write_json(self.out, self.result)
+
+    def dims(self) -> dict:
+        """The model shape of the part: Qwen2.5-3B's, or the tiny one (``--tiny``)."""
+        return TINY if self.args.tiny else SHAPES["3b"]
+
+
+@contextlib.contextmanager
+def one_rank_group(cuda: bool):
+    """A one-process ``torch.distributed`` group (NCCL on CUDA, gloo on CPU) for FSDP2."""
+    import os
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
+    if cuda:
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    try:
+        yield "nccl" if cuda else "gloo"
+    finally:
+        dist.destroy_process_group()
+
+
+def fsdp2_shard(model) -> None:
+    """Shard ``model`` with FSDP2 as the recipe does (each transformer layer, then the root)."""
+    from functools import partial
+
+    from torchtune import training
+
+    training.shard_model(model, [partial(training.get_shard_conditions, names_to_match=None)],
+                         cpu_offload=False)
+
+
+def _error_line(exc: BaseException, optimizer=None) -> str:
+    """One line for a failure of a measured piece (an optimizer's: as the recipe prints it)."""
+    from torchtune_grpo.optim import _is_compile_error, compile_failure_line
+
+    if optimizer is not None and _is_compile_error(exc):
+        return compile_failure_line(optimizer, exc)
+    return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc) else ''}"
+
+
+def check_optimizer(part: CheckPart) -> None:
+    """Part 1: the first step and 3 more of each bf16 AdamW on one FSDP2-sharded (one rank)
+    transformer layer plus the tied embedding of the 3B shape: torchao's ``_AdamW`` as the GPU
+    configs had it (``bf16_stochastic_round``: fails on FSDP2 shards in torchao 0.15), torchao's
+    without it (torch.compile of each parameter's step: Triton on a GPU, a C++ compiler on
+    CPU), ``torchtune_grpo.optim.AdamW`` (the configs' now) and ``torch.optim.AdamW``."""
+    import torch
+    import torchao.optim
+
+    from torchtune_grpo.optim import AdamW
+    from torchtune_grpo.policy.decoder import policy_decoder
+
+    device = part.args.device
+    variants = {
+        "torchao._AdamW(bf16_stochastic_round)": lambda ps: torchao.optim._AdamW(
+            ps, lr=1e-6, weight_decay=0.0, bf16_stochastic_round=True),
+        "torchao._AdamW": lambda ps: torchao.optim._AdamW(ps, lr=1e-6, weight_decay=0.0),
+        "torchtune_grpo.optim.AdamW": lambda ps: AdamW(ps, lr=1e-6, weight_decay=0.0),
+        "torch.optim.AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-6, weight_decay=0.0),
+    }
+    with one_rank_group(part.cuda) as backend:
+        model = policy_decoder(random_qwen2({**part.dims(), "num_layers": 1}, device,
+                                            part.args.dtype))
+        fsdp2_shard(model)
+        tokens = torch.randint(0, 100, (2, 16), device=device)
+        model(tokens).float().logsumexp(-1).mean().backward()
+        params = [p for p in model.parameters() if p.grad is not None]
+        part.record(backend=backend, params=sum(p.numel() for p in params),
+                    shapes=len({tuple(p.shape) for p in params}), optimizers={})
+        for name, make in variants.items():
+            optimizer, row = make(params), {}
+            try:
+                for step in range(4):
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    optimizer.step()
+                    _sync(device)
+                    row["first_step_s" if step == 0 else f"step_{step}_s"] = (
+                        time.perf_counter() - t0)
+                row["step_ms"] = 1000 * sum(row[f"step_{i}_s"] for i in (1, 2, 3)) / 3
+                row["status"] = "ran"
+            except Exception as exc:  # noqa: BLE001 - each variant's failure is a figure
+                row.update(status="failed", error=_error_line(exc, optimizer))
+            del optimizer
+            part.record(optimizers={**part.result["optimizers"], name: row})
+            print(f"optimizer {name}: {row}", flush=True)
+
+
+class _SyncCount:
+    """Host syncs during a block: ``aten._local_scalar_dense`` / ``aten.is_nonzero`` (a
+    ``TorchDispatchMode``, any device) and, on CUDA, the warnings of
+    ``torch.cuda.set_sync_debug_mode("warn")`` (every synchronizing call, copies included).
+    ``dispatch=False`` leaves the dispatch mode out (around a compiled step)."""
+
+    def __init__(self, cuda: bool, dispatch: bool = True) -> None:
+        self.cuda, self.dispatch, self.ops, self.warned = cuda, dispatch, 0, 0
+
+    @contextlib.contextmanager
+    def __call__(self):
+        import warnings
+
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        names = {"aten._local_scalar_dense.default", "aten.is_nonzero.default"}
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counter.ops += str(func) in names
+                return func(*args, **(kwargs or {}))
+
+        mode = Mode() if self.dispatch else contextlib.nullcontext()
+        with warnings.catch_warnings(record=True) as seen, mode:
+            warnings.simplefilter("always")
+            if self.cuda:
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield
+            finally:
+                if self.cuda:
+                    torch.cuda.set_sync_debug_mode("default")
+        self.warned += sum("synchroniz" in str(w.message) for w in seen)
+
+
+def check_decode(part: CheckPart) -> None:
+    """Part 2: native-engine decode ms per token and host syncs per token at 16 and 64 rows
+    (the 3B shape, random weights, rows that never stop), from the difference between a
+    ``2n``- and an ``n``-token rollout (prefill and set-up cancel), eager; then the compiled
+    decode step (``NativeGenerator(compile_decode=True)``, CUDA graphs; CUDA only), which the
+    part's time cap cuts if its compile is slow (the eager figures are written by then)."""
+    import dataclasses
+
+    import torch
+
+    from torchtune_grpo.backends import backend_for
+    from torchtune_grpo.policy.decoder import policy_decoder
+    from torchtune_grpo.rollout.native import NativeGenerator, generate_trajectory
+    from torchtune_grpo.rollout.protocol import GenerationRequest
+
+    device, dims = part.args.device, part.dims()
+    n, prompt_len, group = (16, 16, 16) if part.args.tiny else (32, 128, 16)
+    model = policy_decoder(random_qwen2(dims, device, part.args.dtype)).eval()
+    interval = getattr(backend_for(torch.device(device)), "stop_check_interval", None)
+    fields = {f.name for f in dataclasses.fields(GenerationRequest)}
+    part.record(new_tokens=(n, 2 * n), prompt_len=prompt_len, stop_check_interval=interval,
+                rows={})
+
+    def request(rows: int, tokens: int):
+        prompts = torch.randint(0, dims["vocab_size"], (rows // group, prompt_len),
+                                generator=torch.Generator().manual_seed(0)).to(device)
+        extra = {"stop_check_interval": interval, "rollout_batch_size": rows}
+        return GenerationRequest(
+            prompts, torch.ones_like(prompts, dtype=torch.bool), group_size=group,
+            prompt_seeds=torch.arange(rows // group), max_generated_tokens=tokens,
+            temperature=1.0, stop_tokens=torch.tensor([NO_STOP], device=device), pad_id=0,
+            **{k: v for k, v in extra.items() if k in fields and v is not None})
+
+    def measure(generate, rows: int, dispatch: bool) -> dict:
+        for tokens in (n, 2 * n):  # warm-up at both cache sizes (and their compiles)
+            generate(request(rows, tokens))
+        seconds, syncs = [], []
+        for tokens in (n, 2 * n):
+            best = float("inf")
+            for _ in range(1 if part.cuda else 2):  # a busy CPU host delays single runs
+                count = _SyncCount(part.cuda, dispatch)
+                _sync(device)
+                t0 = time.perf_counter()
+                with torch.no_grad(), count():
+                    traj = generate(request(rows, tokens))
+                _sync(device)
+                best = min(best, time.perf_counter() - t0)
+            seconds.append(best)
+            syncs.append((count.ops, count.warned))
+            assert int(traj.response_mask.sum()) == rows * tokens
+        return {"seconds": seconds, "ms_per_token": 1000 * (seconds[1] - seconds[0]) / n,
+                "syncs_per_token": (syncs[1][0] - syncs[0][0]) / n if dispatch else None,
+                "cuda_sync_warnings_per_token": ((syncs[1][1] - syncs[0][1]) / n
+                                                 if part.cuda else None)}
+
+    engines = {"eager": lambda r: generate_trajectory(model, r)}
+    if part.cuda:
+        generator = NativeGenerator(compile_decode=True, compile_mode="reduce-overhead")
+        engines["compiled"] = lambda r: generator.generate(model, r)
+    for engine, generate in engines.items():
+        for rows in DECODE_ROWS:
+            key = f"{engine}_{rows}"
+            try:
+                row = measure(generate, rows, dispatch=engine == "eager")
+            except Exception as exc:  # noqa: BLE001 - a failure is a figure
+                row = {"status": "failed", "error": _error_line(exc)}
+            part.record(rows={**part.result["rows"], key: row})
+            print(f"decode {key}: {row}", flush=True)
+    if not part.cuda:
+        part.record(compiled="skipped: GPU-only (CUDA graphs; the CPU compile is tested in "
+                             "tests/unit/rollout)")
+
+
+def step_config(part: CheckPart, model_dir: Path, workdir: Path):
+    """:data:`CHECK_CONFIG` with its settings, on ``model_dir`` (random weights, the tiny
+    tokenizer) and ``benchmarks/step.py``'s local GSM8K-style prompts; no evaluation, no
+    checkpoint; zero-advantage rows kept. ``--tiny``: 2 prompts x 4 samples x 8 tokens."""
+    from omegaconf import OmegaConf
+
+    from benchmarks.step import build_config
+    from torchtune_grpo.config.loading import load_config
+
+    local = build_config(workdir, part.args.device, 8)
+    cfg = load_config(CHECK_CONFIG, [
+        f"model_dir={model_dir}", f"output_dir={workdir / 'run'}", f"device={part.args.device}",
+        f"dtype={part.args.dtype}", "num_steps=2", "save_every_n_steps=null",
+        "eval_every_n_steps=null", "eval_at_start=false", "progress_bar=false",
+        # random weights earn equal rewards, so every advantage is 0: keep the rows, so that
+        # the update (and its log-prob gap) does the work of a real step
+        "skip_zero_advantage_sequences=false"])
+    cfg.tokenizer, cfg.dataset = local.tokenizer, local.dataset
+    cfg.eval_dataset = None
+    if part.args.tiny:
+        cfg.batch_size, cfg.group_size, cfg.max_generated_tokens = 2, 4, 8
+        cfg.forward_batch_size = 8
+    return OmegaConf.create(OmegaConf.to_container(cfg))
+
+
+def check_grpo_step(part: CheckPart) -> None:
+    """Parts 3 and 4: GRPO steps of :data:`CHECK_CONFIG`'s settings at its model shape (random
+    weights, one rank): seconds per phase (the recipe's own timer), peak memory against
+    ``tune-grpo estimate-memory``'s one-rank figure (``batch_size`` halved until the estimate
+    fits 90% of the card, and said so), and the engine-trainer log-prob gap of the first epoch
+    (``generation/logprob_diff_max`` / ``_mean``: bf16 decode against the training forward)."""
+    import torch
+
+    from torchtune_grpo.cli.memory_estimate import estimate_memory
+    from torchtune_grpo.training.recipe import GRPORecipe
+
+    device = part.args.device
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        t0 = time.perf_counter()
+        params = write_random_qwen2(part.dims(), workdir / "model", device, part.args.dtype)
+        cfg = step_config(part, workdir / "model", workdir)
+        estimate = estimate_memory(cfg, 1, name=CHECK_CONFIG)
+        card = torch.cuda.get_device_properties(device).total_memory if part.cuda else None
+        while card and estimate.peak_bytes > 0.9 * card and cfg.batch_size > 1:
+            cfg.batch_size //= 2
+            rows = cfg.batch_size * cfg.group_size
+            for key in ("forward_batch_size", "rollout_batch_size"):  # must divide the rows
+                if cfg.get(key):
+                    cfg[key] = math.gcd(int(cfg[key]), rows)
+            estimate = estimate_memory(cfg, 1, name=CHECK_CONFIG)
+        part.record(config=CHECK_CONFIG, params=params, write_s=time.perf_counter() - t0,
+                    batch_size=cfg.batch_size, forward_batch_size=cfg.forward_batch_size,
+                    group_size=cfg.group_size,
+                    max_generated_tokens=cfg.max_generated_tokens,
+                    optimizer=cfg.optimizer._component_, card_bytes=card,
+                    estimated_peak_bytes=estimate.peak_bytes,
+                    estimated_peak_phase=estimate.peak_phase, steps=[])
+        if part.cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        recipe = GRPORecipe(cfg)
+        try:
+            t0 = time.perf_counter()
+            recipe.setup()
+            part.record(setup_s=time.perf_counter() - t0)
+            for _ in range(2):
+                metrics = recipe.train_step(recipe.batches.batch(recipe.step))
+                _sync(device)
+                row = {k: v for k, v in metrics.items()
+                       if k.startswith(("time/", "generation/logprob_diff", "loss", "grad_norm",
+                                        "response_length/mean"))}
+                row["peak_memory_bytes"] = harness.peak_memory_bytes(device)
+                part.record(steps=[*part.result["steps"], row])
+                print(f"grpo step {len(part.result['steps'])}: {row}", flush=True)
+        finally:
+            recipe.cleanup()
+
+
+def check_fsdp_gather(part: CheckPart) -> None:
+    """Part 6: a one-rank FSDP2 model (NCCL on CUDA, gloo on CPU; the tiny shape) decodes
+    through :func:`~torchtune_grpo.distributed.gathered_for_inference`: its tokens against the
+    same model unsharded, and decode seconds gathered once vs gathered per forward."""
+    import copy
+
+    import torch
+
+    from torchtune_grpo.distributed import gathered_for_inference
+    from torchtune_grpo.policy.decoder import policy_decoder
+    from torchtune_grpo.rollout.native import generate_trajectory
+    from torchtune_grpo.rollout.protocol import GenerationRequest
+
+    device = part.args.device
+    prompts = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    prompts = prompts.to(device)
+    request = GenerationRequest(
+        prompts, torch.ones_like(prompts, dtype=torch.bool), group_size=4,
+        prompt_seeds=torch.arange(2), max_generated_tokens=16, temperature=1.0,
+        stop_tokens=torch.tensor([NO_STOP], device=device), pad_id=0)
+    with one_rank_group(part.cuda) as backend, torch.no_grad():
+        plain = policy_decoder(random_qwen2(TINY, device, part.args.dtype)).eval()
+        sharded = copy.deepcopy(plain)
+        fsdp2_shard(sharded)
+        expected = generate_trajectory(plain, request)
+        generate_trajectory(sharded, request)  # FSDP2's lazy initialisation, untimed
+        seconds, equal, diff = {}, [], 0.0
+        for name, enabled in (("gathered_once", True), ("per_forward", False)):
+            _sync(device)
+            t0 = time.perf_counter()
+            with gathered_for_inference(sharded, enabled=enabled):
+                got = generate_trajectory(sharded, request)
+            _sync(device)
+            seconds[name] = time.perf_counter() - t0
+            equal.append(bool(torch.equal(got.tokens, expected.tokens)))
+            diff = max(diff, float((got.logprobs - expected.logprobs).abs().max()))
+        part.record(backend=backend, tokens_equal=all(equal), logprob_max_diff=diff,
+                    decode_seconds=seconds)
+
+
+CHECK_PARTS = {"optimizer": check_optimizer, "decode": check_decode,
+               "grpo_step": check_grpo_step, "fsdp_gather": check_fsdp_gather}
+
+
 # ---------------------------------------------------------------------------- driver
 def bench_shape(name: str, dims: dict, w: Workload, args, budget: Budget, workdir: Path,
                 rates: dict) -> dict:
@@ -585,6 +951,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vllm-cuda-graphs", action="store_true",
                         help="vLLM with CUDA graphs (default: enforce_eager, as the recipe's "
                              "VLLMGenerator)")
+    parser.add_argument("--check-part", choices=list(CHECK_PARTS),
+                        help="run one part of scripts/gpu_check.sh (its figures to --out)")
     parser.add_argument("--vllm-worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--worker-shape", help=argparse.SUPPRESS)
@@ -619,6 +987,9 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --device cuda but torch.cuda.is_available() is False (use --device cpu "
               "--tiny for the CPU check)", file=sys.stderr)
         return 2
+    if args.check_part:
+        CHECK_PARTS[args.check_part](CheckPart(args.check_part, args))
+        return 0
     cuda = torch.device(args.device).type == "cuda"
     device_name = torch.cuda.get_device_name(args.device) if cuda else (
         platform.processor() or platform.machine())

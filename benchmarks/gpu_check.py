@@ -5,28 +5,30 @@ and ``recipes/`` on ``PYTHONPATH`` and runs this driver. It imports only the sta
 every part runs in its own process, under a hard timeout, with its output in a log file under
 ``--out`` (default ``$OUT``), so a part that fails or hangs costs its own slot and no more.
 
-Parts, in order:
+Parts, in order (the risky ones first, so that a cut run has measured them):
 
 1. **preflight** (``--preflight-child``, a subprocess): imports torch, torchao, torchtune (and its
    ``tune`` CLI), omegaconf, this package's recipe and ``benchmarks.gpu``; checks the device
    (``torch.cuda.is_available()``, a bf16 matmul on it). On failure it prints *one line*,
    ``error: ...``, naming what is wrong and what to do, and the check exits 2.
-2. **gpu_benchmark**: ``benchmarks/gpu.py --shapes 0.5b`` (``--device cpu --tiny`` on CPU) with a
-   ``--time-budget`` that leaves the later parts their time; vLLM is not in the kit, so gpu.py
-   skips it with its reason.
-3. **quickstart**: ``python -m torchtune_grpo.cli.main prepare-quickstart`` (the tiny model,
-   written on CPU), then ``python -m torchtune._cli.tune run grpo_full_finetune_distributed
-   --config grpo/quickstart_cpu device=<device> dtype=<dtype> num_steps=20`` with held-out
-   greedy accuracy (``eval/pass@1``, 300 problems) before the first step and after the last.
-4. **fsdp2**: the same run with ``--nproc_per_node 2`` (FSDP2 over NCCL, 5 steps); skipped with
-   the reason where fewer than 2 GPUs exist and on CPU.
+2. **optimizer** .. **fsdp_gather** (:data:`PARTS`): each but two a ``benchmarks/gpu.py
+   --check-part NAME`` process (the code and what each measures: ``benchmarks.gpu.check_*``) whose
+   figures go to ``NAME.json`` as they come: the bf16 optimizers' first and later steps on a
+   one-rank FSDP2 layer of the 3B shape; decode ms and host syncs per token at 16 and 64 rows;
+   GRPO steps of ``grpo/qwen2_5_3B_full``'s settings at its shape (time per phase, peak memory
+   against the estimate) and, from them, the bf16 engine-trainer log-prob gap; then the
+   **quickstart**: ``prepare-quickstart`` (the tiny model, written on CPU) and
+   ``tune run grpo_full_finetune_distributed --config grpo/quickstart_cpu device=<device>
+   dtype=<dtype> num_steps=20`` with held-out greedy accuracy before and after; last a
+   one-rank NCCL FSDP2 decode through ``gathered_for_inference``.
 
 Time guards: the whole check has ``--budget`` seconds (default 450, so that it ends within 8
 minutes with start-up to spare). A part starts only when the rest of the budget covers what it
 needs (``NEED_S``), else it is skipped, named, with the seconds left; each runs under a hard
-timeout of the budget's rest. ``summary.json`` and ``summary.txt`` under ``--out`` list every
-part (ran / skipped / failed, seconds, the reason or the result). Exit status: 0 when no part
-failed (skips included), 1 when one failed, 2 when the preflight failed.
+timeout of ``MAX_S`` or the budget's rest, whichever is shorter; ``--skip`` leaves parts out.
+``summary.json`` and ``summary.txt`` under ``--out`` list every part (ran / skipped / failed,
+seconds, the reason or the result). Exit status: 0 when no part failed (skips included), 1 when
+one failed, 2 when the preflight failed.
 """
 
 from __future__ import annotations
@@ -46,18 +48,19 @@ REPO = Path(__file__).resolve().parents[1]
 KIT = REPO / ".device_kit" / "site-packages"
 #: Seconds each part needs at least to be started (time guards), by device kind.
 NEED_S = {
-    "cuda": {"gpu_benchmark": 120.0, "quickstart": 150.0, "fsdp2": 90.0},
-    "cpu": {"gpu_benchmark": 30.0, "quickstart": 150.0, "fsdp2": 90.0},
+    "cuda": {"optimizer": 60.0, "decode": 60.0, "grpo_step": 120.0, "quickstart": 150.0,
+             "fsdp_gather": 30.0},
+    "cpu": {"optimizer": 40.0, "decode": 20.0, "grpo_step": 20.0, "quickstart": 150.0,
+            "fsdp_gather": 20.0},
 }
-#: The longest gpu.py may run on a GPU (0.5B: write ~10 s, GRPO step ~60 s, generation ~20 s,
-#: the rest import, CUDA start-up and the matmul rate).
-GPU_BENCH_MAX_S = 240.0
+#: The most seconds each ``benchmarks/gpu.py`` part may run (a hang costs this, not the rest).
+MAX_S = {"optimizer": 150.0, "decode": 150.0, "grpo_step": 240.0, "fsdp_gather": 90.0}
+#: The parts after the preflight, in the order they run: the quickstart here, the log-prob
+#: gap read from ``grpo_step.json``, the others by ``benchmarks/gpu.py --check-part NAME``.
+PARTS = ("optimizer", "decode", "grpo_step", "logprob_gap", "quickstart", "fsdp_gather")
 #: Seconds kept back at the end of the budget for the summary.
 RESERVE_S = 10.0
-#: Seconds gpu.py may run past its ``--time-budget`` (its guards act between parts).
-OVERRUN_S = 45.0
 QUICKSTART_STEPS = 20
-FSDP2_STEPS = 5
 #: Modules the preflight imports: the recipe's whole import graph and the benchmark's.
 PREFLIGHT_IMPORTS = ("torch", "torchao", "omegaconf", "torchtune", "torchtune._cli.tune",
                      "torchtune_grpo.training.recipe", "grpo_full_finetune_distributed",
@@ -254,33 +257,92 @@ def preflight(args: argparse.Namespace, clock: Clock, env: dict[str, str]
 
 
 # ---------------------------------------------------------------------------- parts
-def part_gpu_benchmark(args: argparse.Namespace, clock: Clock, env: dict[str, str],
-                       kind: str) -> Part:
-    """``benchmarks/gpu.py`` on the 0.5B shape (``--device cpu --tiny`` on CPU)."""
-    need = NEED_S[kind]["gpu_benchmark"]
-    # gpu.py's own guards act between its parts, so it may overrun its --time-budget by one
-    # part: OVERRUN_S more are kept back for that, and the quickstart keeps its time.
-    budget = min(GPU_BENCH_MAX_S, clock.left() - RESERVE_S - NEED_S[kind]["quickstart"]
-                 - OVERRUN_S)
-    if budget < need:
-        return Part("gpu_benchmark", "skipped", detail=clock.skip_reason(
-            need + NEED_S[kind]["quickstart"] + OVERRUN_S) + " (with the quickstart after it)")
-    device_args = ["--device", "cpu", "--tiny"] if kind == "cpu" else ["--shapes", "0.5b"]
-    out = args.out / "gpu.json"
-    cmd = [args.python, str(REPO / "benchmarks" / "gpu.py"), *device_args, "--out", str(out),
-           "--time-budget", f"{budget:.0f}"]
-    log = args.out / "gpu_benchmark.log"
-    code, seconds = run_logged(cmd, log, min(budget + OVERRUN_S, clock.left() - RESERVE_S), env)
-    print(tail(log, 30), flush=True)
-    if code != 0 or not out.is_file():
-        why = "killed at its timeout" if code is None else f"exit {code}: {last_error(log)}"
-        return Part("gpu_benchmark", "failed", seconds, why, log.name)
-    report = json.loads(out.read_text())
-    skipped = report.get("skipped", [])
-    detail = (f"{report.get('device_name')}, torch {report.get('torch')}, shapes "
-              f"{', '.join(report.get('shapes', {}))}; results in gpu.json"
-              + (f"; gpu.py skipped {len(skipped)} part(s)" if skipped else ""))
-    return Part("gpu_benchmark", "ran", seconds, detail, log.name)
+def _gib(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def _params(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def describe(name: str, figures: dict) -> str:
+    """One line of a child part's figures (``NAME.json``) for the summary."""
+    if name == "optimizer":
+        rows = []
+        for opt, row in figures.get("optimizers", {}).items():
+            rows.append(f"{opt} {row['first_step_s']:.1f} s first step, {row['step_ms']:.1f} "
+                        "ms/step" if row.get("status") == "ran" else
+                        f"{opt} FAILED ({row.get('error', '?')[:220]})")
+        return (f"{_params(figures.get('params', 0))} params over {figures.get('backend')}"
+                f" FSDP2: " + "; ".join(rows))
+    if name == "decode":
+        rows = [f"{key.replace('_', ' ', 1)} rows {row['ms_per_token']:.1f} ms/token"
+                + (f", {row['syncs_per_token']:.2f} syncs/token"
+                   if row.get("syncs_per_token") is not None else "")
+                + (f", {row['cuda_sync_warnings_per_token']:.2f} sync warnings/token"
+                   if row.get("cuda_sync_warnings_per_token") is not None else "")
+                if "ms_per_token" in row else f"{key} FAILED ({row.get('error', '?')[:120]})"
+                for key, row in figures.get("rows", {}).items()]
+        return (f"stop_check_interval {figures.get('stop_check_interval')}: " + "; ".join(rows)
+                + (f"; compiled {figures['compiled']}" if "compiled" in figures else ""))
+    if name == "grpo_step":
+        steps = figures.get("steps", [])
+        head = (f"{figures.get('config')} at {_params(figures.get('params', 0))} params, "
+                f"{figures.get('batch_size')} x {figures.get('group_size')} x "
+                f"{figures.get('max_generated_tokens')}")
+        if not steps:
+            return head + ": no step finished"
+        last = steps[-1]
+        phases = " / ".join(f"{k[5:]} {v:.1f}" for k, v in last.items()
+                            if k.startswith("time/") and v >= 0.05)
+        peak = ("peak" if figures.get("device") == "cuda" else
+                "peak RSS (not the device memory the estimate is of)")
+        return (f"{head}: step {len(steps)} {phases} s; {peak} "
+                f"{_gib(last['peak_memory_bytes'])} vs estimate "
+                f"{_gib(figures.get('estimated_peak_bytes'))}")
+    if name == "fsdp_gather":
+        seconds = figures.get("decode_seconds", {})
+        return (f"{figures.get('backend')}: tokens equal to unsharded "
+                f"{figures.get('tokens_equal')}, decode {seconds.get('gathered_once', 0):.2f} s"
+                f" gathered once vs {seconds.get('per_forward', 0):.2f} s per forward")
+    return ""
+
+
+def part_child(name: str, args: argparse.Namespace, clock: Clock, env: dict[str, str],
+               kind: str) -> Part:
+    """``benchmarks/gpu.py --check-part NAME``: its figures in ``NAME.json``, its output in
+    ``NAME.log``; killed after ``MAX_S`` (what it measured by then stays in its JSON)."""
+    need = NEED_S[kind][name]
+    if not clock.allow(need):
+        return Part(name, "skipped", detail=clock.skip_reason(need))
+    out, log = args.out / f"{name}.json", args.out / f"{name}.log"
+    cmd = [args.python, str(REPO / "benchmarks" / "gpu.py"), "--check-part", name, "--device",
+           args.device, "--dtype", args.dtype, "--out", str(out), *(["--tiny"] * args.tiny)]
+    code, seconds = run_logged(cmd, log, min(MAX_S[name], clock.left() - RESERVE_S), env)
+    print(tail(log, 12), flush=True)
+    figures = json.loads(out.read_text()) if out.is_file() else {}
+    detail = describe(name, figures)
+    if code != 0:
+        why = (f"killed after {seconds:.0f} s" if code is None
+               else f"exit {code}: {last_error(log)}")
+        return Part(name, "failed", seconds, why + (f"; measured: {detail}" if figures else ""),
+                    log.name)
+    return Part(name, "ran", seconds, detail + f"; {out.name}", log.name)
+
+
+def part_logprob_gap(args: argparse.Namespace) -> Part:
+    """The bf16 engine-trainer log-prob gap of the GRPO steps (``grpo_step.json``): max and
+    mean per response token, first epoch, the same weights."""
+    path = args.out / "grpo_step.json"
+    steps = json.loads(path.read_text()).get("steps", []) if path.is_file() else []
+    gaps = [(s["generation/logprob_diff_max"], s["generation/logprob_diff_mean"])
+            for s in steps if "generation/logprob_diff_max" in s]
+    if not gaps:
+        return Part("logprob_gap", "skipped", detail="no GRPO step finished (grpo_step)")
+    return Part("logprob_gap", "ran", detail=(
+        f"{args.dtype} decode vs the training forward, per response token: "
+        + "; ".join(f"step {i + 1} max {m:.3g}, mean {a:.3g}" for i, (m, a) in enumerate(gaps))
+        + " (random weights; grpo_step.json)"))
 
 
 def read_metric_log(log_dir: Path) -> list[tuple[int, dict[str, float]]]:
@@ -354,39 +416,6 @@ def part_quickstart(args: argparse.Namespace, clock: Clock, env: dict[str, str],
                 f"accuracy {before:.3f} -> {after:.3f} (prepare {prep_s:.0f} s)", log.name)
 
 
-def part_fsdp2(args: argparse.Namespace, clock: Clock, env: dict[str, str], kind: str,
-               gpus: int) -> Part:
-    """The quickstart on 2 processes (FSDP2, NCCL); skipped on CPU and with fewer than 2 GPUs."""
-    if kind == "cpu":
-        return Part("fsdp2", "skipped", detail=(
-            "GPU-only: --device cpu (the 2-process CPU runs over gloo are in the slow test "
-            "tier, tests/recipes/test_distributed_recipe.py)"))
-    if gpus < 2:
-        return Part("fsdp2", "skipped", detail=(
-            f"needs 2 GPUs, this machine has {gpus} (torch.cuda.device_count() = {gpus}); "
-            "one process per GPU is what FSDP2 over NCCL runs"))
-    need = NEED_S[kind]["fsdp2"]
-    if not clock.allow(need):
-        return Part("fsdp2", "skipped", detail=clock.skip_reason(need))
-    base = args.out / "quickstart" / "base"
-    if not (base / "model.safetensors").is_file():
-        return Part("fsdp2", "skipped", detail="no quickstart model (the quickstart part did "
-                                               "not write it)")
-    run_dir = args.out / "fsdp2" / "run"
-    log = args.out / "fsdp2.log"
-    cmd = [args.python, "-m", "torchtune._cli.tune", "run", "--nproc_per_node", "2",
-           "grpo_full_finetune_distributed", "--config", "grpo/quickstart_cpu",
-           *quickstart_overrides(args.device, args.dtype, base, run_dir, FSDP2_STEPS)]
-    code, seconds = run_logged(cmd, log, clock.left() - RESERVE_S, env)
-    print(tail(log, 8), flush=True)
-    if code != 0:
-        why = "killed at its timeout" if code is None else f"exit {code}: {last_error(log)}"
-        return Part("fsdp2", "failed", seconds, why, log.name)
-    before, after = heldout_accuracy(run_dir)
-    return Part("fsdp2", "ran", seconds, f"2 ranks, {FSDP2_STEPS} steps: held-out greedy "
-                f"accuracy {before} -> {after}", log.name)
-
-
 # ---------------------------------------------------------------------------- driver
 def summarize(parts: list[Part], args: argparse.Namespace, clock: Clock,
               info: dict | None) -> str:
@@ -414,19 +443,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cuda (default: the lent machine) or cpu (with --tiny)")
     parser.add_argument("--tiny", action="store_true",
-                        help="gpu.py's tiny shape instead of 0.5B (the CPU check)")
+                        help="the tiny shape instead of Qwen2.5-3B's (the CPU check)")
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for every result and log (default $OUT, else "
                              "outputs/gpu_check in the repository)")
     parser.add_argument("--budget", type=float, default=450.0,
                         help="seconds for the whole check (default 450: ends within 8 min)")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
-                        help="the quickstart's dtype (default bf16, on CPU as well: the same "
-                             "code path as on the GPU)")
+                        help="the dtype of every part (default bf16, on CPU as well: the "
+                             "same code path as on the GPU)")
     parser.add_argument("--python", default=sys.executable,
                         help="the interpreter of every part (default: this one)")
     parser.add_argument("--kit", type=Path, default=Path(os.environ.get("DEVICE_KIT", KIT)),
                         help="the kit's site-packages (default .device_kit/site-packages)")
+    parser.add_argument("--skip", nargs="+", default=[], metavar="PART", choices=PARTS,
+                        help=f"parts not to run, from {', '.join(PARTS)}")
     parser.add_argument("--preflight-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.device == "cpu" and not args.tiny and not args.preflight_child:
@@ -456,15 +487,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"preflight: {part.detail}", flush=True)
     kind = args.device
-    for run_part in (part_gpu_benchmark, part_quickstart):
-        print(f"--- {run_part.__name__[5:]} ({clock.left():.0f} s left)", flush=True)
-        parts.append(run_part(args, clock, env, kind))
-        if parts[-1].status == "skipped":
-            print(f"{parts[-1].name}: skipped: {parts[-1].detail}", flush=True)
-    print(f"--- fsdp2 ({clock.left():.0f} s left)", flush=True)
-    parts.append(part_fsdp2(args, clock, env, kind, int(info.get("gpus", 0))))
-    if parts[-1].status == "skipped":
-        print(f"fsdp2: skipped: {parts[-1].detail}", flush=True)
+    for name in PARTS:
+        print(f"--- {name} ({clock.left():.0f} s left)", flush=True)
+        if name in args.skip:
+            parts.append(Part(name, "skipped", detail="--skip"))
+        elif name == "logprob_gap":
+            parts.append(part_logprob_gap(args))
+        elif name == "quickstart":
+            parts.append(part_quickstart(args, clock, env, kind))
+        else:
+            parts.append(part_child(name, args, clock, env, kind))
+        print(f"{name}: {parts[-1].status}: {parts[-1].detail}", flush=True)
     print("\n" + summarize(parts, args, clock, info), flush=True)
     return 1 if any(p.status == "failed" for p in parts) else 0
 

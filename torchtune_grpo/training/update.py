@@ -27,6 +27,7 @@ from torchtune.modules.peft import disable_adapter
 from torchtune_grpo import distributed as D
 from torchtune_grpo.algorithm.loss import summarize_loss_stats
 from torchtune_grpo.algorithm.trajectory import Trajectory
+from torchtune_grpo.optim import explained_compile_errors
 from torchtune_grpo.policy.forward import micro_batch_logprobs
 from torchtune_grpo.progress import SILENT, Progress
 from torchtune_grpo.rollout.seeding import mix_seeds
@@ -362,7 +363,8 @@ class PolicyUpdate:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         if math.isfinite(grad_norm):
-            self.optimizer.step()
+            with explained_compile_errors(self.optimizer):  # a compiled step: one line
+                self.optimizer.step()
             self.consecutive_skips = 0
         else:
             self.skipped_steps += 1

@@ -1,8 +1,9 @@
 """``scripts/gpu_check.sh`` / ``benchmarks.gpu_check``: the one-line preflight errors, the
-time guards and skips, the metric-log parsing; and ``scripts/device_kit.sh``'s arguments.
+time guards and skips, the summary lines of the parts' figures, the metric-log parsing; and
+``scripts/device_kit.sh``'s arguments.
 
-Nothing here downloads anything. The whole check on CPU (``--device cpu --tiny``, about two
-minutes) is the slow test at the end.
+Nothing here downloads anything. The check on CPU (``--device cpu --tiny --skip quickstart``,
+about 1.5 minutes on 2 busy cores) is the slow test at the end.
 """
 
 from __future__ import annotations
@@ -95,27 +96,58 @@ def _args(tmp_path: Path, device: str = "cpu"):
 
 
 def test_time_guards_skip_by_name(tmp_path):
-    """With the budget spent, the benchmark and the quickstart are skipped, each naming the
-    seconds left and needed; nothing is started."""
+    """With the budget spent, the parts are skipped, each naming the seconds left and needed;
+    nothing is started."""
     clock = gpu_check.Clock(budget=100.0, start=time.monotonic() - 95.0)
     env = gpu_check.child_env("cpu")
-    for part in (gpu_check.part_gpu_benchmark, gpu_check.part_quickstart):
-        result = part(_args(tmp_path), clock, env, "cpu")
+    results = [gpu_check.part_child(name, _args(tmp_path), clock, env, "cpu")
+               for name in ("optimizer", "decode", "grpo_step", "fsdp_gather")]
+    results.append(gpu_check.part_quickstart(_args(tmp_path), clock, env, "cpu"))
+    for result in results:
         assert result.status == "skipped" and result.seconds == 0
         assert result.detail.startswith("time guard: 5 s of the 100 s budget left, the part "
                                         "needs ~"), result.detail
     assert not list(tmp_path.iterdir())
 
 
-def test_fsdp2_skips_say_why(tmp_path):
-    """The 2-process run: skipped on CPU (GPU-only) and on one GPU (needs 2), with reasons."""
-    clock = gpu_check.Clock(budget=450.0)
-    env = gpu_check.child_env("cpu")
-    cpu = gpu_check.part_fsdp2(_args(tmp_path), clock, env, "cpu", gpus=0)
-    assert cpu.status == "skipped" and cpu.detail.startswith("GPU-only: --device cpu")
-    one = gpu_check.part_fsdp2(_args(tmp_path, "cuda"), clock, env, "cuda", gpus=1)
-    assert one.status == "skipped"
-    assert one.detail.startswith("needs 2 GPUs, this machine has 1")
+def test_summary_lines_of_the_parts_figures(tmp_path):
+    """Each part's JSON becomes one summary line: the optimizers (a failure with its reason),
+    decode ms and syncs per token, the GRPO step's phases and peak against the estimate, the
+    log-prob gap read from the step's figures, the gathered decode; no figures, no gap."""
+    line = gpu_check.describe("optimizer", {"params": 3.9e8, "backend": "nccl", "optimizers": {
+        "torchao._AdamW(bf16_stochastic_round)": {"status": "failed", "error": "the optimizer "
+                                                  "x failed to compile its step"},
+        "torchtune_grpo.optim.AdamW": {"status": "ran", "first_step_s": 0.2, "step_ms": 4.25}}})
+    assert line == ("390.00M params over nccl FSDP2: torchao._AdamW(bf16_stochastic_round) "
+                    "FAILED (the optimizer x failed to compile its step); "
+                    "torchtune_grpo.optim.AdamW 0.2 s first step, 4.2 ms/step")
+    line = gpu_check.describe("decode", {"stop_check_interval": 16, "rows": {
+        "eager_16": {"ms_per_token": 31.0, "syncs_per_token": 0.0625,
+                     "cuda_sync_warnings_per_token": 0.125},
+        "compiled_16": {"ms_per_token": 9.5, "syncs_per_token": None,
+                        "cuda_sync_warnings_per_token": 0.0625}}})
+    assert line == ("stop_check_interval 16: eager 16 rows 31.0 ms/token, 0.06 syncs/token, "
+                    "0.12 sync warnings/token; compiled 16 rows 9.5 ms/token, 0.06 sync "
+                    "warnings/token")
+    step = {"config": "grpo/qwen2_5_3B_full", "params": 3.09e9, "device": "cuda",
+            "batch_size": 16, "group_size": 16, "max_generated_tokens": 512,
+            "estimated_peak_bytes": 40 * 2**30, "steps": [
+                {"time/generation": 30.0, "time/update": 12.5, "time/weight_sync": 0.0,
+                 "peak_memory_bytes": 38.5 * 2**30, "generation/logprob_diff_max": 0.25,
+                 "generation/logprob_diff_mean": 0.02}]}
+    assert gpu_check.describe("grpo_step", step) == (
+        "grpo/qwen2_5_3B_full at 3.09B params, 16 x 16 x 512: step 1 generation 30.0 / "
+        "update 12.5 s; peak 38.50 GiB vs estimate 40.00 GiB")
+    args = _args(tmp_path)
+    assert gpu_check.part_logprob_gap(args).status == "skipped"
+    (tmp_path / "grpo_step.json").write_text(json.dumps(step))
+    gap = gpu_check.part_logprob_gap(args)
+    assert gap.status == "ran" and "step 1 max 0.25, mean 0.02" in gap.detail
+    assert gpu_check.describe("fsdp_gather", {
+        "backend": "nccl", "tokens_equal": True,
+        "decode_seconds": {"gathered_once": 1.0, "per_forward": 3.0}}) == (
+        "nccl: tokens equal to unsharded True, decode 1.00 s gathered once vs 3.00 s per "
+        "forward")
 
 
 def test_heldout_accuracy_from_the_metric_log(tmp_path):
@@ -165,16 +197,31 @@ def test_device_kit_argument_errors(argv, message):
 
 @pytest.mark.slow
 def test_cpu_tiny_check(tmp_path):
-    """The whole check on CPU: preflight, gpu.py tiny and the quickstart run (it learns);
-    the FSDP2 part is skipped with its reason; well within the 450 s budget."""
+    """The check on CPU but for the quickstart (the recipe tests train it): the optimizers on
+    a one-rank gloo FSDP2 layer (torchao's with stochastic rounding fails on the shards, with
+    the recipe's one line; the shipped one runs), decode figures, two GRPO steps of the 3B
+    config's settings at the tiny shape with their log-prob gap, the gathered FSDP2 decode
+    equal to the unsharded one; the compiled decode skipped by name as GPU-only."""
     out = tmp_path / "out"
-    proc = _check("--device", "cpu", "--tiny", kit=tmp_path / "no_kit", out=out, timeout=600)
+    proc = _check("--device", "cpu", "--tiny", "--skip", "quickstart", kit=tmp_path / "no_kit",
+                  out=out, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     status = {p["name"]: p["status"] for p in summary["parts"]}
-    assert status == {"preflight": "ran", "gpu_benchmark": "ran", "quickstart": "ran",
-                      "fsdp2": "skipped"}
-    assert summary["elapsed_s"] < summary["budget_s"]
-    assert json.loads((out / "gpu.json").read_text())["shapes"]["tiny"]["params"] > 0
-    before, after = gpu_check.heldout_accuracy(out / "quickstart" / "run")
-    assert after > before
+    assert status == {"preflight": "ran", "optimizer": "ran", "decode": "ran",
+                      "grpo_step": "ran", "logprob_gap": "ran", "quickstart": "skipped",
+                      "fsdp_gather": "ran"}
+    figures = {name: json.loads((out / f"{name}.json").read_text())
+               for name in ("optimizer", "decode", "grpo_step", "fsdp_gather")}
+    optimizers = figures["optimizer"]["optimizers"]
+    assert optimizers["torchao._AdamW(bf16_stochastic_round)"]["status"] == "failed"
+    assert "mixed torch.Tensor and DTensor" in (
+        optimizers["torchao._AdamW(bf16_stochastic_round)"]["error"])
+    assert optimizers["torchtune_grpo.optim.AdamW"]["status"] == "ran"
+    assert set(figures["decode"]["rows"]) == {"eager_16", "eager_64"}
+    assert figures["decode"]["rows"]["eager_16"]["syncs_per_token"] >= 0
+    assert figures["decode"]["compiled"].startswith("skipped: GPU-only")
+    steps = figures["grpo_step"]["steps"]
+    assert len(steps) == 2 and all(s["time/update"] > 0 for s in steps)
+    assert figures["grpo_step"]["optimizer"] == "torchtune_grpo.optim.AdamW"
+    assert figures["fsdp_gather"]["tokens_equal"] is True
