@@ -687,6 +687,15 @@ def check_decode(part: CheckPart) -> None:
                 row = {"status": "failed", "error": _error_line(exc)}
             part.record(rows={**part.result["rows"], key: row})
             print(f"decode {key}: {row}", flush=True)
+    if part.cuda:  # the CUDA graph's tokens against the eager loop's, same request
+        try:
+            same = request(DECODE_ROWS[0], n)
+            equal = bool(torch.equal(engines["compiled"](same).tokens,
+                                     generate_trajectory(model, same).tokens))
+        except Exception as exc:  # noqa: BLE001 - a failure is a figure
+            equal = _error_line(exc)
+        part.record(compiled_tokens_equal_eager=equal)
+        print(f"decode compiled tokens equal eager: {equal}", flush=True)
     if not part.cuda:
         part.record(compiled="skipped: GPU-only (CUDA graphs; the CPU compile is tested in "
                              "tests/unit/rollout)")
@@ -748,7 +757,8 @@ def check_grpo_step(part: CheckPart) -> None:
                     group_size=cfg.group_size,
                     max_generated_tokens=cfg.max_generated_tokens,
                     optimizer=cfg.optimizer._component_, card_bytes=card,
-                    estimated_peak_bytes=estimate.peak_bytes,
+                    estimated_peak_bytes=getattr(estimate, "allocated_peak_bytes",
+                                                 estimate.peak_bytes),
                     estimated_peak_phase=estimate.peak_phase, steps=[])
         if part.cuda:
             torch.cuda.reset_peak_memory_stats(device)

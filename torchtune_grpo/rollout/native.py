@@ -262,6 +262,9 @@ def generate_micro_batch(
                 write_pos.fill_(cur)
                 seen[:, cur] = True
                 step_mask = seen.unsqueeze(1)
+                # a CUDA graph's outputs are overwritten by its next replay: the last step's
+                # logits are consumed, so a new iteration may begin
+                torch.compiler.cudagraph_mark_step_begin()
             else:
                 step_mask = batch_valid[:, None, : cur + 1]
             logits = last_logits(model, token.unsqueeze(1), mask=step_mask,
