@@ -7,7 +7,7 @@ token. The same trajectory then goes through the trainer's log-prob pass
 model and of the same checkpoint loaded in fp32. Per response token, max and mean of
 ``|a - b|`` for each pair::
 
-    python -m benchmarks.logprob_gap [--prompts 8] [--group 4] [--tokens 64] [--json out.json]
+    python -m benchmarks.logprob_gap [--prompts 8] [--group 4] [--tokens 64] [--out out.json]
 
 The model folder is the one ``tune-grpo prepare-model smollm2`` writes (``--model-dir`` or env
 ``SMOLLM2_DIR``). The figures of issue 53 ran this module on the code before and after the
@@ -77,19 +77,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--data", type=Path, default=None,
                         help="GSM8K-style jsonl (default: the shared GSM8K, else synthetic)")
-    parser.add_argument("--json", type=Path, default=None, help="also write the result here")
+    parser.add_argument("--out", type=Path, default=None, help="also write the result here")
     args = parser.parse_args(argv)
     if harness.smollm2_missing(args.model_dir):
         return 2
     result = measure(args.model_dir, args)
     result.update(harness.run_metadata("logprob_gap", argv))
+    if args.out:
+        harness.write_json(args.out, result)
+    rows = "".join(f"| {name} | {result[name]['max']:.4f} | {result[name]['mean']:.5f} |\n"
+                   for name, _, _ in PAIRS)
     print(f"SmolLM2-135M-Instruct, {args.prompts} prompts x {args.group} x {args.tokens} tokens,"
-          f" {result['tokens']} response tokens")
-    print("| pair | max | mean |\n|---|---|---|")
-    for name, _, _ in PAIRS:
-        print(f"| {name} | {result[name]['max']:.4f} | {result[name]['mean']:.5f} |")
-    if args.json:
-        harness.write_json(args.json, result)
+          f" {result['tokens']} response tokens\n| pair | max | mean |\n|---|---|---|\n{rows}",
+          end="")
     return 0
 
 
