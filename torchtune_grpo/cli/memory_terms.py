@@ -11,6 +11,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from torchtune_grpo.backends import backend_for
+
 __all__ = [
     "CUDA_CONTEXT_BYTES",
     "NCCL_BUFFER_BYTES",
@@ -56,8 +58,8 @@ def rollout_rows(cfg: DictConfig, rows: int, device: str) -> int:
     """
     value = cfg.get("rollout_batch_size")
     if value is None:
-        value = rows if str(device).startswith("cuda") else (cfg.get("forward_batch_size")
-                                                            or rows)
+        value = rows if backend_for(device).decode_all_rows else (
+            cfg.get("forward_batch_size") or rows)
     return max(1, min(int(value), rows))
 
 
